@@ -1,0 +1,433 @@
+//! The action record and its state machine (SPEC §5): what a store keeps about one logical write,
+//! and the pure transitions every backend applies atomically (claim, settle, recover).
+
+use serde::{Deserialize, Serialize};
+
+/// Current record format. Bumped when the stored shape changes; readers accept older versions.
+pub const RECORD_VERSION: u32 = 1;
+
+/// Bytes of an upstream body kept as evidence.
+pub const EVIDENCE_BODY_MAX: usize = 4096;
+
+/// Milliseconds since the Unix epoch. Every time in the store is one of these.
+pub type Millis = u64;
+
+pub fn now_millis() -> Millis {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as Millis)
+        .unwrap_or(0)
+}
+
+/// RFC 3339, UTC, millisecond precision.
+pub fn rfc3339(ms: Millis) -> String {
+    humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms))
+        .to_string()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum State {
+    InFlight,
+    Succeeded,
+    /// Definitely not applied.
+    Failed,
+    Unknown,
+}
+
+impl State {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::InFlight => "in_flight",
+            State::Succeeded => "succeeded",
+            State::Failed => "failed",
+            State::Unknown => "unknown",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<State> {
+        [State::InFlight, State::Succeeded, State::Failed, State::Unknown]
+            .into_iter()
+            .find(|st| st.as_str() == s)
+    }
+}
+
+/// Which step of a try failed (SPEC §6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    Connect,
+    Send,
+    Response,
+    Body,
+}
+
+/// One connection attempt inside an attempt: the evidence of what happened.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Try {
+    pub at: Millis,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<Phase>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    /// The first 4 KiB of the upstream body (lossy UTF-8).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body: Option<String>,
+    /// The upstream's `request-id` / `x-request-id`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
+}
+
+/// One time the proxy sent (or tried to send) the action upstream.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Attempt {
+    pub n: u32,
+    pub started_at: Millis,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at: Option<Millis>,
+    /// The state this attempt ended in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<State>,
+    #[serde(default)]
+    pub tries: Vec<Try>,
+}
+
+/// Where a stored body lives.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum BodyRef {
+    /// In the store, beside the record.
+    Inline,
+    /// A content-addressed file beside the database (bodies over 64 KiB).
+    File { sha256: String },
+    /// Not stored (larger than `max_stored_response`, or settled without one).
+    Absent,
+}
+
+/// Who produced a stored response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Source {
+    Upstream,
+    Lookup,
+}
+
+/// The response replayed to duplicates.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StoredResponse {
+    pub status: u16,
+    /// Header names and values; values are kept byte for byte as Latin-1 strings.
+    pub headers: Vec<(String, String)>,
+    pub size: u64,
+    pub body: BodyRef,
+    pub source: Source,
+}
+
+/// What the proxy knows of the request that created the action (never a credential).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RequestInfo {
+    /// Redacted headers.
+    pub headers: Vec<(String, String)>,
+    pub body_size: u64,
+    pub body_sha256: String,
+}
+
+/// One logical write, as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    pub v: u32,
+    pub id: String,
+    pub upstream: String,
+    /// Full hex hash of the principal, or `anonymous`.
+    pub principal: String,
+    pub key: String,
+    pub fingerprint: String,
+    pub method: String,
+    /// `{rest}` plus the query with redacted parameters.
+    pub path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<String>,
+    pub state: State,
+    /// Attempts started.
+    pub attempts: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_until: Option<Millis>,
+    pub created_at: Millis,
+    pub updated_at: Millis,
+    pub retention_ms: u64,
+    pub expires_at: Millis,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub external_id: Option<String>,
+    #[serde(default)]
+    pub needs_decision: bool,
+    pub request: RequestInfo,
+    #[serde(default)]
+    pub evidence: Vec<Attempt>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response: Option<StoredResponse>,
+}
+
+impl Record {
+    fn touch(&mut self, now: Millis) {
+        self.updated_at = now;
+        self.expires_at = now.saturating_add(self.retention_ms);
+    }
+
+    pub fn is_expired(&self, now: Millis) -> bool {
+        now >= self.expires_at
+    }
+
+    fn start_attempt(&mut self, owner: &str, lease: Millis, now: Millis) {
+        self.attempts += 1;
+        self.state = State::InFlight;
+        self.owner = Some(owner.to_string());
+        self.lease_until = Some(now.saturating_add(lease));
+        self.needs_decision = false;
+        self.evidence.push(Attempt {
+            n: self.attempts,
+            started_at: now,
+            ended_at: None,
+            state: None,
+            tries: Vec::new(),
+        });
+        self.touch(now);
+    }
+
+    fn end_attempt(&mut self, state: State, tries: Vec<Try>, now: Millis) {
+        if let Some(a) = self.evidence.last_mut() {
+            a.ended_at = Some(now);
+            a.state = Some(state);
+            a.tries.extend(tries);
+        }
+        self.state = state;
+        self.owner = None;
+        self.lease_until = None;
+        self.touch(now);
+    }
+}
+
+/// A request to claim an action for a new attempt (SPEC §5 step 2).
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    /// The record to create when none exists (state and attempt fields are set by the claim).
+    pub fresh: Record,
+    pub max_attempts: u32,
+    pub owner: String,
+    pub lease: Millis,
+    pub now: Millis,
+}
+
+/// What a claim found.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Claim {
+    /// This caller owns a new attempt; the record is durable and `in_flight`.
+    Claimed(Record),
+    /// The action exists and is not claimable now (`succeeded`, `in_flight`, `unknown`).
+    Existing(Record),
+    /// Same key, different fingerprint.
+    KeyReused(Record),
+    /// `failed` with no attempts left.
+    Exhausted(Record),
+}
+
+/// Decides a claim against the current record. Returns the answer and the record to write, if
+/// any. Every backend calls this inside its atomic section.
+pub fn decide_claim(current: Option<Record>, req: &ClaimRequest) -> (Claim, Option<Record>) {
+    let current = current.filter(|r| !r.is_expired(req.now));
+    match current {
+        None => {
+            let mut r = req.fresh.clone();
+            r.v = RECORD_VERSION;
+            r.attempts = 0;
+            r.evidence.clear();
+            r.response = None;
+            r.external_id = None;
+            r.created_at = req.now;
+            r.start_attempt(&req.owner, req.lease, req.now);
+            (Claim::Claimed(r.clone()), Some(r))
+        }
+        Some(r) if r.fingerprint != req.fresh.fingerprint => (Claim::KeyReused(r), None),
+        Some(r) if r.state == State::Failed && r.attempts >= req.max_attempts => {
+            (Claim::Exhausted(r), None)
+        }
+        Some(mut r) if r.state == State::Failed => {
+            r.start_attempt(&req.owner, req.lease, req.now);
+            (Claim::Claimed(r.clone()), Some(r))
+        }
+        Some(r) => (Claim::Existing(r), None),
+    }
+}
+
+/// How an attempt ended (SPEC §5 step 5).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settlement {
+    pub state: State,
+    pub tries: Vec<Try>,
+    pub response: Option<StoredResponse>,
+    pub external_id: Option<String>,
+    pub needs_decision: bool,
+    pub now: Millis,
+}
+
+/// Why a settlement was not applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SettleError {
+    #[error("action {0} not found")]
+    NotFound(String),
+    /// The attempt is no longer the current one (e.g. its lease expired and it was marked
+    /// unknown by another proxy, then settled again).
+    #[error("attempt {attempt} of action {id} is not in flight")]
+    Stale { id: String, attempt: u32 },
+}
+
+/// Applies the outcome of attempt `attempt`. An attempt whose record was turned `unknown` (its
+/// proxy was presumed dead) may still report: a real answer is better evidence than none.
+pub fn apply_settle(
+    current: Option<Record>,
+    id: &str,
+    attempt: u32,
+    s: Settlement,
+) -> Result<Record, SettleError> {
+    let mut r = current.ok_or_else(|| SettleError::NotFound(id.to_string()))?;
+    let live = r.state == State::InFlight
+        || (r.state == State::Unknown && r.evidence.last().is_some_and(|a| a.ended_at.is_none()));
+    if r.attempts != attempt || !live {
+        return Err(SettleError::Stale {
+            id: id.to_string(),
+            attempt,
+        });
+    }
+    r.end_attempt(s.state, s.tries, s.now);
+    r.needs_decision = s.needs_decision;
+    if s.response.is_some() {
+        r.response = s.response;
+    }
+    if s.external_id.is_some() {
+        r.external_id = s.external_id;
+    }
+    Ok(r)
+}
+
+/// Turns an `in_flight` record whose proxy stopped (or whose lease expired) into `unknown`: it
+/// cannot be known whether the request left. Returns `None` when there is nothing to do.
+pub fn recover_in_flight(mut r: Record, reason: &str, now: Millis) -> Option<Record> {
+    if r.state != State::InFlight {
+        return None;
+    }
+    if let Some(a) = r.evidence.last_mut() {
+        a.tries.push(Try {
+            at: now,
+            phase: Some(Phase::Send),
+            error: Some(reason.to_string()),
+            ..Try::default()
+        });
+        a.state = Some(State::Unknown);
+    }
+    r.state = State::Unknown;
+    r.owner = None;
+    r.lease_until = None;
+    r.touch(now);
+    Some(r)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub fn fresh(fp: &str) -> Record {
+        Record {
+            v: RECORD_VERSION,
+            id: "id1".into(),
+            upstream: "u".into(),
+            principal: "anonymous".into(),
+            key: "k".into(),
+            fingerprint: fp.into(),
+            method: "POST".into(),
+            path: "/c".into(),
+            task: None,
+            step: None,
+            state: State::InFlight,
+            attempts: 0,
+            owner: None,
+            lease_until: None,
+            created_at: 0,
+            updated_at: 0,
+            retention_ms: 1000,
+            expires_at: 0,
+            external_id: None,
+            needs_decision: false,
+            request: RequestInfo::default(),
+            evidence: vec![],
+            response: None,
+        }
+    }
+
+    fn req(fp: &str, now: Millis) -> ClaimRequest {
+        ClaimRequest {
+            fresh: fresh(fp),
+            max_attempts: 2,
+            owner: "me".into(),
+            lease: 100,
+            now,
+        }
+    }
+
+    fn settle(state: State, now: Millis) -> Settlement {
+        Settlement {
+            state,
+            tries: vec![],
+            response: None,
+            external_id: None,
+            needs_decision: false,
+            now,
+        }
+    }
+
+    #[test]
+    fn claim_lifecycle() {
+        let (c, w) = decide_claim(None, &req("f", 10));
+        let Claim::Claimed(r) = c else { panic!("new action is claimed") };
+        assert_eq!((r.state, r.attempts, r.expires_at), (State::InFlight, 1, 1010));
+        let w = w.expect("a claim writes");
+        // In flight: a duplicate sees it and writes nothing.
+        let (c, w2) = decide_claim(Some(w.clone()), &req("f", 11));
+        assert!(matches!(c, Claim::Existing(_)) && w2.is_none());
+        // Different fingerprint: key reused, whatever the state.
+        assert!(matches!(decide_claim(Some(w.clone()), &req("g", 11)).0, Claim::KeyReused(_)));
+        // Failed with attempts left: attempt 2.
+        let failed = apply_settle(Some(w), "id1", 1, settle(State::Failed, 12)).expect("settles");
+        let (c, w) = decide_claim(Some(failed), &req("f", 13));
+        assert!(matches!(c, Claim::Claimed(ref r) if r.attempts == 2));
+        let failed = apply_settle(w, "id1", 2, settle(State::Failed, 14)).expect("settles");
+        // No attempts left.
+        assert!(matches!(decide_claim(Some(failed.clone()), &req("f", 15)).0, Claim::Exhausted(_)));
+        // Expired: a new action, attempt 1.
+        let (c, _) = decide_claim(Some(failed), &req("f", 14 + 1000));
+        assert!(matches!(c, Claim::Claimed(ref r) if r.attempts == 1 && r.evidence.len() == 1));
+    }
+
+    #[test]
+    fn settle_refuses_stale_attempts_and_recover_marks_unknown() {
+        let (_, w) = decide_claim(None, &req("f", 10));
+        let w = w.expect("claim writes");
+        assert!(matches!(
+            apply_settle(Some(w.clone()), "id1", 2, settle(State::Succeeded, 11)),
+            Err(SettleError::Stale { .. })
+        ));
+        let u = recover_in_flight(w.clone(), "proxy stopped", 12).expect("in flight recovers");
+        assert_eq!(u.state, State::Unknown);
+        assert_eq!(u.evidence[0].tries[0].error.as_deref(), Some("proxy stopped"));
+        assert!(recover_in_flight(u, "again", 13).is_none());
+        let done = apply_settle(Some(w), "id1", 1, settle(State::Succeeded, 11)).expect("ok");
+        assert!(matches!(
+            apply_settle(Some(done), "id1", 1, settle(State::Failed, 12)),
+            Err(SettleError::Stale { .. })
+        ));
+    }
+}

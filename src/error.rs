@@ -1,0 +1,423 @@
+//! One error type for the request path, and the single place where it becomes an RFC 9457 problem
+//! response (SPEC §8). Errors carry their source: the client's request, the upstream, or the store.
+
+use http::header::{HeaderName, HeaderValue};
+use http::{Response, StatusCode};
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::action::{rfc3339, Record, State};
+use crate::upstream::{full, ProxyBody};
+
+/// The `Oncegate-Outcome` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Sent,
+    Unknown,
+    NotApplied,
+    Replayed,
+    Rejected,
+    InFlight,
+    Applied,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Sent => "sent",
+            Outcome::Unknown => "unknown",
+            Outcome::NotApplied => "not-applied",
+            Outcome::Replayed => "replayed",
+            Outcome::Rejected => "rejected",
+            Outcome::InFlight => "in-flight",
+            Outcome::Applied => "applied",
+        }
+    }
+}
+
+/// When a caller may try again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    Now,
+    Later,
+    AfterCorrection,
+    AfterResolution,
+    Never,
+}
+
+impl Retry {
+    fn as_str(self) -> &'static str {
+        match self {
+            Retry::Now => "now",
+            Retry::Later => "later",
+            Retry::AfterCorrection => "after-correction",
+            Retry::AfterResolution => "after-resolution",
+            Retry::Never => "never",
+        }
+    }
+}
+
+/// A succeeded step of the action's task: the accepted work a resumed worker keeps.
+#[derive(Debug, Clone, Serialize)]
+pub struct Completed {
+    pub action: String,
+    pub step: Option<String>,
+    pub status: Option<u16>,
+    pub external_id: Option<String>,
+}
+
+/// The action a problem is about, with its task's completed work.
+#[derive(Debug, Clone)]
+pub struct ActionCtx {
+    pub record: Record,
+    pub completed: Vec<Completed>,
+}
+
+/// Everything that can go wrong on the request path.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("no upstream is configured for path {0}")]
+    NoRoute(String),
+    #[error("{method} {path} is denied by the route configuration")]
+    RouteDenied { method: String, path: String },
+    #[error("{0}")]
+    KeyInvalid(String),
+    #[error("this route requires an Idempotency-Key header")]
+    KeyRequired,
+    #[error("the request body is larger than max_body ({limit} bytes)")]
+    BodyTooLarge { limit: u64 },
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("this key was already used for a different request")]
+    KeyReused(Box<ActionCtx>),
+    #[error("another attempt of this action is being sent now")]
+    InFlight {
+        ctx: Box<ActionCtx>,
+        retry_after_secs: u64,
+    },
+    #[error("the outcome of this write is unknown")]
+    OutcomeUnknown {
+        ctx: Box<ActionCtx>,
+        /// This request's own attempt lost its answer (504); otherwise a later duplicate (409).
+        lost_now: bool,
+        reason: String,
+    },
+    #[error("this action failed on every one of its attempts")]
+    AttemptsExhausted(Box<ActionCtx>),
+    #[error("could not reach the upstream: {error}")]
+    UpstreamUnreachable {
+        ctx: Option<Box<ActionCtx>>,
+        error: String,
+    },
+    #[error("the upstream did not answer within {0:?}")]
+    UpstreamTimeout(std::time::Duration),
+    #[error("the exchange with the upstream failed: {0}")]
+    UpstreamFailed(String),
+    #[error("this action was applied, but no response is stored to replay")]
+    AlreadyApplied(Box<ActionCtx>),
+    #[error("the store cannot record the action: {error}")]
+    StoreUnavailable {
+        error: String,
+        /// Set when the upstream was already called (the outcome could not be recorded).
+        ctx: Option<Box<ActionCtx>>,
+    },
+}
+
+/// The `action` member of a problem (and of the tasks views).
+pub fn action_json(r: &Record) -> Value {
+    json!({
+        "id": r.id,
+        "key": r.key,
+        "upstream": r.upstream,
+        "method": r.method,
+        "path": r.path,
+        "task": r.task,
+        "step": r.step,
+        "state": r.state.as_str(),
+        "attempts": r.attempts,
+        "created_at": rfc3339(r.created_at),
+        "updated_at": rfc3339(r.updated_at),
+        "expires_at": rfc3339(r.expires_at),
+        "external_id": r.external_id,
+    })
+}
+
+/// The `evidence` member: every attempt and try, times as RFC 3339.
+pub fn evidence_json(r: &Record) -> Value {
+    Value::Array(
+        r.evidence
+            .iter()
+            .map(|a| {
+                json!({
+                    "attempt": a.n,
+                    "started_at": rfc3339(a.started_at),
+                    "ended_at": a.ended_at.map(rfc3339),
+                    "state": a.state.map(State::as_str),
+                    "tries": a.tries.iter().map(|t| json!({
+                        "at": rfc3339(t.at),
+                        "phase": t.phase,
+                        "error": t.error,
+                        "status": t.status,
+                        "body": t.body,
+                        "request_id": t.request_id,
+                    })).collect::<Vec<_>>(),
+                })
+            })
+            .collect(),
+    )
+}
+
+struct Shape {
+    name: &'static str,
+    title: &'static str,
+    status: StatusCode,
+    outcome: Outcome,
+    duplicate_risk: bool,
+    retry: Retry,
+    next_step: String,
+    no_retry_headers: bool,
+}
+
+impl ProxyError {
+    fn ctx(&self) -> Option<&ActionCtx> {
+        match self {
+            ProxyError::KeyReused(c)
+            | ProxyError::InFlight { ctx: c, .. }
+            | ProxyError::OutcomeUnknown { ctx: c, .. }
+            | ProxyError::AttemptsExhausted(c)
+            | ProxyError::AlreadyApplied(c) => Some(c),
+            ProxyError::UpstreamUnreachable { ctx, .. } | ProxyError::StoreUnavailable { ctx, .. } => {
+                ctx.as_deref()
+            }
+            _ => None,
+        }
+    }
+
+    fn shape(&self) -> Shape {
+        let s = |name, title, status, outcome, duplicate_risk, retry, next_step: &str| Shape {
+            name,
+            title,
+            status,
+            outcome,
+            duplicate_risk,
+            retry,
+            next_step: next_step.to_string(),
+            no_retry_headers: false,
+        };
+        match self {
+            ProxyError::NoRoute(_) => s(
+                "no-route",
+                "No route",
+                StatusCode::NOT_FOUND,
+                Outcome::Rejected,
+                false,
+                Retry::AfterCorrection,
+                "Send the request under one of the proxy's configured upstream prefixes (see `oncegate check`).",
+            ),
+            ProxyError::RouteDenied { .. } => s(
+                "route-denied",
+                "Route denied",
+                StatusCode::FORBIDDEN,
+                Outcome::Rejected,
+                false,
+                Retry::Never,
+                "This operation is not allowed through the proxy; ask an operator if it should be.",
+            ),
+            ProxyError::KeyInvalid(_) => s(
+                "key-invalid",
+                "Invalid key",
+                StatusCode::BAD_REQUEST,
+                Outcome::Rejected,
+                false,
+                Retry::AfterCorrection,
+                "Send Idempotency-Key as 1 to 255 visible ASCII characters, and Oncegate-Task / Oncegate-Step as 1 to 128.",
+            ),
+            ProxyError::KeyRequired => s(
+                "key-required",
+                "Idempotency-Key required",
+                StatusCode::BAD_REQUEST,
+                Outcome::Rejected,
+                false,
+                Retry::AfterCorrection,
+                "Send an Idempotency-Key header that stays the same on every retry of this write.",
+            ),
+            ProxyError::BodyTooLarge { .. } => s(
+                "body-too-large",
+                "Body too large",
+                StatusCode::PAYLOAD_TOO_LARGE,
+                Outcome::Rejected,
+                false,
+                Retry::AfterCorrection,
+                "Send a smaller body, or raise server.max_body.",
+            ),
+            ProxyError::BadRequest(_) => s(
+                "bad-request",
+                "Bad request",
+                StatusCode::BAD_REQUEST,
+                Outcome::Rejected,
+                false,
+                Retry::AfterCorrection,
+                "Send one Content-Length or Transfer-Encoding, not both.",
+            ),
+            ProxyError::KeyReused(c) => s(
+                "key-reused",
+                "Key reused",
+                StatusCode::UNPROCESSABLE_ENTITY,
+                Outcome::Rejected,
+                c.record.state != State::Failed,
+                Retry::AfterCorrection,
+                "This key already names a different request: resend the original request to get its result, or use a new key for a new write.",
+            ),
+            ProxyError::InFlight { .. } => s(
+                "in-flight",
+                "Write in flight",
+                StatusCode::CONFLICT,
+                Outcome::InFlight,
+                true,
+                Retry::Later,
+                "Wait and send the same request again with the same key: it will get this attempt's result.",
+            ),
+            ProxyError::OutcomeUnknown { lost_now, .. } => Shape {
+                no_retry_headers: true,
+                ..s(
+                    "outcome-unknown",
+                    "Outcome unknown",
+                    if *lost_now {
+                        StatusCode::GATEWAY_TIMEOUT
+                    } else {
+                        StatusCode::CONFLICT
+                    },
+                    Outcome::Unknown,
+                    true,
+                    Retry::AfterResolution,
+                    "Do not send this write again under a new key. Check at the service whether it happened (by its key), then settle it: POST /v1/actions/{id}/lookup or /resolve on the admin API.",
+                )
+            },
+            ProxyError::AttemptsExhausted(_) => Shape {
+                no_retry_headers: true,
+                ..s(
+                    "attempts-exhausted",
+                    "Attempts exhausted",
+                    StatusCode::CONFLICT,
+                    Outcome::Rejected,
+                    false,
+                    Retry::AfterCorrection,
+                    "Every attempt failed without applying the write; read the evidence, correct the request, and send it with a new key.",
+                )
+            },
+            ProxyError::UpstreamUnreachable { .. } => Shape {
+                no_retry_headers: true,
+                ..s(
+                    "upstream-unreachable",
+                    "Upstream unreachable",
+                    StatusCode::BAD_GATEWAY,
+                    Outcome::NotApplied,
+                    false,
+                    Retry::Later,
+                    "Nothing reached the service; sending the same request again later with the same key is safe.",
+                )
+            },
+            ProxyError::UpstreamTimeout(_) => s(
+                "upstream-timeout",
+                "Upstream timeout",
+                StatusCode::GATEWAY_TIMEOUT,
+                Outcome::Unknown,
+                false,
+                Retry::Later,
+                "The service did not answer this read in time; try again later.",
+            ),
+            ProxyError::UpstreamFailed(_) => s(
+                "upstream-failed",
+                "Upstream exchange failed",
+                StatusCode::BAD_GATEWAY,
+                Outcome::Unknown,
+                false,
+                Retry::Later,
+                "The connection to the service failed during this read; try again later.",
+            ),
+            ProxyError::AlreadyApplied(_) => s(
+                "already-applied",
+                "Already applied",
+                StatusCode::CONFLICT,
+                Outcome::Applied,
+                true,
+                Retry::Never,
+                "This write was applied; use its external_id instead of sending it again.",
+            ),
+            ProxyError::StoreUnavailable { ctx, .. } => s(
+                "store-unavailable",
+                "Store unavailable",
+                StatusCode::SERVICE_UNAVAILABLE,
+                if ctx.is_some() { Outcome::Unknown } else { Outcome::Rejected },
+                ctx.is_some(),
+                if ctx.is_some() { Retry::AfterResolution } else { Retry::Later },
+                if ctx.is_some() {
+                    "The service was called but the proxy could not record its answer; once the store is back the action shows as unknown: settle it before sending again."
+                } else {
+                    "Nothing was sent; try again when the store is back."
+                },
+            ),
+        }
+    }
+
+    /// The one mapping from errors to responses.
+    pub fn into_response(self) -> Response<ProxyBody> {
+        let shape = self.shape();
+        let ctx = self.ctx();
+        let mut body = json!({
+            "type": format!("urn:oncegate:problem:{}", shape.name),
+            "title": shape.title,
+            "status": shape.status.as_u16(),
+            "detail": self.to_string(),
+            "outcome": shape.outcome.as_str(),
+            "duplicate_risk": shape.duplicate_risk,
+            "retry": shape.retry.as_str(),
+            "next_step": shape.next_step.replace("{id}", ctx.map(|c| c.record.id.as_str()).unwrap_or("ID")),
+        });
+        if let ProxyError::OutcomeUnknown { reason, .. } = &self {
+            body["detail"] = Value::String(format!("{self}: {reason}"));
+        }
+        if let Some(c) = ctx {
+            body["action"] = action_json(&c.record);
+            body["evidence"] = evidence_json(&c.record);
+            if c.record.task.is_some() {
+                body["completed"] = serde_json::to_value(&c.completed).unwrap_or(Value::Null);
+            }
+        }
+        let mut resp = Response::new(full(
+            serde_json::to_vec(&body).expect("a JSON value always serializes"),
+        ));
+        *resp.status_mut() = shape.status;
+        let h = resp.headers_mut();
+        h.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        h.insert(
+            HeaderName::from_static("oncegate-outcome"),
+            HeaderValue::from_static(shape.outcome.as_str()),
+        );
+        if shape.no_retry_headers {
+            h.insert("x-should-retry", HeaderValue::from_static("false"));
+            h.insert("stripe-should-retry", HeaderValue::from_static("false"));
+        }
+        if let ProxyError::InFlight {
+            retry_after_secs, ..
+        } = &self
+        {
+            h.insert(http::header::RETRY_AFTER, HeaderValue::from(*retry_after_secs));
+        }
+        if let ProxyError::BadRequest(_) = &self {
+            h.insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        if let Some(c) = ctx {
+            if let Ok(v) = HeaderValue::from_str(&c.record.id) {
+                h.insert(HeaderName::from_static("oncegate-action"), v);
+            }
+            if let Ok(v) = HeaderValue::from_str(&c.record.key) {
+                h.insert(HeaderName::from_static("idempotency-key"), v);
+            }
+        }
+        resp
+    }
+}

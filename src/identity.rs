@@ -1,0 +1,422 @@
+//! Identity of an action (SPEC §4): key, fingerprint, principal and action id. Pure, no I/O.
+
+use http::HeaderMap;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::config::Policy;
+
+pub const ANONYMOUS: &str = "anonymous";
+
+/// Why a key could not be derived (mapped to `key-invalid` / `key-required`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyError {
+    Invalid(String),
+    Required,
+}
+
+/// Where the key of an action came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeySource {
+    Header,
+    TaskStep,
+    Fingerprint,
+}
+
+/// The identity of one write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    pub key: String,
+    pub source: KeySource,
+    pub task: Option<String>,
+    pub step: Option<String>,
+    /// Full hex SHA-256 of the principal's credentials, or `anonymous`.
+    pub principal: String,
+    /// Hex SHA-256 of the request in canonical form.
+    pub fingerprint: String,
+    /// 32 hex characters (SPEC §4.4).
+    pub action_id: String,
+}
+
+fn sha256_parts(parts: &[&[u8]]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    for p in parts {
+        // Length-prefix each part so that no two different part lists hash alike.
+        h.update((p.len() as u64).to_be_bytes());
+        h.update(p);
+    }
+    h.finalize().into()
+}
+
+fn hex32(d: &[u8; 32]) -> String {
+    hex::encode(&d[..16])
+}
+
+/// 1 to `max` visible ASCII characters.
+fn visible(s: &str, max: usize) -> bool {
+    !s.is_empty() && s.len() <= max && s.bytes().all(|b| (0x21..=0x7e).contains(&b))
+}
+
+/// Parses an `Idempotency-Key` value: bare, or a Structured Field string.
+pub fn parse_key(raw: &[u8]) -> Result<String, KeyError> {
+    let s = std::str::from_utf8(raw)
+        .map_err(|_| KeyError::Invalid("Idempotency-Key must be ASCII".into()))?
+        .trim();
+    let key = if s.len() >= 2 && s.starts_with('"') && s.ends_with('"') {
+        let inner = &s[1..s.len() - 1];
+        let mut out = String::with_capacity(inner.len());
+        let mut chars = inner.chars();
+        while let Some(c) = chars.next() {
+            match c {
+                '\\' => match chars.next() {
+                    Some(e @ ('"' | '\\')) => out.push(e),
+                    _ => {
+                        return Err(KeyError::Invalid(
+                            "Idempotency-Key is a malformed structured-field string".into(),
+                        ))
+                    }
+                },
+                '"' => {
+                    return Err(KeyError::Invalid(
+                        "Idempotency-Key is a malformed structured-field string".into(),
+                    ))
+                }
+                c => out.push(c),
+            }
+        }
+        out
+    } else {
+        s.to_string()
+    };
+    if !visible(&key, 255) {
+        return Err(KeyError::Invalid(
+            "Idempotency-Key must be 1 to 255 visible ASCII characters".into(),
+        ));
+    }
+    Ok(key)
+}
+
+fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Result<Option<&'a str>, KeyError> {
+    match headers.get(name) {
+        None => Ok(None),
+        Some(v) => match v.to_str() {
+            Ok(s) if visible(s, 128) => Ok(Some(s)),
+            _ => Err(KeyError::Invalid(format!(
+                "{name} must be 1 to 128 visible ASCII characters"
+            ))),
+        },
+    }
+}
+
+/// The principal: SHA-256 over the configured credential headers present, sorted by name.
+pub fn principal(headers: &HeaderMap, policy: &Policy) -> String {
+    let mut names: Vec<&str> = policy
+        .principal_headers
+        .iter()
+        .map(|h| h.as_str())
+        .filter(|h| headers.contains_key(*h))
+        .collect();
+    if names.is_empty() {
+        return ANONYMOUS.to_string();
+    }
+    names.sort_unstable();
+    names.dedup();
+    let mut h = Sha256::new();
+    for n in names {
+        for v in headers.get_all(n) {
+            h.update((n.len() as u64).to_be_bytes());
+            h.update(n.as_bytes());
+            h.update((v.len() as u64).to_be_bytes());
+            h.update(v.as_bytes());
+        }
+    }
+    hex::encode(h.finalize())
+}
+
+/// The principal as shown to people: its first 16 hex characters.
+pub fn principal_short(p: &str) -> &str {
+    if p == ANONYMOUS {
+        p
+    } else {
+        &p[..16.min(p.len())]
+    }
+}
+
+/// Body kinds the fingerprint canonicalises.
+fn media_type(headers: &HeaderMap) -> String {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .map(|v| v.trim().to_ascii_lowercase())
+        .unwrap_or_default()
+}
+
+pub fn is_json(headers: &HeaderMap) -> bool {
+    let m = media_type(headers);
+    m == "application/json" || m.ends_with("+json")
+}
+
+pub fn is_form(headers: &HeaderMap) -> bool {
+    media_type(headers) == "application/x-www-form-urlencoded"
+}
+
+/// Removes the value at a JSON pointer, if present.
+fn remove_pointer(v: &mut Value, pointer: &str) {
+    let Some((parent, last)) = pointer.rsplit_once('/') else {
+        return;
+    };
+    let last = last.replace("~1", "/").replace("~0", "~");
+    match v.pointer_mut(parent) {
+        Some(Value::Object(m)) => {
+            m.remove(&last);
+        }
+        Some(Value::Array(a)) => {
+            if let Ok(i) = last.parse::<usize>() {
+                if i < a.len() {
+                    a.remove(i);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The body in canonical form (SPEC §4.2).
+pub fn canonical_body(headers: &HeaderMap, body: &[u8], ignore: &[String]) -> Vec<u8> {
+    if is_json(headers) {
+        if let Ok(mut v) = serde_json::from_slice::<Value>(body) {
+            for p in ignore {
+                remove_pointer(&mut v, p);
+            }
+            // serde_json's map is ordered by key (no `preserve_order`), so this sorts keys.
+            return serde_json::to_vec(&v).expect("a Value always serializes");
+        }
+    } else if is_form(headers) {
+        let mut pairs: Vec<(String, String)> = form_urlencoded::parse(body)
+            .into_owned()
+            .filter(|(k, _)| !ignore.iter().any(|i| i == k))
+            .collect();
+        pairs.sort_by(|a, b| a.0.cmp(&b.0));
+        return form_urlencoded::Serializer::new(String::new())
+            .extend_pairs(pairs)
+            .finish()
+            .into_bytes();
+    }
+    body.to_vec()
+}
+
+/// Hex SHA-256 over method, `{rest}`, query and canonical body.
+pub fn fingerprint(
+    method: &str,
+    rest: &str,
+    query: &str,
+    headers: &HeaderMap,
+    body: &[u8],
+    ignore: &[String],
+) -> String {
+    let canon = canonical_body(headers, body, ignore);
+    hex::encode(sha256_parts(&[
+        method.as_bytes(),
+        rest.as_bytes(),
+        query.as_bytes(),
+        &canon,
+    ]))
+}
+
+/// 32 hex characters naming the action (SPEC §4.4).
+pub fn action_id(upstream: &str, principal: &str, key: &str) -> String {
+    hex32(&sha256_parts(&[
+        upstream.as_bytes(),
+        principal.as_bytes(),
+        key.as_bytes(),
+    ]))
+}
+
+/// Everything a write needs to know about who it is.
+pub struct WriteRequest<'a> {
+    pub upstream: &'a str,
+    pub method: &'a str,
+    pub rest: &'a str,
+    pub query: &'a str,
+    pub headers: &'a HeaderMap,
+    pub body: &'a [u8],
+}
+
+/// Derives the identity of a write (SPEC §4.1).
+pub fn identify(req: &WriteRequest<'_>, policy: &Policy) -> Result<Identity, KeyError> {
+    let principal = principal(req.headers, policy);
+    let fingerprint = fingerprint(
+        req.method,
+        req.rest,
+        req.query,
+        req.headers,
+        req.body,
+        &policy.fingerprint_ignore,
+    );
+    let task = header_str(req.headers, "oncegate-task")?.map(str::to_string);
+    let step = header_str(req.headers, "oncegate-step")?.map(str::to_string);
+    let (key, source) = if let Some(raw) = req.headers.get("idempotency-key") {
+        (parse_key(raw.as_bytes())?, KeySource::Header)
+    } else if let (Some(t), Some(s)) = (&task, &step) {
+        let d = sha256_parts(&[t.as_bytes(), s.as_bytes()]);
+        (format!("ts-{}", hex32(&d)), KeySource::TaskStep)
+    } else if policy.require_key {
+        return Err(KeyError::Required);
+    } else {
+        let d = sha256_parts(&[
+            principal.as_bytes(),
+            req.upstream.as_bytes(),
+            fingerprint.as_bytes(),
+        ]);
+        (format!("fp-{}", hex32(&d)), KeySource::Fingerprint)
+    };
+    let action_id = action_id(req.upstream, &principal, &key);
+    Ok(Identity {
+        key,
+        source,
+        task,
+        step,
+        principal,
+        fingerprint,
+        action_id,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn policy() -> Policy {
+        crate::config::Config::parse(
+            "[server]\n[[upstreams]]\nname='a'\nprefix='/a'\nurl='http://127.0.0.1:1'\n",
+        )
+        .expect("valid")
+        .upstreams[0]
+            .policy
+            .as_ref()
+            .clone()
+    }
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(*k, HeaderValue::from_static(v));
+        }
+        h
+    }
+
+    #[test]
+    fn keys_bare_and_structured() {
+        assert_eq!(parse_key(b"abc-123"), Ok("abc-123".into()));
+        assert_eq!(parse_key(b"\"abc-123\""), Ok("abc-123".into()));
+        assert_eq!(parse_key(b"\"a\\\"b\""), Ok("a\"b".into()));
+        assert!(parse_key(b"").is_err());
+        assert!(parse_key(b"\"\"").is_err());
+        assert!(parse_key(b"has space").is_err());
+        assert!(parse_key("ключ".as_bytes()).is_err());
+        assert!(parse_key("k".repeat(256).as_bytes()).is_err());
+        assert!(parse_key("k".repeat(255).as_bytes()).is_ok());
+    }
+
+    #[test]
+    fn json_fingerprint_ignores_order_space_and_ignored_pointers() {
+        let h = headers(&[("content-type", "application/json; charset=utf-8")]);
+        let a = canonical_body(&h, br#"{"b": 1, "a": {"y": 2, "x": [1, 2]}}"#, &[]);
+        assert_eq!(a, br#"{"a":{"x":[1,2],"y":2},"b":1}"#);
+        let ign = vec!["/metadata/trace".to_string()];
+        let x = fingerprint("POST", "/c", "", &h, br#"{"amount":5,"metadata":{"trace":"1"}}"#, &ign);
+        let y = fingerprint("POST", "/c", "", &h, br#"{"metadata":{"trace":"2"},"amount":5}"#, &ign);
+        assert_eq!(x, y);
+        let z = fingerprint("POST", "/c", "", &h, br#"{"amount":6}"#, &ign);
+        assert_ne!(x, z);
+        // Claims JSON but does not parse: hashed as bytes.
+        assert_eq!(canonical_body(&h, b"{nope", &[]), b"{nope");
+    }
+
+    #[test]
+    fn form_fingerprint_sorts_stably_and_ignores_names() {
+        let h = headers(&[("content-type", "application/x-www-form-urlencoded")]);
+        let a = canonical_body(&h, b"b=2&a=1&a=0&nonce=9", &["nonce".into()]);
+        assert_eq!(a, b"a=1&a=0&b=2");
+    }
+
+    #[test]
+    fn fingerprint_covers_method_path_query() {
+        let h = HeaderMap::new();
+        let base = fingerprint("POST", "/c", "a=1", &h, b"x", &[]);
+        assert_ne!(base, fingerprint("PUT", "/c", "a=1", &h, b"x", &[]));
+        assert_ne!(base, fingerprint("POST", "/d", "a=1", &h, b"x", &[]));
+        assert_ne!(base, fingerprint("POST", "/c", "a=2", &h, b"x", &[]));
+        assert_eq!(base.len(), 64);
+        // Known vector (computed independently: SHA-256 over u64-BE length-prefixed parts); keeps
+        // the fingerprint stable across releases, since stored keys depend on it.
+        assert_eq!(
+            fingerprint("POST", "/v1/charges", "", &h, b"amount=5", &[]),
+            "1fd17a5e47a8bd7f56181b3d117b777521c2aaf5bec6345f86791fb100b55f6e"
+        );
+    }
+
+    #[test]
+    fn principal_is_hashed_sorted_and_scoped_to_configured_headers() {
+        let p = policy();
+        assert_eq!(principal(&HeaderMap::new(), &p), ANONYMOUS);
+        let a = principal(&headers(&[("authorization", "Bearer s1"), ("x-api-key", "k")]), &p);
+        let b = principal(&headers(&[("x-api-key", "k"), ("authorization", "Bearer s1")]), &p);
+        assert_eq!(a, b);
+        assert!(!a.contains("s1"));
+        assert_ne!(a, principal(&headers(&[("authorization", "Bearer s2")]), &p));
+        // A header that is not a principal header does not change it.
+        assert_eq!(
+            principal(&headers(&[("authorization", "Bearer s1"), ("x-other", "1")]), &p),
+            principal(&headers(&[("authorization", "Bearer s1")]), &p)
+        );
+    }
+
+    #[test]
+    fn key_order_header_then_task_step_then_fingerprint() {
+        let p = policy();
+        let req = |h: &HeaderMap| {
+            identify(
+                &WriteRequest {
+                    upstream: "a",
+                    method: "POST",
+                    rest: "/c",
+                    query: "",
+                    headers: h,
+                    body: b"{}",
+                },
+                &p,
+            )
+        };
+        let h = headers(&[("idempotency-key", "k1"), ("oncegate-task", "t"), ("oncegate-step", "s")]);
+        let id = req(&h).expect("ok");
+        assert_eq!((id.key.as_str(), id.source), ("k1", KeySource::Header));
+        assert_eq!(id.task.as_deref(), Some("t"));
+        let h = headers(&[("oncegate-task", "t"), ("oncegate-step", "s")]);
+        let id = req(&h).expect("ok");
+        assert!(id.key.starts_with("ts-") && id.key.len() == 35, "{}", id.key);
+        let h = headers(&[("oncegate-task", "t")]);
+        let id = req(&h).expect("ok");
+        assert!(id.key.starts_with("fp-") && id.key.len() == 35);
+        assert_eq!(id.task.as_deref(), Some("t"));
+        assert_eq!(id.action_id.len(), 32);
+        let h = headers(&[("oncegate-task", "t"), ("oncegate-step", "has space")]);
+        assert!(matches!(req(&h), Err(KeyError::Invalid(_))));
+        let mut strict = p.clone();
+        strict.require_key = true;
+        let id = identify(
+            &WriteRequest {
+                upstream: "a",
+                method: "POST",
+                rest: "/c",
+                query: "",
+                headers: &HeaderMap::new(),
+                body: b"",
+            },
+            &strict,
+        );
+        assert_eq!(id, Err(KeyError::Required));
+    }
+}

@@ -1,0 +1,126 @@
+//! oncegate: a transparent HTTP proxy that makes AI agents' outbound writes happen at most once.
+//!
+//! Agents point their base URL at the proxy. Reads are forwarded as they are; each write gets one
+//! stable key across retries, is recorded durably before it leaves, and its outcome is recorded
+//! before the client hears it. Duplicates get the stored response; a write whose outcome is not
+//! known is answered `unknown` and never sent again until it is settled. The behaviour contract
+//! is `SPEC.md`; section numbers in comments refer to it.
+//!
+//! # Layout
+//! - `main.rs`: CLI → tracing → config (exit 64 on error) → bind → [`run`].
+//! - [`config`]: TOML structs, defaults, validation, the policy cascade.
+//! - [`route`]: prefixes, route globs, read/write/deny classification (pure).
+//! - [`identity`]: key, fingerprint, principal, action id (pure).
+//! - [`action`]: the record, its states and the transitions every store applies.
+//! - [`store`]: the `Store` trait; [`store::sled`] the embedded store with group commit.
+//! - [`upstream`]: the client, TLS, transparency, timeouts and tries.
+//! - [`proxy`]: the request path as named phases.
+//! - [`replay`]: stored response → response.
+//! - [`redact`]: the one place secrets are removed.
+//! - [`error`]: the one error type and its mapping to problem responses.
+//! - [`server`]: accept loop, HTTP/1 + HTTP/2, TLS, header timeout, graceful drain.
+
+pub mod action;
+pub mod config;
+pub mod error;
+pub mod identity;
+pub mod proxy;
+pub mod redact;
+pub mod replay;
+pub mod route;
+pub mod server;
+pub mod store;
+pub mod upstream;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+
+use crate::config::{Config, StoreConfig};
+use crate::proxy::Proxy;
+use crate::store::{Store, StoreError};
+
+/// Why the proxy could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// The listeners `run` serves on, bound by the caller (tests bind `127.0.0.1:0`).
+pub struct Listeners {
+    pub proxy: TcpListener,
+}
+
+/// Opens the store the config names.
+pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, StoreError> {
+    match &config.store {
+        StoreConfig::Sled { path } => {
+            let path = path.clone();
+            let store = tokio::task::spawn_blocking(move || store::sled::SledStore::open(&path))
+                .await
+                .map_err(|e| StoreError::Unavailable(e.to_string()))??;
+            Ok(Arc::new(store))
+        }
+        StoreConfig::Postgres { .. } => Err(StoreError::Unavailable(
+            "store.backend = \"postgres\" is not available in this build yet; use \"sled\"".into(),
+        )),
+    }
+}
+
+/// Runs the proxy until `shutdown` resolves, then drains: stops accepting, lets open requests
+/// and running attempts finish within `drain_timeout`, and makes the store durable.
+pub async fn run(
+    config: Config,
+    listeners: Listeners,
+    store: Arc<dyn Store>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), RunError> {
+    let config = Arc::new(config);
+    // SPEC §5 step 6: attempts a previous run left in flight may or may not have left.
+    let recovered = store.recover(action::now_millis()).await?;
+    if recovered > 0 {
+        tracing::warn!(recovered, "in-flight actions from a previous run are now unknown");
+    }
+    let tls = match &config.server.tls {
+        Some(t) => Some(server::tls_acceptor(t).map_err(RunError::Setup)?),
+        None => None,
+    };
+    let proxy = Arc::new(Proxy::new(config.clone(), store.clone()).map_err(RunError::Setup)?);
+    let listen = server::Listen {
+        header_timeout: config.server.header_timeout,
+        drain_timeout: config.server.drain_timeout,
+        tls,
+    };
+    if let Ok(addr) = listeners.proxy.local_addr() {
+        tracing::info!(%addr, upstreams = config.upstreams.len(), "oncegate listening");
+    }
+    let started = tokio::time::Instant::now();
+    let handler = {
+        let proxy = proxy.clone();
+        move |req| proxy.clone().handle(req)
+    };
+    let drained = server::serve(listeners.proxy, listen, handler, shutdown).await;
+    // Attempts whose clients left still run in their own tasks: give them the rest of the drain.
+    proxy.attempts().close();
+    let left = config
+        .server
+        .drain_timeout
+        .saturating_sub(started.elapsed().min(config.server.drain_timeout));
+    let attempts_done = tokio::time::timeout(left.max(std::time::Duration::from_millis(1)), proxy.attempts().wait())
+        .await
+        .is_ok();
+    store.close().await?;
+    if drained && attempts_done {
+        tracing::info!("drained; store flushed");
+    } else {
+        tracing::warn!(
+            attempts_running = proxy.attempts().len(),
+            "drain_timeout reached; attempts still running will show as unknown on next start"
+        );
+    }
+    Ok(())
+}

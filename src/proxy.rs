@@ -1,0 +1,656 @@
+//! The request path, as named phases (SPEC §5):
+//!
+//! ```text
+//! frame → route → classify ─ read ──→ forward (streamed both ways)
+//!                           ├ deny ──→ 403 route-denied
+//!                           └ write ─→ buffer → identify → claim ─┬→ replay / in-flight / unknown / …
+//!                                                                  └→ send → settle → answer
+//! ```
+//! Each phase returns early with a [`ProxyError`]; `error.rs` turns it into the problem response.
+//! The attempt (send + settle) runs in its own task: it belongs to the action, not to the client's
+//! connection, so a client that goes away does not cancel it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderValue};
+use http::{Method, Request, Response};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use tokio::sync::Notify;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use crate::action::{
+    now_millis, BodyRef, Claim, ClaimRequest, Millis, Record, RequestInfo, Settlement, Source,
+    State, StoredResponse, Try, RECORD_VERSION,
+};
+use crate::config::{Config, Policy, Upstream};
+use crate::error::{action_json, ActionCtx, Completed, Outcome, ProxyError};
+use crate::identity::{self, Identity, KeyError};
+use crate::redact::{latin1, Redactor};
+use crate::replay::replay;
+use crate::route::{route, Class, Target};
+use crate::store::{Filter, SettleRequest, Store, StoreError};
+use crate::upstream::{
+    full, is_applied, strip_hop_by_hop, AttemptResult, Outgoing, Prefixed, ProxyBody, Upstreams,
+};
+
+/// Statuses after which sending the same write again unchanged is not expected to work.
+const NEEDS_DECISION: &[u16] = &[400, 401, 403, 404, 405, 409, 410, 422];
+
+/// Wakes requests waiting for an in-flight attempt of the same action.
+#[derive(Default)]
+struct Waiters(Mutex<HashMap<String, Arc<Notify>>>);
+
+impl Waiters {
+    fn get(&self, id: &str) -> Arc<Notify> {
+        let mut m = self.0.lock().expect("waiters lock is never poisoned: no panics inside");
+        m.entry(id.to_string()).or_default().clone()
+    }
+
+    fn wake(&self, id: &str) {
+        let n = self
+            .0
+            .lock()
+            .expect("waiters lock is never poisoned: no panics inside")
+            .remove(id);
+        if let Some(n) = n {
+            n.notify_waiters();
+        }
+    }
+}
+
+/// The proxy: shared by every connection.
+pub struct Proxy {
+    config: Arc<Config>,
+    upstreams: Upstreams,
+    store: Arc<dyn Store>,
+    redactor: Redactor,
+    /// This process's identity as the owner of in-flight claims.
+    owner: String,
+    waiters: Waiters,
+    /// Attempts running in their own tasks; drained on shutdown.
+    attempts: TaskTracker,
+}
+
+/// The request as the write path keeps it.
+struct WriteJob {
+    upstream: Arc<Upstream>,
+    policy: Arc<Policy>,
+    method: Method,
+    headers: HeaderMap,
+    rest: String,
+    query: Option<String>,
+    body: Bytes,
+    identity: Identity,
+}
+
+fn content_length(h: &HeaderMap) -> Option<u64> {
+    h.get(http::header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Refuses ambiguous framing (request smuggling): CL + TE, or more than one Content-Length.
+fn check_framing(h: &HeaderMap) -> Result<(), ProxyError> {
+    let cls = h.get_all(http::header::CONTENT_LENGTH).iter().count();
+    if cls > 1 {
+        return Err(ProxyError::BadRequest(
+            "the request has more than one Content-Length".into(),
+        ));
+    }
+    if cls == 1 && h.contains_key(http::header::TRANSFER_ENCODING) {
+        return Err(ProxyError::BadRequest(
+            "the request has both Content-Length and Transfer-Encoding".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Takes the external id from a response: `header:NAME` or a JSON pointer into the body.
+pub fn external_id(spec: &str, headers: &HeaderMap, body: &[u8]) -> Option<String> {
+    if let Some(name) = spec.strip_prefix("header:") {
+        return headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+    }
+    let v: Value = serde_json::from_slice(body).ok()?;
+    match v.pointer(spec)? {
+        Value::Null => None,
+        Value::String(s) => Some(s.clone()),
+        other => Some(other.to_string()),
+    }
+}
+
+fn store_unavailable(e: StoreError, ctx: Option<Box<ActionCtx>>) -> ProxyError {
+    ProxyError::StoreUnavailable {
+        error: e.to_string(),
+        ctx,
+    }
+}
+
+impl Proxy {
+    pub fn new(config: Arc<Config>, store: Arc<dyn Store>) -> Result<Proxy, String> {
+        Ok(Proxy {
+            upstreams: Upstreams::new(&config)?,
+            redactor: Redactor::new(&config),
+            owner: format!("{}-{:08x}", std::process::id(), rand::random::<u32>()),
+            config,
+            store,
+            waiters: Waiters::default(),
+            attempts: TaskTracker::new(),
+        })
+    }
+
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    pub fn attempts(&self) -> &TaskTracker {
+        &self.attempts
+    }
+
+    /// Serves one request. Errors are logged here, once, and answered as problems.
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<ProxyBody> {
+        let span = tracing::info_span!(
+            "request",
+            method = %req.method(),
+            path = %self.redactor.path(req.uri().path(), req.uri().query()),
+            upstream = tracing::field::Empty,
+            class = tracing::field::Empty,
+            action = tracing::field::Empty,
+        );
+        async move {
+            match self.call(req).await {
+                Ok(resp) => {
+                    tracing::debug!(status = resp.status().as_u16(), "answered");
+                    resp
+                }
+                Err(err) => {
+                    tracing::info!(error = %err, "problem");
+                    err.into_response()
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn call(self: &Arc<Self>, req: Request<Incoming>) -> Result<Response<ProxyBody>, ProxyError> {
+        check_framing(req.headers())?;
+        let path = req.uri().path().to_string();
+        if path == "/_oncegate" || path.starts_with("/_oncegate/") {
+            return self.own(req, &path).await;
+        }
+        let target = route(&self.config, req.method(), &path)
+            .ok_or_else(|| ProxyError::NoRoute(path.clone()))?;
+        let span = tracing::Span::current();
+        span.record("upstream", target.upstream.name.as_str());
+        span.record("class", target.class.as_str());
+        match target.class {
+            Class::Deny => Err(ProxyError::RouteDenied {
+                method: req.method().to_string(),
+                path: self.redactor.path(&path, req.uri().query()),
+            }),
+            Class::Read => self.read(target, req).await,
+            Class::Write => self.write(target, req).await,
+        }
+    }
+
+    /// Phase `forward`: a read, streamed both ways.
+    async fn read(
+        &self,
+        t: Target<'_>,
+        req: Request<Incoming>,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let (parts, body) = req.into_parts();
+        let out = Outgoing::new(t.upstream, &parts.method, &parts.headers, t.rest, parts.uri.query(), None)
+            .map_err(|e| ProxyError::BadRequest(format!("cannot build the upstream request: {e}")))?;
+        match self.upstreams.forward_read(t.upstream, t.policy, &out, body).await {
+            Ok(resp) => {
+                let (mut head, body) = resp.into_parts();
+                strip_hop_by_hop(&mut head.headers);
+                Ok(Response::from_parts(head, body.map_err(Into::into).boxed_unsync()))
+            }
+            Err(crate::upstream::ReadFailure::Unreachable(error)) => {
+                Err(ProxyError::UpstreamUnreachable { ctx: None, error })
+            }
+            Err(crate::upstream::ReadFailure::Timeout(d)) => Err(ProxyError::UpstreamTimeout(d)),
+            Err(crate::upstream::ReadFailure::Failed(e)) => Err(ProxyError::UpstreamFailed(e)),
+        }
+    }
+
+    /// Phases `buffer` and `identify`, then `claim`.
+    async fn write(
+        self: &Arc<Self>,
+        t: Target<'_>,
+        req: Request<Incoming>,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let (parts, body) = req.into_parts();
+        let max = self.config.server.max_body;
+        if content_length(&parts.headers).is_some_and(|n| n > max) {
+            return Err(ProxyError::BodyTooLarge { limit: max });
+        }
+        let body = http_body_util::Limited::new(body, max as usize)
+            .collect()
+            .await
+            .map_err(|e| {
+                if e.is::<http_body_util::LengthLimitError>() {
+                    ProxyError::BodyTooLarge { limit: max }
+                } else {
+                    ProxyError::BadRequest(format!("could not read the request body: {e}"))
+                }
+            })?
+            .to_bytes();
+        let query = parts.uri.query().map(str::to_string);
+        let identity = identity::identify(
+            &identity::WriteRequest {
+                upstream: &t.upstream.name,
+                method: parts.method.as_str(),
+                rest: t.rest,
+                query: query.as_deref().unwrap_or(""),
+                headers: &parts.headers,
+                body: &body,
+            },
+            t.policy,
+        )
+        .map_err(|e| match e {
+            KeyError::Invalid(m) => ProxyError::KeyInvalid(m),
+            KeyError::Required => ProxyError::KeyRequired,
+        })?;
+        tracing::Span::current().record("action", identity.action_id.as_str());
+        let job = WriteJob {
+            upstream: t.upstream.clone(),
+            policy: t.policy.clone(),
+            method: parts.method,
+            headers: parts.headers,
+            rest: t.rest.to_string(),
+            query,
+            body,
+            identity,
+        };
+        let resp = self.claim(job).await?;
+        Ok(resp)
+    }
+
+    fn fresh_record(&self, job: &WriteJob) -> Record {
+        let id = &job.identity;
+        Record {
+            v: RECORD_VERSION,
+            id: id.action_id.clone(),
+            upstream: job.upstream.name.clone(),
+            principal: id.principal.clone(),
+            key: id.key.clone(),
+            fingerprint: id.fingerprint.clone(),
+            method: job.method.to_string(),
+            path: self.redactor.path(&job.rest, job.query.as_deref()),
+            task: id.task.clone(),
+            step: id.step.clone(),
+            state: State::InFlight,
+            attempts: 0,
+            owner: None,
+            lease_until: None,
+            created_at: 0,
+            updated_at: 0,
+            retention_ms: job.policy.retention.as_millis() as u64,
+            expires_at: 0,
+            external_id: None,
+            needs_decision: false,
+            request: RequestInfo {
+                headers: self.redactor.headers(&job.headers),
+                body_size: job.body.len() as u64,
+                body_sha256: hex::encode(Sha256::digest(&job.body)),
+            },
+            evidence: Vec::new(),
+            response: None,
+        }
+    }
+
+    /// How long an attempt may run, at most: its lease.
+    fn lease(policy: &Policy) -> Millis {
+        let tries = u64::from(policy.retries) + 1;
+        policy.timeout.as_millis() as u64 * tries
+            + policy.max_retry_wait.as_millis() as u64 * u64::from(policy.retries)
+            + 5_000
+    }
+
+    /// Phase `claim`: decides what this request gets (SPEC §5 step 2).
+    async fn claim(self: &Arc<Self>, job: WriteJob) -> Result<Response<ProxyBody>, ProxyError> {
+        let fresh = self.fresh_record(&job);
+        let wait_until = tokio::time::Instant::now() + job.policy.in_flight_wait;
+        loop {
+            let notify = self.waiters.get(&fresh.id);
+            let notified = notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let claim = self
+                .store
+                .claim(ClaimRequest {
+                    fresh: fresh.clone(),
+                    max_attempts: job.policy.max_attempts,
+                    owner: self.owner.clone(),
+                    lease: Self::lease(&job.policy),
+                    now: now_millis(),
+                })
+                .await
+                .map_err(|e| store_unavailable(e, None))?;
+            let rec = match claim {
+                Claim::Claimed(rec) => return self.attempt(job, rec).await,
+                Claim::KeyReused(rec) => return Err(ProxyError::KeyReused(self.ctx(rec).await)),
+                Claim::Exhausted(rec) => {
+                    return Err(ProxyError::AttemptsExhausted(self.ctx(rec).await))
+                }
+                Claim::Existing(rec) => rec,
+            };
+            match rec.state {
+                State::Succeeded => return self.replay(rec).await,
+                State::InFlight => {
+                    let now = tokio::time::Instant::now();
+                    if now < wait_until {
+                        // Woken when the attempt settles here; polled for other proxies.
+                        let slice = (wait_until - now).min(Duration::from_millis(100));
+                        let _ = tokio::time::timeout(slice, notified).await;
+                        continue;
+                    }
+                    let secs = (job.policy.timeout.as_secs() / 2).clamp(1, 30);
+                    return Err(ProxyError::InFlight {
+                        ctx: self.ctx(rec).await,
+                        retry_after_secs: secs,
+                    });
+                }
+                State::Unknown => {
+                    return Err(ProxyError::OutcomeUnknown {
+                        ctx: self.ctx(rec).await,
+                        lost_now: false,
+                        reason: "an earlier attempt may have been applied; nothing is sent until it is settled".into(),
+                    })
+                }
+                // A claim never leaves a claimable `failed` record as `Existing`.
+                State::Failed => return Err(ProxyError::AttemptsExhausted(self.ctx(rec).await)),
+            }
+        }
+    }
+
+    /// The problem context of a record: the record and its task's completed work.
+    async fn ctx(&self, record: Record) -> Box<ActionCtx> {
+        let completed = match &record.task {
+            None => Vec::new(),
+            Some(task) => self
+                .store
+                .scan(
+                    Filter {
+                        state: Some(State::Succeeded),
+                        upstream: Some(record.upstream.clone()),
+                        principal: Some(record.principal.clone()),
+                        task: Some(task.clone()),
+                    },
+                    1000,
+                )
+                .await
+                .unwrap_or_default()
+                .into_iter()
+                .map(|r| Completed {
+                    action: r.id,
+                    step: r.step,
+                    status: r.response.as_ref().map(|s| s.status),
+                    external_id: r.external_id,
+                })
+                .collect(),
+        };
+        Box::new(ActionCtx { record, completed })
+    }
+
+    /// Phase `replay` (SPEC §7).
+    async fn replay(&self, rec: Record) -> Result<Response<ProxyBody>, ProxyError> {
+        let stored = rec
+            .response
+            .as_ref()
+            .filter(|r| r.body != BodyRef::Absent);
+        if stored.is_none() {
+            return Err(ProxyError::AlreadyApplied(self.ctx(rec).await));
+        }
+        let body = match self.store.body(&rec).await {
+            Ok(Some(b)) => b,
+            // A stored response whose body cannot be read: the write is applied all the same.
+            Ok(None) | Err(_) => return Err(ProxyError::AlreadyApplied(self.ctx(rec).await)),
+        };
+        let mut resp = replay(&rec, body);
+        write_headers(resp.headers_mut(), &rec, Outcome::Replayed);
+        Ok(resp)
+    }
+
+    /// Phases `send`, `settle` and `answer`, in a task of their own.
+    async fn attempt(self: &Arc<Self>, job: WriteJob, rec: Record) -> Result<Response<ProxyBody>, ProxyError> {
+        let me = self.clone();
+        let span = tracing::Span::current();
+        let task = self
+            .attempts
+            .spawn(async move { me.run_attempt(job, rec).await }.instrument(span));
+        match task.await {
+            Ok(r) => r,
+            Err(e) => Err(ProxyError::StoreUnavailable {
+                error: format!("attempt task failed: {e}"),
+                ctx: None,
+            }),
+        }
+    }
+
+    async fn run_attempt(self: Arc<Self>, job: WriteJob, rec: Record) -> Result<Response<ProxyBody>, ProxyError> {
+        let policy = &job.policy;
+        let key_header = policy
+            .key_header
+            .as_ref()
+            .map(|h| (h, job.identity.key.as_str()));
+        let out = Outgoing::new(
+            &job.upstream,
+            &job.method,
+            &job.headers,
+            &job.rest,
+            job.query.as_deref(),
+            key_header,
+        );
+        let mut tries: Vec<Try> = Vec::new();
+        let result = match out {
+            Ok(out) => {
+                self.upstreams
+                    .send_write(
+                        &job.upstream,
+                        policy,
+                        &out,
+                        job.body.clone(),
+                        self.config.server.max_stored_response,
+                        &mut tries,
+                    )
+                    .await
+            }
+            // Nothing can be sent: treated as a try that did not reach the upstream.
+            Err(e) => AttemptResult::Unreachable(format!("cannot build the upstream request: {e}")),
+        };
+        let now = now_millis();
+        let attempt = rec.attempts;
+        let settle = |state, response, external_id, needs_decision, body| SettleRequest {
+            id: rec.id.clone(),
+            attempt,
+            settlement: Settlement {
+                state,
+                tries: tries.clone(),
+                response,
+                external_id,
+                needs_decision,
+                now,
+            },
+            body,
+        };
+        let answer = match result {
+            AttemptResult::Answered(ans) => {
+                let status = ans.head.status;
+                let state = if is_applied(status) {
+                    State::Succeeded
+                } else if policy.unknown_statuses.contains(&status) {
+                    State::Unknown
+                } else {
+                    State::Failed
+                };
+                let complete = ans.rest.is_none();
+                let (stored, ext) = if state == State::Succeeded {
+                    let stored = StoredResponse {
+                        status: status.as_u16(),
+                        headers: ans
+                            .head
+                            .headers
+                            .iter()
+                            .map(|(k, v)| (k.as_str().to_string(), latin1(v.as_bytes())))
+                            .collect(),
+                        size: ans.body.len() as u64,
+                        body: if complete { BodyRef::Inline } else { BodyRef::Absent },
+                        source: Source::Upstream,
+                    };
+                    let ext = policy
+                        .external_id
+                        .as_deref()
+                        .and_then(|spec| external_id(spec, &ans.head.headers, &ans.body));
+                    (Some(stored), ext)
+                } else {
+                    (None, None)
+                };
+                let needs = state == State::Failed && NEEDS_DECISION.contains(&status.as_u16());
+                let body = (state == State::Succeeded && complete).then(|| ans.body.clone());
+                let req = settle(state, stored, ext, needs, body);
+                let rec = self.settle(req, &rec).await?;
+                let outcome = match state {
+                    State::Succeeded => Outcome::Sent,
+                    State::Unknown => Outcome::Unknown,
+                    _ => Outcome::NotApplied,
+                };
+                let body = match ans.rest {
+                    None => full(ans.body),
+                    Some(rest) => Prefixed::new(ans.body, rest).boxed_unsync(),
+                };
+                let mut resp = Response::from_parts(ans.head, body);
+                write_headers(resp.headers_mut(), &rec, outcome);
+                Ok(resp)
+            }
+            AttemptResult::Unreachable(error) => {
+                let rec = self.settle(settle(State::Failed, None, None, false, None), &rec).await?;
+                Err(ProxyError::UpstreamUnreachable {
+                    ctx: Some(self.ctx(rec).await),
+                    error,
+                })
+            }
+            AttemptResult::Lost { error, .. } => {
+                let rec = self.settle(settle(State::Unknown, None, None, false, None), &rec).await?;
+                Err(ProxyError::OutcomeUnknown {
+                    ctx: self.ctx(rec).await,
+                    lost_now: true,
+                    reason: format!("{error}; the request may have reached the upstream"),
+                })
+            }
+        };
+        answer
+    }
+
+    /// Phase `settle`: the outcome is durable before the client hears it.
+    async fn settle(&self, req: SettleRequest, claimed: &Record) -> Result<Record, ProxyError> {
+        let id = req.id.clone();
+        let result = self.store.settle(req).await;
+        self.waiters.wake(&id);
+        match result {
+            Ok(rec) => Ok(rec),
+            Err(e) => {
+                tracing::error!(error = %e, "could not record the outcome of an attempt");
+                Err(store_unavailable(e, Some(self.ctx(claimed.clone()).await)))
+            }
+        }
+    }
+
+    /// The proxy's own paths on the main listener (SPEC §10.1).
+    async fn own(&self, req: Request<Incoming>, path: &str) -> Result<Response<ProxyBody>, ProxyError> {
+        let task = path
+            .strip_prefix("/_oncegate/tasks/")
+            .filter(|t| !t.is_empty() && !t.contains('/') && req.method() == Method::GET)
+            .ok_or_else(|| ProxyError::NoRoute(path.to_string()))?;
+        let task = percent_decode(task);
+        let records = self
+            .store
+            .scan(
+                Filter {
+                    task: Some(task.clone()),
+                    ..Filter::default()
+                },
+                10_000,
+            )
+            .await
+            .map_err(|e| store_unavailable(e, None))?;
+        // Only the caller's own actions: the principal as each record's upstream computes it.
+        let mine: Vec<Value> = records
+            .iter()
+            .filter(|r| {
+                self.config
+                    .upstreams
+                    .iter()
+                    .find(|u| u.name == r.upstream)
+                    .is_some_and(|u| identity::principal(req.headers(), &u.policy) == r.principal)
+            })
+            .map(task_entry)
+            .collect();
+        let body = json!({ "task": task, "actions": mine });
+        let mut resp = Response::new(full(serde_json::to_vec(&body).expect("JSON serializes")));
+        resp.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        Ok(resp)
+    }
+}
+
+/// One action in a task view (SPEC §10.1).
+pub fn task_entry(r: &Record) -> Value {
+    let mut v = action_json(r);
+    v["status"] = json!(r.response.as_ref().map(|s| s.status).or_else(|| {
+        r.evidence
+            .last()
+            .and_then(|a| a.tries.iter().rev().find_map(|t| t.status))
+    }));
+    v
+}
+
+/// Decodes `%XX` escapes of a path segment (`+` stays `+`).
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match (b[i], b.get(i + 1).copied().and_then(hex), b.get(i + 2).copied().and_then(hex)) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// `Oncegate-Outcome`, `Oncegate-Action` and `Idempotency-Key` on every write response.
+fn write_headers(h: &mut HeaderMap, rec: &Record, outcome: Outcome) {
+    h.insert("oncegate-outcome", HeaderValue::from_static(outcome.as_str()));
+    if let Ok(v) = HeaderValue::from_str(&rec.id) {
+        h.insert("oncegate-action", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&rec.key) {
+        h.insert("idempotency-key", v);
+    }
+}

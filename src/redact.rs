@@ -1,0 +1,141 @@
+//! Redaction at one choke point (SPEC §11): every header list and path that leaves the request
+//! path for a record, a problem, the admin API or a log goes through [`Redactor`].
+
+use std::collections::HashSet;
+
+use http::header::{HeaderMap, HeaderName};
+
+use crate::config::Config;
+
+pub const REDACTED: &str = "REDACTED";
+
+/// Header values as strings, byte for byte: each byte is one char (Latin-1), so any header value
+/// survives a round trip through JSON.
+pub fn latin1(bytes: &[u8]) -> String {
+    bytes.iter().map(|&b| b as char).collect()
+}
+
+/// The inverse of [`latin1`]. Chars above U+00FF (never produced by it) become `?`.
+pub fn from_latin1(s: &str) -> Vec<u8> {
+    s.chars()
+        .map(|c| u8::try_from(u32::from(c)).unwrap_or(b'?'))
+        .collect()
+}
+
+/// Knows which headers and query parameters are secret.
+#[derive(Debug, Clone)]
+pub struct Redactor {
+    headers: HashSet<HeaderName>,
+    query: HashSet<String>,
+}
+
+const ALWAYS: &[&str] = &[
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "set-cookie",
+    "x-api-key",
+    "api-key",
+];
+
+impl Redactor {
+    pub fn new(config: &Config) -> Redactor {
+        let mut headers: HashSet<HeaderName> =
+            ALWAYS.iter().map(|h| HeaderName::from_static(h)).collect();
+        headers.extend(config.log.redact_headers.iter().cloned());
+        // Every principal header anywhere is a credential.
+        for u in &config.upstreams {
+            headers.extend(u.policy.principal_headers.iter().cloned());
+            for r in &u.routes {
+                headers.extend(r.policy.principal_headers.iter().cloned());
+            }
+        }
+        Redactor {
+            headers,
+            query: config
+                .log
+                .redact_query
+                .iter()
+                .map(|q| q.to_ascii_lowercase())
+                .collect(),
+        }
+    }
+
+    pub fn is_secret_header(&self, name: &HeaderName) -> bool {
+        self.headers.contains(name)
+    }
+
+    /// Headers as (name, value) pairs, secrets replaced by `REDACTED`.
+    pub fn headers(&self, h: &HeaderMap) -> Vec<(String, String)> {
+        h.iter()
+            .map(|(k, v)| {
+                let value = if self.is_secret_header(k) {
+                    REDACTED.to_string()
+                } else {
+                    latin1(v.as_bytes())
+                };
+                (k.as_str().to_string(), value)
+            })
+            .collect()
+    }
+
+    /// A query string with the values of secret parameters replaced by `REDACTED`.
+    pub fn query(&self, q: &str) -> String {
+        q.split('&')
+            .map(|part| {
+                let name = part.split('=').next().unwrap_or_default();
+                let decoded: String = form_urlencoded::parse(name.as_bytes())
+                    .map(|(k, _)| k.into_owned())
+                    .next()
+                    .unwrap_or_default();
+                if self.query.contains(&decoded.to_ascii_lowercase()) {
+                    format!("{name}={REDACTED}")
+                } else {
+                    part.to_string()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("&")
+    }
+
+    /// `{rest}` plus the redacted query, as stored and shown.
+    pub fn path(&self, rest: &str, query: Option<&str>) -> String {
+        let rest = if rest.is_empty() { "/" } else { rest };
+        match query {
+            Some(q) => format!("{rest}?{}", self.query(q)),
+            None => rest.to_string(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_secret_query_values_and_headers() {
+        let c = Config::parse(
+            "[server]\n[log]\nredact_headers=['x-session']\n[[upstreams]]\nname='a'\nprefix='/a'\nurl='http://127.0.0.1:1'\nprincipal_headers=['x-agent-id']\n",
+        )
+        .expect("valid");
+        let r = Redactor::new(&c);
+        assert_eq!(
+            r.path("/v1/x", Some("a=1&api_key=s3cr3t&Token=t&b")),
+            "/v1/x?a=1&api_key=REDACTED&Token=REDACTED&b"
+        );
+        let mut h = HeaderMap::new();
+        h.insert("authorization", "Bearer s3cr3t".parse().expect("value"));
+        h.insert("x-session", "s3cr3t".parse().expect("value"));
+        h.insert("x-agent-id", "agent-7".parse().expect("value"));
+        h.insert("accept", "text/plain".parse().expect("value"));
+        let out = format!("{:?}", r.headers(&h));
+        assert!(!out.contains("s3cr3t") && !out.contains("agent-7"), "{out}");
+        assert!(out.contains("text/plain"));
+    }
+
+    #[test]
+    fn latin1_round_trips_every_byte() {
+        let all: Vec<u8> = (0..=255).collect();
+        assert_eq!(from_latin1(&latin1(&all)), all);
+    }
+}

@@ -1,0 +1,133 @@
+//! Accepting connections: HTTP/1.1 and HTTP/2 (prior knowledge, or ALPN over TLS), the header
+//! read timeout, and a bounded graceful drain.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+
+use crate::config::TlsConfig;
+use crate::upstream::ProxyBody;
+
+/// Builds the listener's TLS acceptor (ALPN: h2, http/1.1).
+pub fn tls_acceptor(tls: &TlsConfig) -> Result<TlsAcceptor, String> {
+    let what = |p: &Path, e: &dyn std::fmt::Display| format!("server.tls: {}: {e}", p.display());
+    let certs = CertificateDer::pem_file_iter(&tls.cert)
+        .map_err(|e| what(&tls.cert, &e))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| what(&tls.cert, &e))?;
+    let key = PrivateKeyDer::from_pem_file(&tls.key).map_err(|e| what(&tls.key, &e))?;
+    let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| e.to_string())?
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .map_err(|e| format!("server.tls: {e}"))?;
+    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(TlsAcceptor::from(Arc::new(cfg)))
+}
+
+/// How one listener serves.
+#[derive(Clone)]
+pub struct Listen {
+    pub header_timeout: Duration,
+    pub drain_timeout: Duration,
+    pub tls: Option<TlsAcceptor>,
+}
+
+/// Serves `handler` on `listener` until `shutdown` resolves, then stops accepting and waits up
+/// to `drain_timeout` for open connections to finish. Returns whether the drain completed.
+pub async fn serve<H, F>(
+    listener: TcpListener,
+    opts: Listen,
+    handler: H,
+    shutdown: impl Future<Output = ()>,
+) -> bool
+where
+    H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<ProxyBody>> + Send + 'static,
+{
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // The header read timeout only runs with a timer set (hyper needs one to sleep).
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(opts.header_timeout)
+        .max_headers(100);
+    builder.http2().timer(TokioTimer::new());
+    let builder = Arc::new(builder);
+    let graceful = GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let builder = builder.clone();
+        let handler = handler.clone();
+        let watcher = graceful.watcher();
+        let opts = opts.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| {
+                let h = handler.clone();
+                async move { Ok::<_, Infallible>(h(req).await) }
+            });
+            let result = match &opts.tls {
+                None => {
+                    let conn = builder.serve_connection(TokioIo::new(stream), svc);
+                    watcher.watch(conn.into_owned()).await
+                }
+                Some(acceptor) => {
+                    let tls = match tokio::time::timeout(opts.header_timeout, acceptor.accept(stream)).await {
+                        Ok(Ok(s)) => s,
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!(%peer, "TLS handshake timed out");
+                            return;
+                        }
+                    };
+                    let conn = builder.serve_connection(TokioIo::new(tls), svc);
+                    watcher.watch(conn.into_owned()).await
+                }
+            };
+            if let Err(e) = result {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    tracing::info!(open = graceful.count(), "stopped accepting; draining connections");
+    match tokio::time::timeout(opts.drain_timeout, graceful.shutdown()).await {
+        Ok(()) => true,
+        Err(_) => {
+            tracing::warn!("drain_timeout reached with connections still open");
+            false
+        }
+    }
+}

@@ -1,0 +1,81 @@
+//! The store: where actions live durably (SPEC §13). One trait, implemented by the embedded sled
+//! store ([`sled::SledStore`]); every method returns only after its change is durable.
+
+pub mod sled;
+
+use std::future::Future;
+use std::pin::Pin;
+
+use bytes::Bytes;
+
+use crate::action::{Claim, ClaimRequest, Millis, Record, SettleError, Settlement, State};
+
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The store cannot record anything now (I/O error, closed, database down).
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    #[error(transparent)]
+    Settle(#[from] SettleError),
+    /// A stored record could not be decoded.
+    #[error("corrupt record {id}: {reason}")]
+    Corrupt { id: String, reason: String },
+}
+
+/// A settlement plus the response body to keep for replays (absent when not stored).
+#[derive(Debug, Clone)]
+pub struct SettleRequest {
+    pub id: String,
+    pub attempt: u32,
+    pub settlement: Settlement,
+    pub body: Option<Bytes>,
+}
+
+/// Which records a scan returns.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    pub state: Option<State>,
+    pub upstream: Option<String>,
+    pub principal: Option<String>,
+    pub task: Option<String>,
+}
+
+impl Filter {
+    pub fn matches(&self, r: &Record) -> bool {
+        self.state.is_none_or(|s| r.state == s)
+            && self.upstream.as_ref().is_none_or(|u| &r.upstream == u)
+            && self.principal.as_ref().is_none_or(|p| &r.principal == p)
+            && self.task.as_ref().is_none_or(|t| r.task.as_ref() == Some(t))
+    }
+}
+
+/// The operations the life of a write needs. Implementations make each change durable before
+/// returning, and make `claim` atomic across every proxy that shares the store.
+pub trait Store: Send + Sync + 'static {
+    /// Claims an action for a new attempt, or reports what is there (SPEC §5 step 2-3).
+    fn claim(&self, req: ClaimRequest) -> BoxFuture<'_, Result<Claim, StoreError>>;
+
+    /// Records the outcome of an attempt (SPEC §5 step 5).
+    fn settle(&self, req: SettleRequest) -> BoxFuture<'_, Result<Record, StoreError>>;
+
+    /// Reads one record.
+    fn get<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Record>, StoreError>>;
+
+    /// Reads the stored response body of a succeeded record.
+    fn body<'a>(&'a self, record: &'a Record) -> BoxFuture<'a, Result<Option<Bytes>, StoreError>>;
+
+    /// Records matching `filter`, oldest first, at most `limit`.
+    fn scan(&self, filter: Filter, limit: usize) -> BoxFuture<'_, Result<Vec<Record>, StoreError>>;
+
+    /// Turns the `in_flight` records left by a previous run into `unknown` (SPEC §5 step 6).
+    /// Returns how many changed.
+    fn recover(&self, now: Millis) -> BoxFuture<'_, Result<usize, StoreError>>;
+
+    /// Deletes records that expired before `now`. Returns how many.
+    fn expire(&self, now: Millis) -> BoxFuture<'_, Result<usize, StoreError>>;
+
+    /// Makes everything durable and releases the store (graceful shutdown).
+    fn close(&self) -> BoxFuture<'_, Result<(), StoreError>>;
+}

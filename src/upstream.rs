@@ -1,0 +1,544 @@
+//! Talking to upstreams: the hyper-util client with rustls, transparency (hop-by-hop handling,
+//! `Host`, `Via`), timeouts, and proxy-side tries of failures that certainly did not reach the
+//! upstream (SPEC §2, §6).
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::CertificateDer;
+
+use crate::action::{now_millis, Phase, Try, EVIDENCE_BODY_MAX};
+use crate::config::{Config, Policy, Upstream};
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// The body type of everything the proxy sends or answers.
+pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
+
+type HttpClient = Client<HttpsConnector<HttpConnector>, ProxyBody>;
+
+pub fn full(b: impl Into<Bytes>) -> ProxyBody {
+    http_body_util::Full::new(b.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
+
+pub fn empty() -> ProxyBody {
+    full(Bytes::new())
+}
+
+/// Headers that describe one connection, not the message (RFC 9110 §7.6.1).
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Removes hop-by-hop headers, including every header named in `Connection`.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        headers.remove(n);
+    }
+    for h in HOP_BY_HOP {
+        headers.remove(*h);
+    }
+}
+
+/// The upstream clients, one per upstream and connect timeout.
+pub struct Upstreams {
+    clients: HashMap<(String, Duration), HttpClient>,
+}
+
+fn tls_config(up: &Upstream) -> Result<rustls::ClientConfig, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    if let Some(ca) = &up.ca_file {
+        let certs = CertificateDer::pem_file_iter(ca)
+            .map_err(|e| format!("upstream {}: ca_file {}: {e}", up.name, ca.display()))?;
+        let mut n = 0;
+        for c in certs {
+            let c = c.map_err(|e| format!("upstream {}: ca_file {}: {e}", up.name, ca.display()))?;
+            roots
+                .add(c)
+                .map_err(|e| format!("upstream {}: ca_file {}: {e}", up.name, ca.display()))?;
+            n += 1;
+        }
+        if n == 0 {
+            return Err(format!(
+                "upstream {}: ca_file {} holds no certificate",
+                up.name,
+                ca.display()
+            ));
+        }
+    }
+    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())
+        .map(|b| b.with_root_certificates(roots).with_no_client_auth())
+}
+
+impl Upstreams {
+    pub fn new(config: &Config) -> Result<Upstreams, String> {
+        let mut clients = HashMap::new();
+        for up in &config.upstreams {
+            let tls = tls_config(up)?;
+            let timeouts = std::iter::once(up.policy.connect_timeout)
+                .chain(up.routes.iter().map(|r| r.policy.connect_timeout));
+            for ct in timeouts {
+                if clients.contains_key(&(up.name.clone(), ct)) {
+                    continue;
+                }
+                let mut http = HttpConnector::new();
+                http.enforce_http(false);
+                http.set_connect_timeout(Some(ct));
+                http.set_nodelay(true);
+                let https = hyper_rustls::HttpsConnectorBuilder::new()
+                    .with_tls_config(tls.clone())
+                    .https_or_http()
+                    .enable_http1()
+                    .enable_http2()
+                    .wrap_connector(http);
+                let client = Client::builder(TokioExecutor::new())
+                    .timer(TokioTimer::new())
+                    .pool_timer(TokioTimer::new())
+                    .pool_idle_timeout(Duration::from_secs(60))
+                    .build(https);
+                clients.insert((up.name.clone(), ct), client);
+            }
+        }
+        Ok(Upstreams { clients })
+    }
+
+    fn client(&self, up: &Upstream, policy: &Policy) -> &HttpClient {
+        self.clients
+            .get(&(up.name.clone(), policy.connect_timeout))
+            .expect("a client exists for every upstream and route connect_timeout")
+    }
+}
+
+/// The head of a request to send upstream, reusable across tries.
+#[derive(Debug, Clone)]
+pub struct Outgoing {
+    pub method: Method,
+    pub uri: Uri,
+    pub headers: HeaderMap,
+}
+
+impl Outgoing {
+    /// Builds the upstream request head from the client's (SPEC §2): hop-by-hop headers and
+    /// `Oncegate-*` removed, `Host` the upstream's, `Via` added, the key header set last.
+    pub fn new(
+        up: &Upstream,
+        method: &Method,
+        client_headers: &HeaderMap,
+        rest: &str,
+        query: Option<&str>,
+        key: Option<(&HeaderName, &str)>,
+    ) -> Result<Outgoing, http::Error> {
+        let mut headers = client_headers.clone();
+        strip_hop_by_hop(&mut headers);
+        headers.remove(header::HOST);
+        let ours: Vec<HeaderName> = headers
+            .keys()
+            .filter(|k| k.as_str().starts_with("oncegate-"))
+            .cloned()
+            .collect();
+        for k in ours {
+            headers.remove(k);
+        }
+        headers.append(header::VIA, HeaderValue::from_static("1.1 oncegate"));
+        if let Some((name, value)) = key {
+            headers.insert(name.clone(), HeaderValue::from_str(value)?);
+        }
+        let mut path = format!("{}{}", up.base_path(), rest);
+        if path.is_empty() {
+            path.push('/');
+        }
+        if let Some(q) = query {
+            path.push('?');
+            path.push_str(q);
+        }
+        let uri = Uri::builder()
+            .scheme(up.url.scheme_str().unwrap_or("http"))
+            .authority(
+                up.url
+                    .authority()
+                    .map(|a| a.as_str())
+                    .unwrap_or_default(),
+            )
+            .path_and_query(path)
+            .build()?;
+        Ok(Outgoing {
+            method: method.clone(),
+            uri,
+            headers,
+        })
+    }
+
+    fn request(&self, body: ProxyBody) -> Request<ProxyBody> {
+        let mut req = Request::new(body);
+        *req.method_mut() = self.method.clone();
+        *req.uri_mut() = self.uri.clone();
+        *req.headers_mut() = self.headers.clone();
+        req
+    }
+}
+
+/// A request body that can be handed to several tries but read by at most one: a try that fails
+/// to connect never polls it, so the next try can still stream it. Reads stay unbuffered.
+struct TakeOnce {
+    slot: Arc<Mutex<Option<Incoming>>>,
+    taken: Option<Incoming>,
+    hint: SizeHint,
+}
+
+impl Body for TakeOnce {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.taken.is_none() {
+            let body = self.slot.lock().ok().and_then(|mut s| s.take());
+            match body {
+                Some(b) => self.taken = Some(b),
+                None => return Poll::Ready(Some(Err("request body already consumed".into()))),
+            }
+        }
+        let body = self.taken.as_mut().expect("set above");
+        Pin::new(body).poll_frame(cx).map_err(Into::into)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.hint.exact() == Some(0)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.hint
+    }
+}
+
+/// How forwarding a read ended badly.
+#[derive(Debug)]
+pub enum ReadFailure {
+    /// Nothing reached the upstream, after all tries.
+    Unreachable(String),
+    /// No response head in time.
+    Timeout(Duration),
+    /// The exchange failed after the request may have been sent.
+    Failed(String),
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let m = c.to_string();
+        if !s.contains(&m) {
+            s.push_str(": ");
+            s.push_str(&m);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+/// Delay before try `n + 1`: exponential from 100 ms with full jitter, at most `cap`.
+fn backoff(n: u32, cap: Duration) -> Duration {
+    let exp = Duration::from_millis(100u64.saturating_mul(1 << n.min(16))).min(cap);
+    exp.mul_f64(rand::random::<f64>())
+}
+
+/// A `Retry-After` in seconds (the HTTP-date form is rarely sent by APIs; it counts as absent).
+fn retry_after(h: &HeaderMap) -> Option<Duration> {
+    let v = h.get(header::RETRY_AFTER)?.to_str().ok()?;
+    v.trim().parse::<u64>().ok().map(Duration::from_secs)
+}
+
+fn request_id(h: &HeaderMap) -> Option<String> {
+    ["request-id", "x-request-id"]
+        .iter()
+        .find_map(|n| h.get(*n))
+        .and_then(|v| v.to_str().ok())
+        .map(|s| s.chars().take(200).collect())
+}
+
+fn excerpt(b: &[u8]) -> Option<String> {
+    (!b.is_empty()).then(|| String::from_utf8_lossy(&b[..b.len().min(EVIDENCE_BODY_MAX)]).into_owned())
+}
+
+/// The upstream's answer to one attempt, with its body read up to a limit.
+pub struct Answer {
+    pub head: http::response::Parts,
+    /// The body, or its first `limit` bytes when `rest` is set.
+    pub body: Bytes,
+    /// The unread remainder of a body larger than the limit.
+    pub rest: Option<Incoming>,
+}
+
+/// How one attempt of a write ended.
+pub enum AttemptResult {
+    /// The upstream answered.
+    Answered(Answer),
+    /// Nothing reached the upstream, after all tries.
+    Unreachable(String),
+    /// The request was, or may have been, sent and no complete answer came back.
+    Lost { phase: Phase, error: String },
+}
+
+impl Upstreams {
+    /// Forwards a read, streaming both ways. Tries again when a try certainly did not reach the
+    /// upstream and the body was not consumed, or on a `retry_statuses` answer to a bodiless read.
+    pub async fn forward_read(
+        &self,
+        up: &Upstream,
+        policy: &Policy,
+        out: &Outgoing,
+        body: Incoming,
+    ) -> Result<Response<Incoming>, ReadFailure> {
+        let client = self.client(up, policy);
+        let hint = body.size_hint();
+        let bodiless = hint.exact() == Some(0);
+        let slot = Arc::new(Mutex::new(Some(body)));
+        let mut n = 0;
+        loop {
+            let b = TakeOnce {
+                slot: slot.clone(),
+                taken: None,
+                hint,
+            };
+            let req = out.request(b.boxed_unsync());
+            let last = n >= policy.retries;
+            match tokio::time::timeout(policy.timeout, client.request(req)).await {
+                Err(_) => return Err(ReadFailure::Timeout(policy.timeout)),
+                Ok(Err(e)) if e.is_connect() => {
+                    let unread = slot.lock().map(|s| s.is_some()).unwrap_or(false);
+                    if last || !unread {
+                        return Err(ReadFailure::Unreachable(error_chain(&e)));
+                    }
+                    tracing::debug!(error = %error_chain(&e), try_n = n, "read: connect failed, trying again");
+                }
+                Ok(Err(e)) => return Err(ReadFailure::Failed(error_chain(&e))),
+                Ok(Ok(resp)) => {
+                    if last || !bodiless || !policy.retry_statuses.contains(&resp.status()) {
+                        return Ok(resp);
+                    }
+                    match retry_after(resp.headers()) {
+                        Some(d) if d > policy.max_retry_wait => return Ok(resp),
+                        Some(d) => tokio::time::sleep(d).await,
+                        None => tokio::time::sleep(backoff(n, policy.max_retry_wait)).await,
+                    }
+                    n += 1;
+                    continue;
+                }
+            }
+            tokio::time::sleep(backoff(n, policy.max_retry_wait)).await;
+            n += 1;
+        }
+    }
+
+    /// Sends one attempt of a write. Only tries that certainly did not reach the upstream
+    /// (connect failures) and `retry_statuses` answers are tried again; every try is returned as
+    /// evidence. The body of the answer is read up to `limit` bytes within the timeout.
+    pub async fn send_write(
+        &self,
+        up: &Upstream,
+        policy: &Policy,
+        out: &Outgoing,
+        body: Bytes,
+        limit: u64,
+        tries: &mut Vec<Try>,
+    ) -> AttemptResult {
+        let client = self.client(up, policy);
+        let mut n = 0;
+        loop {
+            let last = n >= policy.retries;
+            let started = tokio::time::Instant::now();
+            let deadline = started + policy.timeout;
+            let at = now_millis();
+            let req = out.request(full(body.clone()));
+            let resp = match tokio::time::timeout_at(deadline, client.request(req)).await {
+                Err(_) => {
+                    let error = format!("no response within {:?}", policy.timeout);
+                    tries.push(Try {
+                        at,
+                        phase: Some(Phase::Response),
+                        error: Some(error.clone()),
+                        ..Try::default()
+                    });
+                    return AttemptResult::Lost {
+                        phase: Phase::Response,
+                        error,
+                    };
+                }
+                Ok(Err(e)) if e.is_connect() => {
+                    let error = error_chain(&e);
+                    tries.push(Try {
+                        at,
+                        phase: Some(Phase::Connect),
+                        error: Some(error.clone()),
+                        ..Try::default()
+                    });
+                    if last {
+                        return AttemptResult::Unreachable(error);
+                    }
+                    tokio::time::sleep(backoff(n, policy.max_retry_wait)).await;
+                    n += 1;
+                    continue;
+                }
+                Ok(Err(e)) => {
+                    let error = error_chain(&e);
+                    tries.push(Try {
+                        at,
+                        phase: Some(Phase::Send),
+                        error: Some(error.clone()),
+                        ..Try::default()
+                    });
+                    return AttemptResult::Lost {
+                        phase: Phase::Send,
+                        error,
+                    };
+                }
+                Ok(Ok(resp)) => resp,
+            };
+            let status = resp.status();
+            let (mut head, body_in) = resp.into_parts();
+            strip_hop_by_hop(&mut head.headers);
+            let rid = request_id(&head.headers);
+            if !last && policy.retry_statuses.contains(&status) {
+                let wait = match retry_after(&head.headers) {
+                    Some(d) if d > policy.max_retry_wait => None,
+                    Some(d) => Some(d),
+                    None => Some(backoff(n, policy.max_retry_wait)),
+                };
+                if let Some(wait) = wait {
+                    let b = read_limited(body_in, EVIDENCE_BODY_MAX as u64, deadline).await;
+                    tries.push(Try {
+                        at,
+                        status: Some(status.as_u16()),
+                        body: b.ok().and_then(|a| excerpt(&a.0)),
+                        request_id: rid,
+                        ..Try::default()
+                    });
+                    tokio::time::sleep(wait).await;
+                    n += 1;
+                    continue;
+                }
+            }
+            let read = read_limited(body_in, limit, deadline).await;
+            return match read {
+                Ok((body, rest)) => {
+                    tries.push(Try {
+                        at,
+                        status: Some(status.as_u16()),
+                        body: excerpt(&body),
+                        request_id: rid,
+                        ..Try::default()
+                    });
+                    AttemptResult::Answered(Answer { head, body, rest })
+                }
+                Err(error) => {
+                    tries.push(Try {
+                        at,
+                        phase: Some(Phase::Body),
+                        status: Some(status.as_u16()),
+                        error: Some(error.clone()),
+                        request_id: rid,
+                        ..Try::default()
+                    });
+                    AttemptResult::Lost {
+                        phase: Phase::Body,
+                        error,
+                    }
+                }
+            };
+        }
+    }
+}
+
+/// Reads a body up to `limit` bytes before `deadline`. Returns the bytes read and, when the body
+/// is longer, the unread remainder.
+async fn read_limited(
+    mut body: Incoming,
+    limit: u64,
+    deadline: tokio::time::Instant,
+) -> Result<(Bytes, Option<Incoming>), String> {
+    let mut buf = BytesMut::new();
+    loop {
+        if buf.len() as u64 > limit {
+            return Ok((buf.freeze(), Some(body)));
+        }
+        match tokio::time::timeout_at(deadline, body.frame()).await {
+            Err(_) => return Err("timed out reading the response body".into()),
+            Ok(None) => return Ok((buf.freeze(), None)),
+            Ok(Some(Err(e))) => return Err(error_chain(&e)),
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    buf.extend_from_slice(&data);
+                }
+            }
+        }
+    }
+}
+
+/// Whether a status means the write was applied (SPEC §6: 1xx-3xx).
+pub fn is_applied(s: StatusCode) -> bool {
+    s.as_u16() < 400
+}
+
+/// A body whose first bytes were already read: those, then the rest as it streams.
+pub struct Prefixed {
+    prefix: Option<Bytes>,
+    rest: Incoming,
+}
+
+impl Prefixed {
+    pub fn new(prefix: Bytes, rest: Incoming) -> Prefixed {
+        Prefixed {
+            prefix: Some(prefix).filter(|p| !p.is_empty()),
+            rest,
+        }
+    }
+}
+
+impl Body for Prefixed {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(p) = self.prefix.take() {
+            return Poll::Ready(Some(Ok(Frame::data(p))));
+        }
+        Pin::new(&mut self.rest).poll_frame(cx).map_err(Into::into)
+    }
+}
