@@ -46,9 +46,14 @@ impl State {
     }
 
     pub fn parse(s: &str) -> Option<State> {
-        [State::InFlight, State::Succeeded, State::Failed, State::Unknown]
-            .into_iter()
-            .find(|st| st.as_str() == s)
+        [
+            State::InFlight,
+            State::Succeeded,
+            State::Failed,
+            State::Unknown,
+        ]
+        .into_iter()
+        .find(|st| st.as_str() == s)
     }
 }
 
@@ -392,21 +397,32 @@ pub(crate) mod tests {
     #[test]
     fn claim_lifecycle() {
         let (c, w) = decide_claim(None, &req("f", 10));
-        let Claim::Claimed(r) = c else { panic!("new action is claimed") };
-        assert_eq!((r.state, r.attempts, r.expires_at), (State::InFlight, 1, 1010));
+        let Claim::Claimed(r) = c else {
+            panic!("new action is claimed")
+        };
+        assert_eq!(
+            (r.state, r.attempts, r.expires_at),
+            (State::InFlight, 1, 1010)
+        );
         let w = w.expect("a claim writes");
         // In flight: a duplicate sees it and writes nothing.
         let (c, w2) = decide_claim(Some(w.clone()), &req("f", 11));
         assert!(matches!(c, Claim::Existing(_)) && w2.is_none());
         // Different fingerprint: key reused, whatever the state.
-        assert!(matches!(decide_claim(Some(w.clone()), &req("g", 11)).0, Claim::KeyReused(_)));
+        assert!(matches!(
+            decide_claim(Some(w.clone()), &req("g", 11)).0,
+            Claim::KeyReused(_)
+        ));
         // Failed with attempts left: attempt 2.
         let failed = apply_settle(Some(w), "id1", 1, settle(State::Failed, 12)).expect("settles");
         let (c, w) = decide_claim(Some(failed), &req("f", 13));
         assert!(matches!(c, Claim::Claimed(ref r) if r.attempts == 2));
         let failed = apply_settle(w, "id1", 2, settle(State::Failed, 14)).expect("settles");
         // No attempts left.
-        assert!(matches!(decide_claim(Some(failed.clone()), &req("f", 15)).0, Claim::Exhausted(_)));
+        assert!(matches!(
+            decide_claim(Some(failed.clone()), &req("f", 15)).0,
+            Claim::Exhausted(_)
+        ));
         // Expired: a new action, attempt 1.
         let (c, _) = decide_claim(Some(failed), &req("f", 14 + 1000));
         assert!(matches!(c, Claim::Claimed(ref r) if r.attempts == 1 && r.evidence.len() == 1));
@@ -422,7 +438,10 @@ pub(crate) mod tests {
         ));
         let u = recover_in_flight(w.clone(), "proxy stopped", 12).expect("in flight recovers");
         assert_eq!(u.state, State::Unknown);
-        assert_eq!(u.evidence[0].tries[0].error.as_deref(), Some("proxy stopped"));
+        assert_eq!(
+            u.evidence[0].tries[0].error.as_deref(),
+            Some("proxy stopped")
+        );
         assert!(recover_in_flight(u, "again", 13).is_none());
         let done = apply_settle(Some(w), "id1", 1, settle(State::Succeeded, 11)).expect("ok");
         assert!(matches!(

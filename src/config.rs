@@ -42,7 +42,9 @@ pub struct Dur(pub Duration);
 impl<'de> Deserialize<'de> for Dur {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
-        parse_duration(&s).map(Dur).map_err(serde::de::Error::custom)
+        parse_duration(&s)
+            .map(Dur)
+            .map_err(serde::de::Error::custom)
     }
 }
 
@@ -61,7 +63,11 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "m" => 60_000,
         "h" => 3_600_000,
         "d" => 86_400_000,
-        _ => return Err(format!("duration {s:?}: unknown unit {unit:?} (ms, s, m, h, d)")),
+        _ => {
+            return Err(format!(
+                "duration {s:?}: unknown unit {unit:?} (ms, s, m, h, d)"
+            ))
+        }
     };
     n.checked_mul(ms)
         .map(Duration::from_millis)
@@ -94,7 +100,11 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "KB" => 1_000,
         "MB" => 1_000_000,
         "GB" => 1_000_000_000,
-        other => return Err(format!("size {s:?}: unknown unit {other:?} (B, KiB, MiB, GiB)")),
+        other => {
+            return Err(format!(
+                "size {s:?}: unknown unit {other:?} (B, KiB, MiB, GiB)"
+            ))
+        }
     };
     n.checked_mul(mult)
         .ok_or_else(|| format!("size {s:?} is too large"))
@@ -409,13 +419,20 @@ fn header_name(h: &str, key: &str) -> Result<HeaderName, ConfigError> {
 }
 
 fn lookup(l: &LookupConfig, key: &str) -> Result<LookupConfig, ConfigError> {
-    Method::from_bytes(l.method.as_bytes())
-        .map_err(|_| invalid(format!("{key}.method"), format!("{:?} is not a method", l.method)))?;
+    Method::from_bytes(l.method.as_bytes()).map_err(|_| {
+        invalid(
+            format!("{key}.method"),
+            format!("{:?} is not a method", l.method),
+        )
+    })?;
     if !l.path.starts_with('/') {
         return Err(invalid(format!("{key}.path"), "must start with '/'"));
     }
     if !l.found.is_empty() && !l.found.starts_with('/') {
-        return Err(invalid(format!("{key}.found"), "must be a JSON pointer (\"/id\")"));
+        return Err(invalid(
+            format!("{key}.found"),
+            "must be a JSON pointer (\"/id\")",
+        ));
     }
     Ok(l.clone())
 }
@@ -556,7 +573,10 @@ impl RawConfig {
         let store = match self.store.backend.as_deref().unwrap_or("sled") {
             "sled" => {
                 if self.store.url_env.is_some() {
-                    return Err(invalid("store.url_env", "only applies to backend = \"postgres\""));
+                    return Err(invalid(
+                        "store.url_env",
+                        "only applies to backend = \"postgres\"",
+                    ));
                 }
                 StoreConfig::Sled {
                     path: self
@@ -585,20 +605,21 @@ impl RawConfig {
                 ))
             }
         };
-        let log = LogConfig {
-            redact_query: self.log.redact_query.clone().unwrap_or_else(|| {
-                DEFAULT_REDACT_QUERY.iter().map(|s| s.to_string()).collect()
-            }),
-            redact_headers: self
-                .log
-                .redact_headers
-                .iter()
-                .flatten()
-                .map(|h| header_name(h, "log.redact_headers"))
-                .collect::<Result<_, _>>()?,
-            hmac_key_env: self.log.hmac_key_env.clone(),
-            retention: self.log.retention.map(|d| d.0),
-        };
+        let log =
+            LogConfig {
+                redact_query: self.log.redact_query.clone().unwrap_or_else(|| {
+                    DEFAULT_REDACT_QUERY.iter().map(|s| s.to_string()).collect()
+                }),
+                redact_headers: self
+                    .log
+                    .redact_headers
+                    .iter()
+                    .flatten()
+                    .map(|h| header_name(h, "log.redact_headers"))
+                    .collect::<Result<_, _>>()?,
+                hmac_key_env: self.log.hmac_key_env.clone(),
+                retention: self.log.retention.map(|d| d.0),
+            };
 
         let defaults = Policy::builtin().layer(&self.defaults.overrides(), "defaults.")?;
         let mut upstreams: Vec<Arc<Upstream>> = Vec::new();
@@ -625,7 +646,11 @@ fn resolve_upstream(
     earlier: &[Arc<Upstream>],
 ) -> Result<Upstream, ConfigError> {
     let at = format!("upstreams[{i}].");
-    if u.name.is_empty() || !u.name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    if u.name.is_empty()
+        || !u
+            .name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
     {
         return Err(invalid(
             format!("{at}name"),
@@ -633,17 +658,26 @@ fn resolve_upstream(
         ));
     }
     if earlier.iter().any(|e| e.name == u.name) {
-        return Err(invalid(format!("{at}name"), format!("{:?} is used twice", u.name)));
+        return Err(invalid(
+            format!("{at}name"),
+            format!("{:?} is used twice", u.name),
+        ));
     }
     let prefix = u.prefix.trim_end_matches('/');
     if !u.prefix.starts_with('/') {
         return Err(invalid(format!("{at}prefix"), "must start with '/'"));
     }
     if prefix == "/_oncegate" || prefix.starts_with("/_oncegate/") {
-        return Err(invalid(format!("{at}prefix"), "/_oncegate/ is reserved for the proxy"));
+        return Err(invalid(
+            format!("{at}prefix"),
+            "/_oncegate/ is reserved for the proxy",
+        ));
     }
     if earlier.iter().any(|e| e.prefix == prefix) {
-        return Err(invalid(format!("{at}prefix"), format!("{:?} is used twice", u.prefix)));
+        return Err(invalid(
+            format!("{at}prefix"),
+            format!("{:?} is used twice", u.prefix),
+        ));
     }
     let url: Uri = u
         .url
@@ -651,7 +685,12 @@ fn resolve_upstream(
         .map_err(|e| invalid(format!("{at}url"), format!("{:?}: {e}", u.url)))?;
     match url.scheme_str() {
         Some("http") | Some("https") => {}
-        _ => return Err(invalid(format!("{at}url"), "must start with http:// or https://")),
+        _ => {
+            return Err(invalid(
+                format!("{at}url"),
+                "must start with http:// or https://",
+            ))
+        }
     }
     if url.host().is_none_or(str::is_empty) {
         return Err(invalid(format!("{at}url"), "needs a host"));
@@ -661,7 +700,10 @@ fn resolve_upstream(
     }
     if let Some(ca) = &u.ca_file {
         if !ca.is_file() {
-            return Err(invalid(format!("{at}ca_file"), format!("{} is not a file", ca.display())));
+            return Err(invalid(
+                format!("{at}ca_file"),
+                format!("{} is not a file", ca.display()),
+            ));
         }
     }
     let mut policy = defaults.layer(&u.overrides(), &at)?;

@@ -186,9 +186,8 @@ impl ProxyError {
             | ProxyError::OutcomeUnknown { ctx: c, .. }
             | ProxyError::AttemptsExhausted(c)
             | ProxyError::AlreadyApplied(c) => Some(c),
-            ProxyError::UpstreamUnreachable { ctx, .. } | ProxyError::StoreUnavailable { ctx, .. } => {
-                ctx.as_deref()
-            }
+            ProxyError::UpstreamUnreachable { ctx, .. }
+            | ProxyError::StoreUnavailable { ctx, .. } => ctx.as_deref(),
             _ => None,
         }
     }
@@ -405,7 +404,10 @@ impl ProxyError {
             retry_after_secs, ..
         } = &self
         {
-            h.insert(http::header::RETRY_AFTER, HeaderValue::from(*retry_after_secs));
+            h.insert(
+                http::header::RETRY_AFTER,
+                HeaderValue::from(*retry_after_secs),
+            );
         }
         if let ProxyError::BadRequest(_) = &self {
             h.insert(http::header::CONNECTION, HeaderValue::from_static("close"));

@@ -326,8 +326,22 @@ mod tests {
         let a = canonical_body(&h, br#"{"b": 1, "a": {"y": 2, "x": [1, 2]}}"#, &[]);
         assert_eq!(a, br#"{"a":{"x":[1,2],"y":2},"b":1}"#);
         let ign = vec!["/metadata/trace".to_string()];
-        let x = fingerprint("POST", "/c", "", &h, br#"{"amount":5,"metadata":{"trace":"1"}}"#, &ign);
-        let y = fingerprint("POST", "/c", "", &h, br#"{"metadata":{"trace":"2"},"amount":5}"#, &ign);
+        let x = fingerprint(
+            "POST",
+            "/c",
+            "",
+            &h,
+            br#"{"amount":5,"metadata":{"trace":"1"}}"#,
+            &ign,
+        );
+        let y = fingerprint(
+            "POST",
+            "/c",
+            "",
+            &h,
+            br#"{"metadata":{"trace":"2"},"amount":5}"#,
+            &ign,
+        );
         assert_eq!(x, y);
         let z = fingerprint("POST", "/c", "", &h, br#"{"amount":6}"#, &ign);
         assert_ne!(x, z);
@@ -362,14 +376,26 @@ mod tests {
     fn principal_is_hashed_sorted_and_scoped_to_configured_headers() {
         let p = policy();
         assert_eq!(principal(&HeaderMap::new(), &p), ANONYMOUS);
-        let a = principal(&headers(&[("authorization", "Bearer s1"), ("x-api-key", "k")]), &p);
-        let b = principal(&headers(&[("x-api-key", "k"), ("authorization", "Bearer s1")]), &p);
+        let a = principal(
+            &headers(&[("authorization", "Bearer s1"), ("x-api-key", "k")]),
+            &p,
+        );
+        let b = principal(
+            &headers(&[("x-api-key", "k"), ("authorization", "Bearer s1")]),
+            &p,
+        );
         assert_eq!(a, b);
         assert!(!a.contains("s1"));
-        assert_ne!(a, principal(&headers(&[("authorization", "Bearer s2")]), &p));
+        assert_ne!(
+            a,
+            principal(&headers(&[("authorization", "Bearer s2")]), &p)
+        );
         // A header that is not a principal header does not change it.
         assert_eq!(
-            principal(&headers(&[("authorization", "Bearer s1"), ("x-other", "1")]), &p),
+            principal(
+                &headers(&[("authorization", "Bearer s1"), ("x-other", "1")]),
+                &p
+            ),
             principal(&headers(&[("authorization", "Bearer s1")]), &p)
         );
     }
@@ -390,13 +416,21 @@ mod tests {
                 &p,
             )
         };
-        let h = headers(&[("idempotency-key", "k1"), ("oncegate-task", "t"), ("oncegate-step", "s")]);
+        let h = headers(&[
+            ("idempotency-key", "k1"),
+            ("oncegate-task", "t"),
+            ("oncegate-step", "s"),
+        ]);
         let id = req(&h).expect("ok");
         assert_eq!((id.key.as_str(), id.source), ("k1", KeySource::Header));
         assert_eq!(id.task.as_deref(), Some("t"));
         let h = headers(&[("oncegate-task", "t"), ("oncegate-step", "s")]);
         let id = req(&h).expect("ok");
-        assert!(id.key.starts_with("ts-") && id.key.len() == 35, "{}", id.key);
+        assert!(
+            id.key.starts_with("ts-") && id.key.len() == 35,
+            "{}",
+            id.key
+        );
         let h = headers(&[("oncegate-task", "t")]);
         let id = req(&h).expect("ok");
         assert!(id.key.starts_with("fp-") && id.key.len() == 35);

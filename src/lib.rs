@@ -18,11 +18,13 @@
 //! - [`replay`]: stored response → response.
 //! - [`redact`]: the one place secrets are removed.
 //! - [`error`]: the one error type and its mapping to problem responses.
+//! - [`framing`]: the request-smuggling guard under HTTP/1 connections.
 //! - [`server`]: accept loop, HTTP/1 + HTTP/2, TLS, header timeout, graceful drain.
 
 pub mod action;
 pub mod config;
 pub mod error;
+pub mod framing;
 pub mod identity;
 pub mod proxy;
 pub mod redact;
@@ -83,7 +85,10 @@ pub async fn run(
     // SPEC §5 step 6: attempts a previous run left in flight may or may not have left.
     let recovered = store.recover(action::now_millis()).await?;
     if recovered > 0 {
-        tracing::warn!(recovered, "in-flight actions from a previous run are now unknown");
+        tracing::warn!(
+            recovered,
+            "in-flight actions from a previous run are now unknown"
+        );
     }
     let tls = match &config.server.tls {
         Some(t) => Some(server::tls_acceptor(t).map_err(RunError::Setup)?),
@@ -110,9 +115,12 @@ pub async fn run(
         .server
         .drain_timeout
         .saturating_sub(started.elapsed().min(config.server.drain_timeout));
-    let attempts_done = tokio::time::timeout(left.max(std::time::Duration::from_millis(1)), proxy.attempts().wait())
-        .await
-        .is_ok();
+    let attempts_done = tokio::time::timeout(
+        left.max(std::time::Duration::from_millis(1)),
+        proxy.attempts().wait(),
+    )
+    .await
+    .is_ok();
     store.close().await?;
     if drained && attempts_done {
         tracing::info!("drained; store flushed");

@@ -14,12 +14,22 @@ const EXIT_CONFIG: u8 = 64;
 const EXIT_STORE: u8 = 74;
 
 #[derive(Parser)]
-#[command(name = "oncegate", version, about = "Makes AI agents' outbound writes happen at most once.")]
+#[command(
+    name = "oncegate",
+    version,
+    about = "Makes AI agents' outbound writes happen at most once."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
     /// Config file (when no subcommand is given).
-    #[arg(long, short, env = "ONCEGATE_CONFIG", default_value = "oncegate.toml", global = true)]
+    #[arg(
+        long,
+        short,
+        env = "ONCEGATE_CONFIG",
+        default_value = "oncegate.toml",
+        global = true
+    )]
     config: PathBuf,
 }
 
@@ -64,10 +74,17 @@ fn routing_table(c: &Config) -> String {
             let methods = if r.methods.is_empty() {
                 "*".to_string()
             } else {
-                r.methods.iter().map(|m| m.as_str()).collect::<Vec<_>>().join(",")
+                r.methods
+                    .iter()
+                    .map(|m| m.as_str())
+                    .collect::<Vec<_>>()
+                    .join(",")
             };
             let class = r.class.map_or("by method", Class::as_str);
-            out.push_str(&format!("    {methods:<16} {:<32} {class}\n", r.path.as_str()));
+            out.push_str(&format!(
+                "    {methods:<16} {:<32} {class}\n",
+                r.path.as_str()
+            ));
         }
         out.push_str("    (otherwise)      GET/HEAD/OPTIONS/TRACE read, other methods write\n");
     }
@@ -75,7 +92,10 @@ fn routing_table(c: &Config) -> String {
 }
 
 fn run(config: Config) -> ExitCode {
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("oncegate: cannot start the runtime: {e}");
@@ -93,7 +113,10 @@ fn run(config: Config) -> ExitCode {
         let proxy = match tokio::net::TcpListener::bind(config.server.listen).await {
             Ok(l) => l,
             Err(e) => {
-                eprintln!("oncegate: cannot listen on {} (server.listen): {e}", config.server.listen);
+                eprintln!(
+                    "oncegate: cannot listen on {} (server.listen): {e}",
+                    config.server.listen
+                );
                 return ExitCode::FAILURE;
             }
         };

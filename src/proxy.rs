@@ -49,7 +49,10 @@ struct Waiters(Mutex<HashMap<String, Arc<Notify>>>);
 
 impl Waiters {
     fn get(&self, id: &str) -> Arc<Notify> {
-        let mut m = self.0.lock().expect("waiters lock is never poisoned: no panics inside");
+        let mut m = self
+            .0
+            .lock()
+            .expect("waiters lock is never poisoned: no panics inside");
         m.entry(id.to_string()).or_default().clone()
     }
 
@@ -100,7 +103,13 @@ fn content_length(h: &HeaderMap) -> Option<u64> {
 }
 
 /// Refuses ambiguous framing (request smuggling): CL + TE, or more than one Content-Length.
+/// hyper hides both cases; the connection's [`crate::framing::FramingGuard`] marks them.
 fn check_framing(h: &HeaderMap) -> Result<(), ProxyError> {
+    if h.contains_key(crate::framing::MARK) || h.contains_key(crate::framing::MARK_TE) {
+        return Err(ProxyError::BadRequest(
+            "the request has both Content-Length and Transfer-Encoding, or more than one Content-Length".into(),
+        ));
+    }
     let cls = h.get_all(http::header::CONTENT_LENGTH).iter().count();
     if cls > 1 {
         return Err(ProxyError::BadRequest(
@@ -185,7 +194,10 @@ impl Proxy {
         .await
     }
 
-    async fn call(self: &Arc<Self>, req: Request<Incoming>) -> Result<Response<ProxyBody>, ProxyError> {
+    async fn call(
+        self: &Arc<Self>,
+        req: Request<Incoming>,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
         check_framing(req.headers())?;
         let path = req.uri().path().to_string();
         if path == "/_oncegate" || path.starts_with("/_oncegate/") {
@@ -213,13 +225,27 @@ impl Proxy {
         req: Request<Incoming>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let (parts, body) = req.into_parts();
-        let out = Outgoing::new(t.upstream, &parts.method, &parts.headers, t.rest, parts.uri.query(), None)
-            .map_err(|e| ProxyError::BadRequest(format!("cannot build the upstream request: {e}")))?;
-        match self.upstreams.forward_read(t.upstream, t.policy, &out, body).await {
+        let out = Outgoing::new(
+            t.upstream,
+            &parts.method,
+            &parts.headers,
+            t.rest,
+            parts.uri.query(),
+            None,
+        )
+        .map_err(|e| ProxyError::BadRequest(format!("cannot build the upstream request: {e}")))?;
+        match self
+            .upstreams
+            .forward_read(t.upstream, t.policy, &out, body)
+            .await
+        {
             Ok(resp) => {
                 let (mut head, body) = resp.into_parts();
                 strip_hop_by_hop(&mut head.headers);
-                Ok(Response::from_parts(head, body.map_err(Into::into).boxed_unsync()))
+                Ok(Response::from_parts(
+                    head,
+                    body.map_err(Into::into).boxed_unsync(),
+                ))
             }
             Err(crate::upstream::ReadFailure::Unreachable(error)) => {
                 Err(ProxyError::UpstreamUnreachable { ctx: None, error })
@@ -411,10 +437,7 @@ impl Proxy {
 
     /// Phase `replay` (SPEC §7).
     async fn replay(&self, rec: Record) -> Result<Response<ProxyBody>, ProxyError> {
-        let stored = rec
-            .response
-            .as_ref()
-            .filter(|r| r.body != BodyRef::Absent);
+        let stored = rec.response.as_ref().filter(|r| r.body != BodyRef::Absent);
         if stored.is_none() {
             return Err(ProxyError::AlreadyApplied(self.ctx(rec).await));
         }
@@ -429,7 +452,11 @@ impl Proxy {
     }
 
     /// Phases `send`, `settle` and `answer`, in a task of their own.
-    async fn attempt(self: &Arc<Self>, job: WriteJob, rec: Record) -> Result<Response<ProxyBody>, ProxyError> {
+    async fn attempt(
+        self: &Arc<Self>,
+        job: WriteJob,
+        rec: Record,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
         let me = self.clone();
         let span = tracing::Span::current();
         let task = self
@@ -444,7 +471,11 @@ impl Proxy {
         }
     }
 
-    async fn run_attempt(self: Arc<Self>, job: WriteJob, rec: Record) -> Result<Response<ProxyBody>, ProxyError> {
+    async fn run_attempt(
+        self: Arc<Self>,
+        job: WriteJob,
+        rec: Record,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
         let policy = &job.policy;
         let key_header = policy
             .key_header
@@ -511,7 +542,11 @@ impl Proxy {
                             .map(|(k, v)| (k.as_str().to_string(), latin1(v.as_bytes())))
                             .collect(),
                         size: ans.body.len() as u64,
-                        body: if complete { BodyRef::Inline } else { BodyRef::Absent },
+                        body: if complete {
+                            BodyRef::Inline
+                        } else {
+                            BodyRef::Absent
+                        },
                         source: Source::Upstream,
                     };
                     let ext = policy
@@ -540,14 +575,18 @@ impl Proxy {
                 Ok(resp)
             }
             AttemptResult::Unreachable(error) => {
-                let rec = self.settle(settle(State::Failed, None, None, false, None), &rec).await?;
+                let rec = self
+                    .settle(settle(State::Failed, None, None, false, None), &rec)
+                    .await?;
                 Err(ProxyError::UpstreamUnreachable {
                     ctx: Some(self.ctx(rec).await),
                     error,
                 })
             }
             AttemptResult::Lost { error, .. } => {
-                let rec = self.settle(settle(State::Unknown, None, None, false, None), &rec).await?;
+                let rec = self
+                    .settle(settle(State::Unknown, None, None, false, None), &rec)
+                    .await?;
                 Err(ProxyError::OutcomeUnknown {
                     ctx: self.ctx(rec).await,
                     lost_now: true,
@@ -573,7 +612,11 @@ impl Proxy {
     }
 
     /// The proxy's own paths on the main listener (SPEC §10.1).
-    async fn own(&self, req: Request<Incoming>, path: &str) -> Result<Response<ProxyBody>, ProxyError> {
+    async fn own(
+        &self,
+        req: Request<Incoming>,
+        path: &str,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
         let task = path
             .strip_prefix("/_oncegate/tasks/")
             .filter(|t| !t.is_empty() && !t.contains('/') && req.method() == Method::GET)
@@ -630,7 +673,11 @@ fn percent_decode(s: &str) -> String {
     let mut i = 0;
     while i < b.len() {
         let hex = |c: u8| (c as char).to_digit(16);
-        match (b[i], b.get(i + 1).copied().and_then(hex), b.get(i + 2).copied().and_then(hex)) {
+        match (
+            b[i],
+            b.get(i + 1).copied().and_then(hex),
+            b.get(i + 2).copied().and_then(hex),
+        ) {
             (b'%', Some(h), Some(l)) => {
                 out.push((h * 16 + l) as u8);
                 i += 3;
@@ -646,7 +693,10 @@ fn percent_decode(s: &str) -> String {
 
 /// `Oncegate-Outcome`, `Oncegate-Action` and `Idempotency-Key` on every write response.
 fn write_headers(h: &mut HeaderMap, rec: &Record, outcome: Outcome) {
-    h.insert("oncegate-outcome", HeaderValue::from_static(outcome.as_str()));
+    h.insert(
+        "oncegate-outcome",
+        HeaderValue::from_static(outcome.as_str()),
+    );
     if let Ok(v) = HeaderValue::from_str(&rec.id) {
         h.insert("oncegate-action", v);
     }

@@ -70,7 +70,9 @@ fn match_segments(pat: &[String], path: &[&str]) -> bool {
             (0..=path.len()).any(|skip| match_segments(rest, &path[skip..]))
         }
         Some((first, rest)) => match path.split_first() {
-            Some((seg, path_rest)) if first == "*" || first == seg => match_segments(rest, path_rest),
+            Some((seg, path_rest)) if first == "*" || first == seg => {
+                match_segments(rest, path_rest)
+            }
             _ => false,
         },
     }
@@ -88,7 +90,10 @@ pub struct Target<'a> {
 
 /// Finds the upstream by longest prefix (on a segment boundary: `/pay` matches `/pay` and
 /// `/pay/x`, not `/payments`).
-pub fn find_upstream<'a>(config: &'a Config, path: &'a str) -> Option<(&'a Arc<Upstream>, &'a str)> {
+pub fn find_upstream<'a>(
+    config: &'a Config,
+    path: &'a str,
+) -> Option<(&'a Arc<Upstream>, &'a str)> {
     config
         .upstreams
         .iter()
@@ -100,12 +105,19 @@ pub fn find_upstream<'a>(config: &'a Config, path: &'a str) -> Option<(&'a Arc<U
 }
 
 /// Classifies a request to `upstream`: the first route whose methods and path match decides.
-pub fn classify<'a>(upstream: &'a Upstream, method: &Method, rest: &str) -> (Class, &'a Arc<Policy>) {
+pub fn classify<'a>(
+    upstream: &'a Upstream,
+    method: &Method,
+    rest: &str,
+) -> (Class, &'a Arc<Policy>) {
     let rest_for_match = if rest.is_empty() { "/" } else { rest };
     for r in &upstream.routes {
         let method_ok = r.methods.is_empty() || r.methods.contains(method);
         if method_ok && r.path.matches(rest_for_match) {
-            return (r.class.unwrap_or_else(|| Class::by_method(method)), &r.policy);
+            return (
+                r.class.unwrap_or_else(|| Class::by_method(method)),
+                &r.policy,
+            );
         }
     }
     (Class::by_method(method), &upstream.policy)
@@ -195,10 +207,22 @@ mod tests {
             ("POST", "/pay/v1/search/charges", Some(("pay", Class::Read))),
             ("POST", "/pay/v1/search", Some(("pay", Class::Read))),
             ("GET", "/pay/v1/search/x", Some(("pay", Class::Read))),
-            ("DELETE", "/pay/v1/customers/cus_1", Some(("pay", Class::Deny))),
-            ("DELETE", "/pay/v1/customers/cus_1/x", Some(("pay", Class::Write))),
+            (
+                "DELETE",
+                "/pay/v1/customers/cus_1",
+                Some(("pay", Class::Deny)),
+            ),
+            (
+                "DELETE",
+                "/pay/v1/customers/cus_1/x",
+                Some(("pay", Class::Write)),
+            ),
             ("GET", "/pay/v1/reports/r1", Some(("pay", Class::Write))),
-            ("POST", "/llm/v1/chat/completions", Some(("llm", Class::Read))),
+            (
+                "POST",
+                "/llm/v1/chat/completions",
+                Some(("llm", Class::Read)),
+            ),
             ("POST", "/llm/v1/files", Some(("llm", Class::Write))),
             ("POST", "/llm/admin/keys", Some(("llm-admin", Class::Write))),
             ("GET", "/llmadmin", None),

@@ -19,6 +19,7 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use crate::config::TlsConfig;
+use crate::framing::{FramingGuard, Guarded};
 use crate::upstream::ProxyBody;
 
 /// Builds the listener's TLS acceptor (ALPN: h2, http/1.1).
@@ -97,22 +98,33 @@ where
             });
             let result = match &opts.tls {
                 None => {
-                    let conn = builder.serve_connection(TokioIo::new(stream), svc);
+                    let io = TokioIo::new(FramingGuard::new(stream));
+                    let conn = builder.serve_connection(io, svc);
                     watcher.watch(conn.into_owned()).await
                 }
                 Some(acceptor) => {
-                    let tls = match tokio::time::timeout(opts.header_timeout, acceptor.accept(stream)).await {
-                        Ok(Ok(s)) => s,
-                        Ok(Err(e)) => {
-                            tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                            return;
-                        }
-                        Err(_) => {
-                            tracing::debug!(%peer, "TLS handshake timed out");
-                            return;
-                        }
-                    };
-                    let conn = builder.serve_connection(TokioIo::new(tls), svc);
+                    let tls =
+                        match tokio::time::timeout(opts.header_timeout, acceptor.accept(stream))
+                            .await
+                        {
+                            Ok(Ok(s)) => s,
+                            Ok(Err(e)) => {
+                                tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                                return;
+                            }
+                            Err(_) => {
+                                tracing::debug!(%peer, "TLS handshake timed out");
+                                return;
+                            }
+                        };
+                    // The guard is for HTTP/1 framing; HTTP/2 frames carry their own lengths.
+                    let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+                    let io = TokioIo::new(if h2 {
+                        Guarded::Plain(tls)
+                    } else {
+                        Guarded::Guarded(FramingGuard::new(tls))
+                    });
+                    let conn = builder.serve_connection(io, svc);
                     watcher.watch(conn.into_owned()).await
                 }
             };
@@ -122,7 +134,10 @@ where
         });
     }
     drop(listener);
-    tracing::info!(open = graceful.count(), "stopped accepting; draining connections");
+    tracing::info!(
+        open = graceful.count(),
+        "stopped accepting; draining connections"
+    );
     match tokio::time::timeout(opts.drain_timeout, graceful.shutdown()).await {
         Ok(()) => true,
         Err(_) => {

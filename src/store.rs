@@ -47,7 +47,10 @@ impl Filter {
         self.state.is_none_or(|s| r.state == s)
             && self.upstream.as_ref().is_none_or(|u| &r.upstream == u)
             && self.principal.as_ref().is_none_or(|p| &r.principal == p)
-            && self.task.as_ref().is_none_or(|t| r.task.as_ref() == Some(t))
+            && self
+                .task
+                .as_ref()
+                .is_none_or(|t| r.task.as_ref() == Some(t))
     }
 }
 

@@ -82,7 +82,8 @@ fn tls_config(up: &Upstream) -> Result<rustls::ClientConfig, String> {
             .map_err(|e| format!("upstream {}: ca_file {}: {e}", up.name, ca.display()))?;
         let mut n = 0;
         for c in certs {
-            let c = c.map_err(|e| format!("upstream {}: ca_file {}: {e}", up.name, ca.display()))?;
+            let c =
+                c.map_err(|e| format!("upstream {}: ca_file {}: {e}", up.name, ca.display()))?;
             roots
                 .add(c)
                 .map_err(|e| format!("upstream {}: ca_file {}: {e}", up.name, ca.display()))?;
@@ -185,12 +186,7 @@ impl Outgoing {
         }
         let uri = Uri::builder()
             .scheme(up.url.scheme_str().unwrap_or("http"))
-            .authority(
-                up.url
-                    .authority()
-                    .map(|a| a.as_str())
-                    .unwrap_or_default(),
-            )
+            .authority(up.url.authority().map(|a| a.as_str()).unwrap_or_default())
             .path_and_query(path)
             .build()?;
         Ok(Outgoing {
@@ -291,7 +287,8 @@ fn request_id(h: &HeaderMap) -> Option<String> {
 }
 
 fn excerpt(b: &[u8]) -> Option<String> {
-    (!b.is_empty()).then(|| String::from_utf8_lossy(&b[..b.len().min(EVIDENCE_BODY_MAX)]).into_owned())
+    (!b.is_empty())
+        .then(|| String::from_utf8_lossy(&b[..b.len().min(EVIDENCE_BODY_MAX)]).into_owned())
 }
 
 /// The upstream's answer to one attempt, with its body read up to a limit.

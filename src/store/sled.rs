@@ -40,7 +40,10 @@ const MAX_BATCH: usize = 1024;
 const SEGMENT_SIZE: usize = 8 << 20;
 
 enum Op {
-    Claim(Box<ClaimRequest>, oneshot::Sender<Result<Claim, StoreError>>),
+    Claim(
+        Box<ClaimRequest>,
+        oneshot::Sender<Result<Claim, StoreError>>,
+    ),
     Settle(SettleRequest, oneshot::Sender<Result<Record, StoreError>>),
     Recover(Millis, oneshot::Sender<Result<usize, StoreError>>),
     Expire(Millis, oneshot::Sender<Result<usize, StoreError>>),
@@ -66,7 +69,9 @@ impl Reply {
             (Reply::Count(tx, n), Ok(())) => drop(tx.send(Ok(n))),
             (Reply::Unit(tx), Ok(())) => drop(tx.send(Ok(()))),
             (Reply::Claim(tx, _), Err(e)) => drop(tx.send(Err(StoreError::Unavailable(e.clone())))),
-            (Reply::Settle(tx, _), Err(e)) => drop(tx.send(Err(StoreError::Unavailable(e.clone())))),
+            (Reply::Settle(tx, _), Err(e)) => {
+                drop(tx.send(Err(StoreError::Unavailable(e.clone()))))
+            }
             (Reply::Count(tx, _), Err(e)) => drop(tx.send(Err(StoreError::Unavailable(e.clone())))),
             (Reply::Unit(tx), Err(e)) => drop(tx.send(Err(StoreError::Unavailable(e.clone())))),
         }
@@ -167,8 +172,13 @@ impl SledStore {
     ) -> Result<T, StoreError> {
         let (tx, rx) = oneshot::channel();
         {
-            let guard = self.tx.lock().map_err(|_| unavailable("store lock poisoned"))?;
-            let sender = guard.as_ref().ok_or_else(|| unavailable("store is closed"))?;
+            let guard = self
+                .tx
+                .lock()
+                .map_err(|_| unavailable("store lock poisoned"))?;
+            let sender = guard
+                .as_ref()
+                .ok_or_else(|| unavailable("store is closed"))?;
             sender
                 .send(make(tx))
                 .map_err(|_| unavailable("store writer stopped"))?;
@@ -453,14 +463,23 @@ impl Writer {
                 }
             }
             Op::Recover(now, tx) => {
-                let result = scan(&self.db, &Filter { state: Some(State::InFlight), ..Filter::default() }, usize::MAX);
+                let result = scan(
+                    &self.db,
+                    &Filter {
+                        state: Some(State::InFlight),
+                        ..Filter::default()
+                    },
+                    usize::MAX,
+                );
                 match result {
                     Err(e) => Reply::Failed(Box::new(move || drop(tx.send(Err(e))))),
                     Ok(records) => {
                         let mut n = 0;
                         for r in records {
                             // An earlier operation of this batch may have changed it.
-                            let Ok(Some(r)) = self.read(pending, &r.id) else { continue };
+                            let Ok(Some(r)) = self.read(pending, &r.id) else {
+                                continue;
+                            };
                             let old = r.clone();
                             if let Some(new) = recover_in_flight(
                                 r,
@@ -482,7 +501,9 @@ impl Writer {
                     Ok(records) => {
                         let mut n = 0;
                         for r in records {
-                            let Ok(Some(r)) = self.read(pending, &r.id) else { continue };
+                            let Ok(Some(r)) = self.read(pending, &r.id) else {
+                                continue;
+                            };
                             // Never expire an attempt that is still running.
                             if r.is_expired(now) && r.state != State::InFlight {
                                 self.unstage(pending, &r);

@@ -1,0 +1,19 @@
+# Build: docker build -t oncegate .
+# Run:   docker run -p 8080:8080 -v $PWD/config.toml:/etc/oncegate/config.toml -v oncegate-data:/var/lib/oncegate oncegate
+FROM rust:1.95-slim-bookworm AS build
+WORKDIR /src
+COPY Cargo.toml Cargo.lock ./
+COPY src ./src
+RUN cargo build --release --locked --bin oncegate
+
+FROM debian:bookworm-slim
+RUN useradd --system --uid 10001 --home-dir /var/lib/oncegate oncegate \
+    && mkdir -p /etc/oncegate /var/lib/oncegate \
+    && chown oncegate /var/lib/oncegate
+COPY --from=build /src/target/release/oncegate /usr/local/bin/oncegate
+USER oncegate
+WORKDIR /var/lib/oncegate
+EXPOSE 8080 8081
+VOLUME ["/var/lib/oncegate"]
+ENTRYPOINT ["/usr/local/bin/oncegate"]
+CMD ["run", "--config", "/etc/oncegate/config.toml"]

@@ -1,0 +1,378 @@
+//! Request-smuggling guard for HTTP/1 connections (SPEC §2).
+//!
+//! hyper resolves ambiguous framing safely but silently: with both `Content-Length` and
+//! `Transfer-Encoding` it drops the length, and it merges identical duplicate `Content-Length`
+//! lines. The contract is stricter: such requests are refused with 400 and the connection closed.
+//! The service cannot see what hyper dropped, so this wrapper reads the bytes first. It follows
+//! HTTP/1 message framing (heads, fixed-length and chunked bodies), and when a head is ambiguous it
+//! renames the offending `Content-Length` line to [`MARK`] (same length, so nothing shifts). hyper
+//! then parses the request exactly as before, and the proxy answers the marked request with a 400
+//! problem and `Connection: close`.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, BytesMut};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// The header a rewritten ambiguous `Content-Length` line becomes (14 bytes, like the original).
+pub const MARK: &str = "oncegate-badcl";
+
+/// The header a rewritten `Transfer-Encoding` line becomes (17 bytes, like the original), when it
+/// follows a `Content-Length`.
+pub const MARK_TE: &str = "oncegate-badframe";
+
+/// Lines longer than this are passed through unguarded; hyper rejects them anyway (431).
+const MAX_LINE: usize = 512 * 1024;
+
+/// What one head has shown so far.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Head {
+    started: bool,
+    content_length: Option<Option<u64>>,
+    /// `Some(chunked-is-last)` once a Transfer-Encoding line was seen.
+    te_chunked: Option<bool>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum State {
+    /// At the start of a connection: HTTP/2 prior knowledge is passed through.
+    Start,
+    Head(Head),
+    Fixed(u64),
+    ChunkSize(Vec<u8>),
+    ChunkData(u64),
+    ChunkEnd(u8),
+    Trailers(Vec<u8>),
+    /// Guarding stopped (HTTP/2, a head too large, or framing hyper will reject).
+    Off,
+}
+
+/// An I/O wrapper that marks ambiguously framed HTTP/1 requests.
+pub struct FramingGuard<IO> {
+    inner: IO,
+    state: State,
+    /// Bytes read from `inner` that hyper has not been given yet.
+    buf: BytesMut,
+    /// How many leading bytes of `buf` are scanned and may be handed to hyper.
+    ready: usize,
+}
+
+impl<IO> FramingGuard<IO> {
+    pub fn new(inner: IO) -> Self {
+        FramingGuard {
+            inner,
+            state: State::Start,
+            buf: BytesMut::new(),
+            ready: 0,
+        }
+    }
+
+    /// Scans unscanned bytes, moving `ready` forward. Returns whether it made progress.
+    fn scan(&mut self) -> bool {
+        let before = self.ready;
+        loop {
+            let avail = self.buf.len() - self.ready;
+            if avail == 0 {
+                break;
+            }
+            let rest = &self.buf[self.ready..];
+            match &mut self.state {
+                State::Start => {
+                    const PREFACE: &[u8] = b"PRI * HTTP/2.0";
+                    let n = rest.len().min(PREFACE.len());
+                    if rest[..n] != PREFACE[..n] {
+                        self.state = State::Head(Head::default());
+                    } else if n == PREFACE.len() {
+                        self.state = State::Off;
+                    } else {
+                        break;
+                    }
+                }
+                State::Off => self.ready = self.buf.len(),
+                State::Head(head) => {
+                    // Each complete line is inspected, and handed over at once: only a partial
+                    // line is held back, so hyper's header timeout keeps running.
+                    let Some(i) = rest.iter().position(|b| *b == b'\n') else {
+                        if rest.len() > MAX_LINE {
+                            self.state = State::Off;
+                            continue;
+                        }
+                        break;
+                    };
+                    let start = self.ready;
+                    let line = &mut self.buf[start..start + i + 1];
+                    self.ready += i + 1;
+                    let blank = line.iter().all(|c| *c == b'\r' || *c == b'\n');
+                    if blank && !head.started {
+                        // Empty lines before a request line are ignored (RFC 9112 §2.2).
+                    } else if blank {
+                        self.state = framing(head);
+                    } else if !head.started {
+                        head.started = true;
+                    } else {
+                        inspect_line(head, line);
+                    }
+                }
+                State::Fixed(n) => {
+                    let k = (*n).min(avail as u64);
+                    *n -= k;
+                    self.ready += k as usize;
+                    if *n == 0 {
+                        self.state = State::Head(Head::default());
+                    }
+                }
+                State::ChunkSize(line) | State::Trailers(line) => {
+                    let (take, done) = match rest.iter().position(|b| *b == b'\n') {
+                        Some(i) => (i + 1, true),
+                        None => (rest.len(), false),
+                    };
+                    if line.len() + take > 4096 {
+                        self.state = State::Off;
+                        continue;
+                    }
+                    line.extend_from_slice(&rest[..take]);
+                    self.ready += take;
+                    if done {
+                        let text = String::from_utf8_lossy(line).trim().to_string();
+                        self.state = match &self.state {
+                            State::ChunkSize(_) => {
+                                let size = text.split(';').next().unwrap_or("").trim();
+                                match u64::from_str_radix(size, 16) {
+                                    Ok(0) => State::Trailers(Vec::new()),
+                                    Ok(n) => State::ChunkData(n),
+                                    Err(_) => State::Off,
+                                }
+                            }
+                            _ if text.is_empty() => State::Head(Head::default()),
+                            _ => State::Trailers(Vec::new()),
+                        };
+                    }
+                }
+                State::ChunkData(n) => {
+                    let k = (*n).min(avail as u64);
+                    *n -= k;
+                    self.ready += k as usize;
+                    if *n == 0 {
+                        self.state = State::ChunkEnd(2);
+                    }
+                }
+                State::ChunkEnd(left) => {
+                    // CRLF after the chunk data; a bare LF is tolerated like hyper does.
+                    let b = rest[0];
+                    self.ready += 1;
+                    if b == b'\n' || *left == 1 {
+                        self.state = State::ChunkSize(Vec::new());
+                    } else {
+                        *left -= 1;
+                    }
+                }
+            }
+        }
+        self.ready > before
+    }
+}
+
+/// Notes a header line; marks it when it makes the framing ambiguous.
+fn inspect_line(head: &mut Head, line: &mut [u8]) {
+    let Some(colon) = line.iter().position(|c| *c == b':') else {
+        return;
+    };
+    let value = String::from_utf8_lossy(&line[colon + 1..])
+        .trim()
+        .to_string();
+    let name = &line[..colon];
+    if name.eq_ignore_ascii_case(b"content-length") {
+        if head.content_length.is_some() || head.te_chunked.is_some() {
+            line[..MARK.len()].copy_from_slice(MARK.as_bytes());
+        } else {
+            head.content_length = Some(value.parse().ok());
+        }
+    } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+        if head.content_length.is_some() {
+            line[..MARK_TE.len()].copy_from_slice(MARK_TE.as_bytes());
+        } else {
+            let last = value
+                .rsplit(',')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase();
+            head.te_chunked = Some(last == "chunked");
+        }
+    }
+}
+
+/// The body framing of a complete head.
+fn framing(head: &Head) -> State {
+    match (head.te_chunked, head.content_length) {
+        (Some(true), _) => State::ChunkSize(Vec::new()),
+        (Some(false), _) => State::Off,
+        (None, Some(Some(n))) => State::Fixed(n),
+        (None, Some(None)) => State::Off,
+        (None, None) => State::Head(Head::default()),
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for FramingGuard<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        loop {
+            if this.ready > 0 {
+                let n = this.ready.min(out.remaining());
+                out.put_slice(&this.buf[..n]);
+                this.buf.advance(n);
+                this.ready -= n;
+                return Poll::Ready(Ok(()));
+            }
+            if this.scan() {
+                continue;
+            }
+            let mut tmp = [0u8; 16 * 1024];
+            let mut rb = ReadBuf::new(&mut tmp);
+            match Pin::new(&mut this.inner).poll_read(cx, &mut rb) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Ready(Ok(())) if rb.filled().is_empty() => {
+                    if this.buf.is_empty() {
+                        return Poll::Ready(Ok(()));
+                    }
+                    // EOF inside a head: hand over what there is; hyper reports it.
+                    this.state = State::Off;
+                }
+                Poll::Ready(Ok(())) => this.buf.extend_from_slice(rb.filled()),
+            }
+        }
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for FramingGuard<IO> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+/// A stream that is guarded or not, decided per connection.
+pub enum Guarded<IO> {
+    Plain(IO),
+    Guarded(FramingGuard<IO>),
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for Guarded<IO> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Guarded::Plain(io) => Pin::new(io).poll_read(cx, out),
+            Guarded::Guarded(g) => Pin::new(g).poll_read(cx, out),
+        }
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Guarded<IO> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Guarded::Plain(io) => Pin::new(io).poll_write(cx, buf),
+            Guarded::Guarded(g) => Pin::new(g).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Guarded::Plain(io) => Pin::new(io).poll_flush(cx),
+            Guarded::Guarded(g) => Pin::new(g).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Guarded::Plain(io) => Pin::new(io).poll_shutdown(cx),
+            Guarded::Guarded(g) => Pin::new(g).poll_shutdown(cx),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    async fn through(input: &[u8]) -> Vec<u8> {
+        let mut g = FramingGuard::new(input);
+        let mut out = Vec::new();
+        g.read_to_end(&mut out).await.expect("reads");
+        out
+    }
+
+    #[tokio::test]
+    async fn clean_requests_pass_unchanged_across_keep_alive() {
+        let input = b"POST /a HTTP/1.1\r\nContent-Length: 5\r\n\r\nhelloPOST /b HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nworld\r\n0\r\nX-T: 1\r\n\r\nGET /c HTTP/1.1\r\nContent-Length: 0\r\n\r\n";
+        assert_eq!(through(input).await, input);
+    }
+
+    #[tokio::test]
+    async fn ambiguous_heads_are_marked_even_after_other_requests() {
+        let input = b"POST /a HTTP/1.1\r\nContent-Length: 21\r\n\r\nContent-Length: 9\r\n\r\nPOST /b HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nPOST /c HTTP/1.1\r\ncontent-length: 1\r\nContent-Length: 1\r\n\r\nx";
+        let out = String::from_utf8(through(input).await).expect("ascii");
+        // The first body merely looks like a header: untouched.
+        assert!(
+            out.contains("\r\n\r\nContent-Length: 9\r\n\r\nPOST /b"),
+            "{out}"
+        );
+        assert!(
+            out.contains("Content-Length: 3\r\noncegate-badframe: chunked"),
+            "{out}"
+        );
+        assert!(
+            out.contains("content-length: 1\r\noncegate-badcl: 1"),
+            "{out}"
+        );
+    }
+
+    #[tokio::test]
+    async fn http2_preface_passes_through() {
+        let input = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x12\x04\x00\x00\x00\x00\x00Content-Length: 1\r\n";
+        assert_eq!(through(input).await, input);
+    }
+
+    #[tokio::test]
+    async fn bare_lf_heads_are_guarded_too() {
+        let out = through(b"POST / HTTP/1.1\nContent-Length: 1\nContent-Length: 1\n\nx").await;
+        assert!(String::from_utf8_lossy(&out).contains("oncegate-badcl: 1"));
+    }
+}

@@ -1,0 +1,100 @@
+//! Configuration: every shipped config parses, every invalid fixture fails naming its key, and
+//! the binary exits 64 on a bad config.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use oncegate::config::{Config, StoreConfig};
+
+fn files(dir: &str) -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
+    let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    v.sort();
+    assert!(!v.is_empty(), "no fixtures in {}", dir.display());
+    v
+}
+
+#[test]
+fn the_example_config_parses() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config.example.toml");
+    let c = Config::load(&path).unwrap();
+    assert!(c.upstreams.len() >= 2);
+    // The README's first command must work anywhere: a relative store folder.
+    match &c.store {
+        StoreConfig::Sled { path } => assert!(path.is_relative()),
+        other => panic!("example uses {other:?}"),
+    }
+}
+
+#[test]
+fn valid_fixtures_parse() {
+    for f in files("tests/config/valid") {
+        if let Err(e) = Config::load(&f) {
+            panic!("{} should be valid: {e}", f.display());
+        }
+    }
+}
+
+#[test]
+fn invalid_fixtures_fail_naming_the_key() {
+    for f in files("tests/config/invalid") {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let expected = text
+            .lines()
+            .next()
+            .and_then(|l| l.strip_prefix("# error: "))
+            .unwrap_or_else(|| panic!("{} lacks a '# error: KEY' first line", f.display()));
+        match Config::parse(&text) {
+            Ok(_) => panic!("{} should be invalid", f.display()),
+            Err(e) => assert!(
+                e.to_string().contains(expected),
+                "{}: error {e:?} does not name {expected:?}",
+                f.display()
+            ),
+        }
+    }
+}
+
+#[test]
+fn a_bad_config_exits_64_and_names_the_key() {
+    let f = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/config/invalid/unknown_key.toml");
+    for sub in ["check", "run"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_oncegate"))
+            .args([sub, "--config"])
+            .arg(&f)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(64), "{sub}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("lisen"));
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_oncegate"))
+        .args(["check", "--config", "/nonexistent/oncegate.toml"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+}
+
+#[test]
+fn check_prints_the_routing_table() {
+    let f = Path::new(env!("CARGO_MANIFEST_DIR")).join("config.example.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_oncegate"))
+        .args(["check", "--config"])
+        .arg(&f)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        table.contains("payments  /stripe  →  https://api.stripe.com/"),
+        "{table}"
+    );
+    assert!(table.contains("/v1/customers/*"));
+    assert!(table
+        .lines()
+        .any(|l| l.contains("/v1/chat/completions") && l.ends_with("read")));
+}

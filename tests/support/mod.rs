@@ -1,0 +1,512 @@
+//! Test fixtures: a fake upstream with fault knobs and counters, the proxy in-process or as a
+//! child process, and a small HTTP client. Everything binds `127.0.0.1:0`.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode, Version};
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use serde_json::Value;
+use tokio::net::TcpListener;
+use tokio::sync::{oneshot, Notify};
+
+use oncegate::config::Config;
+use oncegate::upstream::BoxError;
+
+type Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
+
+fn full(b: impl Into<Bytes>) -> Body {
+    Full::new(b.into()).map_err(|n| match n {}).boxed()
+}
+
+/// What the fake upstream does with one request. Every request is recorded (counted as applied)
+/// once its body has been read, before the behaviour runs.
+#[derive(Clone)]
+pub enum Behavior {
+    Respond {
+        status: u16,
+        headers: Vec<(String, String)>,
+        body: Bytes,
+    },
+    /// Waits, then behaves.
+    Delay(Duration, Box<Behavior>),
+    /// Waits until the gate is opened, then behaves.
+    Gate(Arc<Notify>, Box<Behavior>),
+    /// Applies the write, then never answers.
+    Hang,
+    /// Applies the write, then closes the connection without answering.
+    Drop,
+    /// Sends `first`, waits for the gate, then sends `rest` and ends.
+    Stream {
+        first: Bytes,
+        gate: Arc<Notify>,
+        rest: Bytes,
+    },
+    /// A body of `n` bytes, streamed in 64 KiB chunks.
+    Large(u64),
+}
+
+impl Behavior {
+    pub fn status(status: u16) -> Behavior {
+        Behavior::Respond {
+            status,
+            headers: vec![],
+            body: Bytes::new(),
+        }
+    }
+
+    pub fn json(status: u16, body: &str) -> Behavior {
+        Behavior::Respond {
+            status,
+            headers: vec![("content-type".into(), "application/json".into())],
+            body: Bytes::copy_from_slice(body.as_bytes()),
+        }
+    }
+
+    pub fn with_header(self, name: &str, value: &str) -> Behavior {
+        match self {
+            Behavior::Respond {
+                status,
+                mut headers,
+                body,
+            } => {
+                headers.push((name.into(), value.into()));
+                Behavior::Respond {
+                    status,
+                    headers,
+                    body,
+                }
+            }
+            other => other,
+        }
+    }
+}
+
+/// One request as the upstream saw it.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub method: String,
+    /// Path and query, byte for byte.
+    pub target: String,
+    pub version: Version,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Received {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+struct UpstreamState {
+    received: Mutex<Vec<Received>>,
+    script: Mutex<VecDeque<Behavior>>,
+    default: Mutex<Behavior>,
+    arrived: Notify,
+}
+
+/// A counting fake upstream.
+pub struct FakeUpstream {
+    pub addr: SocketAddr,
+    state: Arc<UpstreamState>,
+    scheme: &'static str,
+    _stop: oneshot::Sender<()>,
+}
+
+impl FakeUpstream {
+    pub async fn start() -> FakeUpstream {
+        Self::start_with(None).await
+    }
+
+    pub async fn start_tls(cfg: rustls::ServerConfig) -> FakeUpstream {
+        Self::start_with(Some(tokio_rustls::TlsAcceptor::from(Arc::new(cfg)))).await
+    }
+
+    async fn start_with(tls: Option<tokio_rustls::TlsAcceptor>) -> FakeUpstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let state = Arc::new(UpstreamState {
+            received: Mutex::new(Vec::new()),
+            script: Mutex::new(VecDeque::new()),
+            default: Mutex::new(Behavior::json(200, r#"{"ok":true}"#)),
+            arrived: Notify::new(),
+        });
+        let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
+        let st = state.clone();
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = tokio::select! {
+                    r = listener.accept() => match r { Ok(c) => c, Err(_) => continue },
+                    _ = &mut stop_rx => return,
+                };
+                let st = st.clone();
+                let tls = tls.clone();
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req| handle(st.clone(), req));
+                    let builder = auto::Builder::new(TokioExecutor::new());
+                    match tls {
+                        None => {
+                            let _ = builder.serve_connection(TokioIo::new(stream), svc).await;
+                        }
+                        Some(acc) => {
+                            if let Ok(s) = acc.accept(stream).await {
+                                let _ = builder.serve_connection(TokioIo::new(s), svc).await;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        FakeUpstream {
+            addr,
+            state,
+            scheme,
+            _stop: stop_tx,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("{}://{}", self.scheme, self.addr)
+    }
+
+    /// Queues behaviours for the next requests, in order.
+    pub fn push(&self, b: Behavior) {
+        self.state.script.lock().unwrap().push_back(b);
+    }
+
+    /// What requests get once the queue is empty.
+    pub fn set_default(&self, b: Behavior) {
+        *self.state.default.lock().unwrap() = b;
+    }
+
+    pub fn received(&self) -> Vec<Received> {
+        self.state.received.lock().unwrap().clone()
+    }
+
+    pub fn count(&self) -> usize {
+        self.state.received.lock().unwrap().len()
+    }
+
+    /// How many requests carried `key` in `header`.
+    pub fn count_key(&self, header: &str, key: &str) -> usize {
+        self.received()
+            .iter()
+            .filter(|r| r.header(header) == Some(key))
+            .count()
+    }
+
+    /// Waits until at least `n` requests arrived.
+    pub async fn wait_for(&self, n: usize) {
+        loop {
+            let notified = self.state.arrived.notified();
+            if self.count() >= n {
+                return;
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
+        }
+    }
+}
+
+async fn handle(
+    st: Arc<UpstreamState>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, BoxError> {
+    let (parts, body) = req.into_parts();
+    let body = body.collect().await?.to_bytes();
+    st.received.lock().unwrap().push(Received {
+        method: parts.method.to_string(),
+        target: parts
+            .uri
+            .path_and_query()
+            .map(|p| p.as_str().to_string())
+            .unwrap_or_default(),
+        version: parts.version,
+        headers: parts.headers,
+        body,
+    });
+    st.arrived.notify_waiters();
+    let behavior = {
+        let next = st.script.lock().unwrap().pop_front();
+        next.unwrap_or_else(|| st.default.lock().unwrap().clone())
+    };
+    run_behavior(behavior).await
+}
+
+fn run_behavior(
+    b: Behavior,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Response<Body>, BoxError>> + Send>> {
+    Box::pin(async move {
+        match b {
+            Behavior::Respond {
+                status,
+                headers,
+                body,
+            } => {
+                let mut r = Response::new(full(body));
+                *r.status_mut() = StatusCode::from_u16(status).unwrap();
+                for (k, v) in headers {
+                    r.headers_mut().append(
+                        http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                        v.parse().unwrap(),
+                    );
+                }
+                Ok(r)
+            }
+            Behavior::Delay(d, next) => {
+                tokio::time::sleep(d).await;
+                run_behavior(*next).await
+            }
+            Behavior::Gate(gate, next) => {
+                gate.notified().await;
+                run_behavior(*next).await
+            }
+            Behavior::Hang => {
+                std::future::pending::<()>().await;
+                unreachable!()
+            }
+            Behavior::Drop => Err("dropping the connection on purpose".into()),
+            Behavior::Stream { first, gate, rest } => {
+                let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
+                tokio::spawn(async move {
+                    let _ = tx.send(Ok(Frame::data(first))).await;
+                    gate.notified().await;
+                    let _ = tx.send(Ok(Frame::data(rest))).await;
+                });
+                let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+                let mut r = Response::new(StreamBody::new(stream).boxed());
+                r.headers_mut()
+                    .insert("content-type", "text/event-stream".parse().unwrap());
+                Ok(r)
+            }
+            Behavior::Large(n) => {
+                let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(2);
+                tokio::spawn(async move {
+                    let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
+                    let mut left = n;
+                    while left > 0 {
+                        let take = left.min(chunk.len() as u64) as usize;
+                        if tx.send(Ok(Frame::data(chunk.slice(..take)))).await.is_err() {
+                            return;
+                        }
+                        left -= take as u64;
+                    }
+                });
+                Ok(Response::new(
+                    StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed(),
+                ))
+            }
+        }
+    })
+}
+
+/// The proxy, running in-process on a temporary sled store.
+pub struct TestProxy {
+    pub addr: SocketAddr,
+    pub dir: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<Result<(), oncegate::RunError>>>,
+}
+
+impl TestProxy {
+    /// Starts the proxy with `toml` on a fresh temporary store.
+    pub async fn start(toml: &str) -> TestProxy {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("store");
+        let mut p = Self::start_in(toml, &dir).await;
+        p._tmp = Some(tmp);
+        p
+    }
+
+    /// Starts the proxy with `toml` on the store at `dir`.
+    pub async fn start_in(toml: &str, dir: &Path) -> TestProxy {
+        let store: Arc<dyn oncegate::store::Store> =
+            Arc::new(oncegate::store::sled::SledStore::open(dir).unwrap());
+        Self::start_with_store(toml, store, dir).await
+    }
+
+    pub async fn start_with_store(
+        toml: &str,
+        store: Arc<dyn oncegate::store::Store>,
+        dir: &Path,
+    ) -> TestProxy {
+        let config = Config::parse(toml).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(oncegate::run(
+            config,
+            oncegate::Listeners { proxy: listener },
+            store,
+            async move {
+                let _ = stop_rx.await;
+            },
+        ));
+        TestProxy {
+            addr,
+            dir: dir.to_owned(),
+            _tmp: None,
+            stop: Some(stop_tx),
+            task: Some(task),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// Graceful stop; returns once the store is closed.
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            t.await.unwrap().unwrap();
+        }
+    }
+}
+
+/// A config with one upstream `pay` at `/pay`, short timeouts, and `extra` appended to the
+/// upstream table (routes, policy keys).
+pub fn config(upstream_url: &str, extra: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+header_timeout = "2s"
+drain_timeout = "5s"
+
+[defaults]
+timeout = "1s"
+connect_timeout = "1s"
+max_retry_wait = "200ms"
+
+[[upstreams]]
+name = "pay"
+prefix = "/pay"
+url = "{upstream_url}"
+{extra}
+"#
+    )
+}
+
+/// A response as a test reads it.
+#[derive(Debug)]
+pub struct Resp {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Resp {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", self.body))
+    }
+
+    /// The problem type name (`urn:oncegate:problem:NAME` → `NAME`).
+    pub fn problem(&self) -> String {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "not a problem: {self:?}"
+        );
+        self.json()["type"]
+            .as_str()
+            .unwrap()
+            .trim_start_matches("urn:oncegate:problem:")
+            .to_string()
+    }
+}
+
+/// A plain HTTP/1.1 client.
+#[derive(Clone)]
+pub struct TestClient(Client<HttpConnector, Full<Bytes>>);
+
+impl Default for TestClient {
+    fn default() -> Self {
+        TestClient(Client::builder(TokioExecutor::new()).build_http())
+    }
+}
+
+impl TestClient {
+    pub fn http2() -> TestClient {
+        TestClient(
+            Client::builder(TokioExecutor::new())
+                .http2_only(true)
+                .build_http(),
+        )
+    }
+
+    pub async fn send(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> Resp {
+        let mut req = Request::builder().method(method).uri(url);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req
+            .body(Full::new(Bytes::copy_from_slice(body.as_bytes())))
+            .unwrap();
+        let resp = self.0.request(req).await.unwrap();
+        let (parts, body) = resp.into_parts();
+        Resp {
+            status: parts.status,
+            headers: parts.headers,
+            body: body.collect().await.unwrap().to_bytes(),
+        }
+    }
+
+    pub async fn post(&self, url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
+        self.send("POST", url, headers, body).await
+    }
+
+    pub async fn get(&self, url: &str) -> Resp {
+        self.send("GET", url, &[], "").await
+    }
+
+    /// Sends and returns the streaming response.
+    pub async fn stream(&self, url: &str) -> Response<Incoming> {
+        let req = Request::get(url).body(Full::new(Bytes::new())).unwrap();
+        self.0.request(req).await.unwrap()
+    }
+}
+
+/// Writes raw bytes to `addr` and reads until the server closes or `limit` passes.
+pub async fn raw(addr: SocketAddr, request: &[u8], limit: Duration) -> (String, bool) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(request).await.unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let closed = loop {
+        match tokio::time::timeout(limit, s.read(&mut buf)).await {
+            Ok(Ok(0)) => break true,
+            Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
+            Ok(Err(_)) => break true,
+            Err(_) => break false,
+        }
+    };
+    (String::from_utf8_lossy(&out).into_owned(), closed)
+}
