@@ -79,9 +79,11 @@ impl Reply {
 }
 
 pub struct SledStore {
-    db: sled::Db,
+    /// `None` once closed: closing releases sled's file lock, so the folder can be reopened.
+    db: std::sync::RwLock<Option<sled::Db>>,
     dir: PathBuf,
     tx: std::sync::Mutex<Option<mpsc::Sender<Op>>>,
+    writer: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Flushes performed, for metrics and the "flushes per write" figure.
     flushes: Arc<std::sync::atomic::AtomicU64>,
 }
@@ -149,14 +151,15 @@ impl SledStore {
             log,
             flushes: flushes.clone(),
         };
-        std::thread::Builder::new()
+        let handle = std::thread::Builder::new()
             .name("oncegate-store".into())
             .spawn(move || writer.run(rx))
             .map_err(|e| fail("start writer thread", &e))?;
         Ok(SledStore {
-            db,
+            db: std::sync::RwLock::new(Some(db)),
             dir: dir.to_owned(),
             tx: std::sync::Mutex::new(Some(tx)),
+            writer: std::sync::Mutex::new(Some(handle)),
             flushes,
         })
     }
@@ -184,6 +187,14 @@ impl SledStore {
                 .map_err(|_| unavailable("store writer stopped"))?;
         }
         rx.await.map_err(|_| unavailable("store writer stopped"))?
+    }
+
+    fn db(&self) -> Result<sled::Db, StoreError> {
+        self.db
+            .read()
+            .map_err(|_| unavailable("store lock poisoned"))?
+            .clone()
+            .ok_or_else(|| unavailable("store is closed"))
     }
 
     fn body_path(&self, sha: &str) -> PathBuf {
@@ -235,7 +246,7 @@ impl Store for SledStore {
     fn get<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         Box::pin(async move {
             let key = rec_key(id);
-            match self.db.get(&key).map_err(unavailable)? {
+            match self.db()?.get(&key).map_err(unavailable)? {
                 Some(v) => decode(&key, &v).map(Some),
                 None => Ok(None),
             }
@@ -246,7 +257,7 @@ impl Store for SledStore {
         Box::pin(async move {
             match record.response.as_ref().map(|r| &r.body) {
                 Some(BodyRef::Inline) => Ok(self
-                    .db
+                    .db()?
                     .get(body_key(&record.id))
                     .map_err(unavailable)?
                     .map(|v| Bytes::copy_from_slice(&v))),
@@ -263,7 +274,7 @@ impl Store for SledStore {
 
     fn scan(&self, filter: Filter, limit: usize) -> BoxFuture<'_, Result<Vec<Record>, StoreError>> {
         Box::pin(async move {
-            let db = self.db.clone();
+            let db = self.db()?;
             tokio::task::spawn_blocking(move || scan(&db, &filter, limit))
                 .await
                 .map_err(unavailable)?
@@ -284,6 +295,16 @@ impl Store for SledStore {
             if let Ok(mut g) = self.tx.lock() {
                 // Dropping the sender ends the writer thread once its queue is empty.
                 g.take();
+            }
+            let writer = self.writer.lock().ok().and_then(|mut w| w.take());
+            if let Some(w) = writer {
+                tokio::task::spawn_blocking(move || w.join())
+                    .await
+                    .map_err(unavailable)?
+                    .map_err(|_| unavailable("store writer panicked"))?;
+            }
+            if let Ok(mut db) = self.db.write() {
+                db.take();
             }
             Ok(())
         })

@@ -316,6 +316,7 @@ fn run_behavior(
 pub struct TestProxy {
     pub addr: SocketAddr,
     pub dir: PathBuf,
+    pub store: Arc<dyn oncegate::store::Store>,
     _tmp: Option<tempfile::TempDir>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<Result<(), oncegate::RunError>>>,
@@ -350,7 +351,7 @@ impl TestProxy {
         let task = tokio::spawn(oncegate::run(
             config,
             oncegate::Listeners { proxy: listener },
-            store,
+            store.clone(),
             async move {
                 let _ = stop_rx.await;
             },
@@ -358,6 +359,7 @@ impl TestProxy {
         TestProxy {
             addr,
             dir: dir.to_owned(),
+            store,
             _tmp: None,
             stop: Some(stop_tx),
             task: Some(task),
@@ -509,4 +511,84 @@ pub async fn raw(addr: SocketAddr, request: &[u8], limit: Duration) -> (String, 
         }
     };
     (String::from_utf8_lossy(&out).into_owned(), closed)
+}
+
+/// The proxy binary as a child process (for SIGKILL tests).
+pub struct ChildProxy {
+    pub child: std::process::Child,
+    pub addr: SocketAddr,
+    pub stderr: Arc<Mutex<String>>,
+}
+
+impl ChildProxy {
+    /// Starts `oncegate run --config <config>` and waits until it listens. The config must use
+    /// `listen = "127.0.0.1:0"`; the address is read from the proxy's log.
+    pub fn spawn(config: &Path) -> ChildProxy {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_oncegate"))
+            .args(["run", "--config"])
+            .arg(config)
+            .env("RUST_LOG", "info")
+            .stderr(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let log2 = log.clone();
+        std::thread::spawn(move || {
+            let mut tx = Some(tx);
+            for line in std::io::BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Some(i) = line.find("addr=") {
+                    let addr: String = line[i + 5..]
+                        .chars()
+                        .take_while(|c| !c.is_whitespace())
+                        .collect();
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(addr);
+                    }
+                }
+                let mut l = log2.lock().unwrap();
+                l.push_str(&line);
+                l.push('\n');
+            }
+        });
+        let addr = rx
+            .recv_timeout(Duration::from_secs(20))
+            .unwrap_or_else(|_| panic!("proxy did not start: {}", log.lock().unwrap()));
+        ChildProxy {
+            child,
+            addr: addr.parse().unwrap(),
+            stderr: log,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// SIGKILL: no drain, no flush.
+    pub fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    /// SIGTERM, then waits for the exit status.
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap();
+        self.child.wait().unwrap()
+    }
+}
+
+impl Drop for ChildProxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
