@@ -56,6 +56,15 @@ impl Waiters {
         m.entry(id.to_string()).or_default().clone()
     }
 
+    /// Drops a waiter's registration; the entry goes once nobody waits on it.
+    fn release(&self, id: &str, mine: Arc<Notify>) {
+        drop(mine);
+        let mut m = self.0.lock().expect("waiters lock is never poisoned: no panics inside");
+        if m.get(id).is_some_and(|n| Arc::strong_count(n) == 1) {
+            m.remove(id);
+        }
+    }
+
     fn wake(&self, id: &str) {
         let n = self
             .0
@@ -79,6 +88,12 @@ pub struct Proxy {
     waiters: Waiters,
     /// Attempts running in their own tasks; drained on shutdown.
     attempts: TaskTracker,
+}
+
+/// What a claim leads to.
+enum Next {
+    Attempt(Record),
+    Replay(Record),
 }
 
 /// The request as the write path keeps it.
@@ -349,12 +364,31 @@ impl Proxy {
             + 5_000
     }
 
-    /// Phase `claim`: decides what this request gets (SPEC §5 step 2).
+    /// Phase `claim`: decides what this request gets (SPEC §5 step 2), then acts on it.
     async fn claim(self: &Arc<Self>, job: WriteJob) -> Result<Response<ProxyBody>, ProxyError> {
         let fresh = self.fresh_record(&job);
+        let mut waiter = None;
+        let next = self.decide(&job, &fresh, &mut waiter).await;
+        if let Some(w) = waiter {
+            self.waiters.release(&fresh.id, w);
+        }
+        match next? {
+            Next::Attempt(rec) => self.attempt(job, rec).await,
+            Next::Replay(rec) => self.replay(rec).await,
+        }
+    }
+
+    /// Claims the action, waiting up to `in_flight_wait` for a running attempt to end.
+    async fn decide(
+        &self,
+        job: &WriteJob,
+        fresh: &Record,
+        waiter: &mut Option<Arc<Notify>>,
+    ) -> Result<Next, ProxyError> {
         let wait_until = tokio::time::Instant::now() + job.policy.in_flight_wait;
         loop {
-            let notify = self.waiters.get(&fresh.id);
+            // Registered only once a wait is needed, so other answers leave nothing behind.
+            let notify = waiter.clone().unwrap_or_default();
             let notified = notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
@@ -370,7 +404,7 @@ impl Proxy {
                 .await
                 .map_err(|e| store_unavailable(e, None))?;
             let rec = match claim {
-                Claim::Claimed(rec) => return self.attempt(job, rec).await,
+                Claim::Claimed(rec) => return Ok(Next::Attempt(rec)),
                 Claim::KeyReused(rec) => return Err(ProxyError::KeyReused(self.ctx(rec).await)),
                 Claim::Exhausted(rec) => {
                     return Err(ProxyError::AttemptsExhausted(self.ctx(rec).await))
@@ -378,10 +412,14 @@ impl Proxy {
                 Claim::Existing(rec) => rec,
             };
             match rec.state {
-                State::Succeeded => return self.replay(rec).await,
+                State::Succeeded => return Ok(Next::Replay(rec)),
                 State::InFlight => {
                     let now = tokio::time::Instant::now();
                     if now < wait_until {
+                        if waiter.is_none() {
+                            *waiter = Some(self.waiters.get(&fresh.id));
+                            continue;
+                        }
                         // Woken when the attempt settles here; polled for other proxies.
                         let slice = (wait_until - now).min(Duration::from_millis(100));
                         let _ = tokio::time::timeout(slice, notified).await;
