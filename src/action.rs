@@ -176,6 +176,82 @@ pub struct Record {
     pub evidence: Vec<Attempt>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub response: Option<StoredResponse>,
+    /// How an `unknown` action was settled, when it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolution: Option<Resolution>,
+}
+
+/// Who settled an unknown action, how and why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Resolution {
+    pub at: Millis,
+    /// `lookup` or `admin`.
+    pub actor: String,
+    pub applied: bool,
+    pub reason: String,
+}
+
+/// A request to settle an `unknown` action (SPEC §9).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resolve {
+    pub applied: bool,
+    pub external_id: Option<String>,
+    /// The lookup's answer, kept for replays (`applied` by lookup only), and its body.
+    pub response: Option<StoredResponse>,
+    pub body: Option<bytes::Bytes>,
+    pub actor: String,
+    pub reason: String,
+    pub now: Millis,
+}
+
+/// Why a resolution was not applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResolveError {
+    #[error("action {0} not found")]
+    NotFound(String),
+    #[error("action {id} is {state}, not unknown")]
+    NotUnknown { id: String, state: &'static str },
+}
+
+/// Settles an `unknown` action as applied (`succeeded`) or not applied (`failed`, so that the next
+/// request sends a new attempt with the same key).
+pub fn apply_resolve(
+    current: Option<Record>,
+    id: &str,
+    res: Resolve,
+) -> Result<Record, ResolveError> {
+    let mut r = current.ok_or_else(|| ResolveError::NotFound(id.to_string()))?;
+    if r.state != State::Unknown {
+        return Err(ResolveError::NotUnknown {
+            id: id.to_string(),
+            state: r.state.as_str(),
+        });
+    }
+    if let Some(a) = r.evidence.last_mut() {
+        a.ended_at.get_or_insert(res.now);
+    }
+    r.state = if res.applied {
+        State::Succeeded
+    } else {
+        State::Failed
+    };
+    r.owner = None;
+    r.lease_until = None;
+    r.needs_decision = false;
+    if res.applied {
+        if res.external_id.is_some() {
+            r.external_id = res.external_id;
+        }
+        r.response = res.response;
+    }
+    r.resolution = Some(Resolution {
+        at: res.now,
+        actor: res.actor,
+        applied: res.applied,
+        reason: res.reason,
+    });
+    r.touch(res.now);
+    Ok(r)
 }
 
 impl Record {
@@ -252,6 +328,7 @@ pub fn decide_claim(current: Option<Record>, req: &ClaimRequest) -> (Claim, Opti
             r.attempts = 0;
             r.evidence.clear();
             r.response = None;
+            r.resolution = None;
             r.external_id = None;
             r.created_at = req.now;
             r.start_attempt(&req.owner, req.lease, req.now);
@@ -370,6 +447,7 @@ pub(crate) mod tests {
             request: RequestInfo::default(),
             evidence: vec![],
             response: None,
+            resolution: None,
         }
     }
 

@@ -359,6 +359,21 @@ impl ProxyError {
         }
     }
 
+    /// The problem's name (`urn:oncegate:problem:NAME`).
+    pub fn name(&self) -> &'static str {
+        self.shape().name
+    }
+
+    /// The `Oncegate-Outcome` of this problem.
+    pub fn outcome(&self) -> Outcome {
+        self.shape().outcome
+    }
+
+    /// The action this problem is about, if any.
+    pub fn record(&self) -> Option<&Record> {
+        self.ctx().map(|c| &c.record)
+    }
+
     /// The one mapping from errors to responses.
     pub fn into_response(self) -> Response<ProxyBody> {
         let shape = self.shape();

@@ -16,6 +16,7 @@
 //! - [`upstream`]: the client, TLS, transparency, timeouts and tries.
 //! - [`proxy`]: the request path as named phases.
 //! - [`replay`]: stored response → response.
+//! - [`log`]: the hash-chained write log: entries, hashing, verification.
 //! - [`redact`]: the one place secrets are removed.
 //! - [`error`]: the one error type and its mapping to problem responses.
 //! - [`framing`]: the request-smuggling guard under HTTP/1 connections.
@@ -26,6 +27,7 @@ pub mod config;
 pub mod error;
 pub mod framing;
 pub mod identity;
+pub mod log;
 pub mod proxy;
 pub mod redact;
 pub mod replay;
@@ -41,7 +43,7 @@ use tokio::net::TcpListener;
 
 use crate::config::{Config, StoreConfig};
 use crate::proxy::Proxy;
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, StoreOptions};
 
 /// Why the proxy could not run.
 #[derive(Debug, thiserror::Error)]
@@ -57,14 +59,38 @@ pub struct Listeners {
     pub proxy: TcpListener,
 }
 
+/// The store options the config asks for, reading the secrets it names from the environment.
+/// Errors name the config key.
+pub fn store_options(config: &Config) -> Result<StoreOptions, String> {
+    let key = match &config.log.hmac_key_env {
+        None => None,
+        Some(var) => match std::env::var(var) {
+            Ok(v) if !v.is_empty() => Some(v.into_bytes()),
+            _ => {
+                return Err(format!(
+                    "invalid `log.hmac_key_env`: the environment variable {var} is not set"
+                ))
+            }
+        },
+    };
+    Ok(StoreOptions {
+        chain: log::Chain::new(key),
+        log_retention: config.log.retention,
+    })
+}
+
 /// Opens the store the config names.
-pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, StoreError> {
+pub async fn open_store(
+    config: &Config,
+    options: StoreOptions,
+) -> Result<Arc<dyn Store>, StoreError> {
     match &config.store {
         StoreConfig::Sled { path } => {
             let path = path.clone();
-            let store = tokio::task::spawn_blocking(move || store::sled::SledStore::open(&path))
-                .await
-                .map_err(|e| StoreError::Unavailable(e.to_string()))??;
+            let store =
+                tokio::task::spawn_blocking(move || store::sled::SledStore::open(&path, options))
+                    .await
+                    .map_err(|e| StoreError::Unavailable(e.to_string()))??;
             Ok(Arc::new(store))
         }
         StoreConfig::Postgres { .. } => Err(StoreError::Unavailable(

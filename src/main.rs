@@ -103,8 +103,15 @@ fn run(config: Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let options = match oncegate::store_options(&config) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("oncegate: config: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
     rt.block_on(async move {
-        let store = match oncegate::open_store(&config).await {
+        let store = match oncegate::open_store(&config, options).await {
             Ok(s) => s,
             Err(e) => {
                 eprintln!("oncegate: {e}");

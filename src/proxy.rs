@@ -32,6 +32,7 @@ use crate::action::{
 use crate::config::{Config, Policy, Upstream};
 use crate::error::{action_json, ActionCtx, Completed, Outcome, ProxyError};
 use crate::identity::{self, Identity, KeyError};
+use crate::log::{Actor, Event, LogEvent};
 use crate::redact::{latin1, Redactor};
 use crate::replay::replay;
 use crate::route::{route, Class, Target};
@@ -59,7 +60,10 @@ impl Waiters {
     /// Drops a waiter's registration; the entry goes once nobody waits on it.
     fn release(&self, id: &str, mine: Arc<Notify>) {
         drop(mine);
-        let mut m = self.0.lock().expect("waiters lock is never poisoned: no panics inside");
+        let mut m = self
+            .0
+            .lock()
+            .expect("waiters lock is never poisoned: no panics inside");
         if m.get(id).is_some_and(|n| Arc::strong_count(n) == 1) {
             m.remove(id);
         }
@@ -223,14 +227,64 @@ impl Proxy {
         let span = tracing::Span::current();
         span.record("upstream", target.upstream.name.as_str());
         span.record("class", target.class.as_str());
-        match target.class {
+        if target.class == Class::Read {
+            return self.read(target, req).await;
+        }
+        // Writes and denied requests are audited: keep what the write log needs.
+        let method = req.method().clone();
+        let shown = self.redactor.path(target.rest, req.uri().query());
+        let principal = identity::principal(req.headers(), target.policy);
+        let result = match target.class {
             Class::Deny => Err(ProxyError::RouteDenied {
-                method: req.method().to_string(),
+                method: method.to_string(),
                 path: self.redactor.path(&path, req.uri().query()),
             }),
-            Class::Read => self.read(target, req).await,
-            Class::Write => self.write(target, req).await,
+            _ => self.write(target, req).await,
+        };
+        if let Err(e) = &result {
+            self.note_problem(e, target.upstream, &method, &shown, &principal);
         }
+        result
+    }
+
+    /// Logs a refused write (`rejected`) or a duplicate turned away (`conflict`). Outcomes of
+    /// attempts are logged by the store with the state change itself.
+    fn note_problem(
+        &self,
+        e: &ProxyError,
+        up: &Upstream,
+        method: &Method,
+        path: &str,
+        principal: &str,
+    ) {
+        let event = match e {
+            ProxyError::KeyReused(_)
+            | ProxyError::InFlight { .. }
+            | ProxyError::OutcomeUnknown {
+                lost_now: false, ..
+            }
+            | ProxyError::AttemptsExhausted(_)
+            | ProxyError::AlreadyApplied(_) => Event::Conflict,
+            ProxyError::KeyInvalid(_)
+            | ProxyError::KeyRequired
+            | ProxyError::BodyTooLarge { .. }
+            | ProxyError::RouteDenied { .. }
+            | ProxyError::BadRequest(_) => Event::Rejected,
+            _ => return,
+        };
+        let ev = match e.record() {
+            Some(r) => LogEvent::for_record(event, r, Actor::Proxy),
+            None => {
+                let mut ev = LogEvent::bare(event, Actor::Proxy);
+                ev.upstream = Some(up.name.clone());
+                ev.method = Some(method.to_string());
+                ev.path = Some(path.to_string());
+                ev.principal = Some(identity::principal_short(principal).to_string());
+                ev
+            }
+        };
+        self.store
+            .note(ev.outcome(e.outcome().as_str()).detail(e.name()));
     }
 
     /// Phase `forward`: a read, streamed both ways.
@@ -353,6 +407,7 @@ impl Proxy {
             },
             evidence: Vec::new(),
             response: None,
+            resolution: None,
         }
     }
 
@@ -486,6 +541,11 @@ impl Proxy {
         };
         let mut resp = replay(&rec, body);
         write_headers(resp.headers_mut(), &rec, Outcome::Replayed);
+        self.store.note(
+            LogEvent::for_record(Event::Replayed, &rec, Actor::Proxy)
+                .status(rec.response.as_ref().map(|r| r.status))
+                .outcome(Outcome::Replayed.as_str()),
+        );
         Ok(resp)
     }
 

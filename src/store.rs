@@ -8,7 +8,10 @@ use std::pin::Pin;
 
 use bytes::Bytes;
 
-use crate::action::{Claim, ClaimRequest, Millis, Record, SettleError, Settlement, State};
+use crate::action::{
+    Claim, ClaimRequest, Millis, Record, Resolve, ResolveError, SettleError, Settlement, State,
+};
+use crate::log::{Chain, Entry, Event, LogEvent, Verification};
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -19,6 +22,8 @@ pub enum StoreError {
     Unavailable(String),
     #[error(transparent)]
     Settle(#[from] SettleError),
+    #[error(transparent)]
+    Resolve(#[from] ResolveError),
     /// A stored record could not be decoded.
     #[error("corrupt record {id}: {reason}")]
     Corrupt { id: String, reason: String },
@@ -31,6 +36,15 @@ pub struct SettleRequest {
     pub attempt: u32,
     pub settlement: Settlement,
     pub body: Option<Bytes>,
+}
+
+/// What every store needs besides its location.
+#[derive(Debug, Clone, Default)]
+pub struct StoreOptions {
+    /// Hashes the write log (plain SHA-256, or HMAC with `log.hmac_key_env`).
+    pub chain: Chain,
+    /// `log.retention`: log entries older than this are pruned by the sweeper (default: keep).
+    pub log_retention: Option<std::time::Duration>,
 }
 
 /// Which records a scan returns.
@@ -72,11 +86,31 @@ pub trait Store: Send + Sync + 'static {
     /// Records matching `filter`, oldest first, at most `limit`.
     fn scan(&self, filter: Filter, limit: usize) -> BoxFuture<'_, Result<Vec<Record>, StoreError>>;
 
+    /// Settles an `unknown` action (SPEC §9), logged as `event` (`lookup` or `resolved`).
+    fn resolve(
+        &self,
+        id: String,
+        res: Resolve,
+        event: Event,
+    ) -> BoxFuture<'_, Result<Record, StoreError>>;
+
+    /// Appends a log entry for an event that changes no record (a replay, a conflict, a refused
+    /// request, a lookup that settled nothing). It is written with the next durable batch; the
+    /// caller does not wait for it.
+    fn note(&self, event: LogEvent);
+
+    /// Write-log entries with `seq > after`, in order, at most `limit`.
+    fn log(&self, after: u64, limit: usize) -> BoxFuture<'_, Result<Vec<Entry>, StoreError>>;
+
+    /// Walks the whole write-log chain.
+    fn verify_log(&self) -> BoxFuture<'_, Result<Verification, StoreError>>;
+
     /// Turns the `in_flight` records left by a previous run into `unknown` (SPEC §5 step 6).
     /// Returns how many changed.
     fn recover(&self, now: Millis) -> BoxFuture<'_, Result<usize, StoreError>>;
 
-    /// Deletes records that expired before `now`. Returns how many.
+    /// Deletes records that expired before `now` (and prunes the log past `log.retention`).
+    /// Returns how many records.
     fn expire(&self, now: Millis) -> BoxFuture<'_, Result<usize, StoreError>>;
 
     /// Makes everything durable and releases the store (graceful shutdown).

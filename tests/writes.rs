@@ -671,6 +671,36 @@ impl oncegate::store::Store for BrokenStore {
     > {
         self.0.scan(f, l)
     }
+    fn resolve(
+        &self,
+        id: String,
+        res: oncegate::action::Resolve,
+        ev: oncegate::log::Event,
+    ) -> oncegate::store::BoxFuture<'_, Result<oncegate::action::Record, oncegate::store::StoreError>>
+    {
+        self.0.resolve(id, res, ev)
+    }
+    fn note(&self, ev: oncegate::log::LogEvent) {
+        self.0.note(ev)
+    }
+    fn log(
+        &self,
+        after: u64,
+        limit: usize,
+    ) -> oncegate::store::BoxFuture<
+        '_,
+        Result<Vec<oncegate::log::Entry>, oncegate::store::StoreError>,
+    > {
+        self.0.log(after, limit)
+    }
+    fn verify_log(
+        &self,
+    ) -> oncegate::store::BoxFuture<
+        '_,
+        Result<oncegate::log::Verification, oncegate::store::StoreError>,
+    > {
+        self.0.verify_log()
+    }
     fn recover(
         &self,
         n: u64,
@@ -692,8 +722,9 @@ impl oncegate::store::Store for BrokenStore {
 async fn a_store_that_cannot_record_gets_503_and_nothing_is_sent_but_reads_flow() {
     let up = FakeUpstream::start().await;
     let tmp = tempfile::tempdir().unwrap();
-    let inner: Arc<dyn oncegate::store::Store> =
-        Arc::new(oncegate::store::sled::SledStore::open(&tmp.path().join("s")).unwrap());
+    let inner: Arc<dyn oncegate::store::Store> = Arc::new(
+        oncegate::store::sled::SledStore::open(&tmp.path().join("s"), Default::default()).unwrap(),
+    );
     let proxy = TestProxy::start_with_store(
         &config(&up.url(), ""),
         Arc::new(BrokenStore(inner)),

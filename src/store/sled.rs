@@ -1,34 +1,39 @@
 //! The embedded store: sled 0.34.7 behind one writer thread with group commit.
 //!
 //! Every change goes through a single writer thread. It takes a batch of operations off its queue,
-//! decides each against the current records (plus the changes earlier in the same batch), applies
-//! the batch atomically, then makes it durable once: sled's `flush()` followed by `fdatasync` on
-//! sled's log file (sled's flush alone ends in `sync_file_range`, which does not survive a power
-//! loss; SPEC §13). Only then does it answer the callers. So:
+//! decides each against the current records (plus the changes earlier in the same batch), stages
+//! the records and their write-log entries, applies the batch atomically, then makes it durable
+//! once: sled's `flush()` followed by `fdatasync` on sled's log file (sled's flush alone ends in
+//! `sync_file_range`, which does not survive a power loss; SPEC §13). Only then does it answer.
+//! So:
 //! - a claim is durable before its request leaves, an outcome before its client is answered;
-//! - claims are atomic without locks (one thread decides);
+//! - a state change and its log entry are in one atomic batch: neither exists without the other;
+//! - claims are atomic without locks (one thread decides), and the log has one chain;
 //! - many concurrent writes share one flush, and a claim that finds an existing record never
 //!   waits for a flush it does not need.
 //!
 //! Keys (one tree): `a/{id}` record (JSON), `b/{id}` small stored body, `s/{state}/{id}` state index,
-//! `t/{task}\0{id}` task index. Bodies over 64 KiB live in `bodies/{sha256}` beside the database.
+//! `t/{task}\0{id}` task index, `l/{seq:be64}` log entry, `m/log_anchor` where a pruned log starts.
+//! Bodies over 64 KiB live in `bodies/{sha256}` beside the database.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, RwLock};
 
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 
-use super::{BoxFuture, Filter, SettleRequest, Store, StoreError};
+use super::{BoxFuture, Filter, SettleRequest, Store, StoreError, StoreOptions};
 use crate::action::{
-    apply_settle, decide_claim, recover_in_flight, BodyRef, Claim, ClaimRequest, Millis, Record,
-    State,
+    apply_resolve, apply_settle, decide_claim, now_millis, recover_in_flight, BodyRef, Claim,
+    ClaimRequest, Millis, Record, Resolve, State,
 };
+use crate::log::{self, Actor, Chain, Entry, Event, LogEvent, Verification, GENESIS};
 
 /// Bodies larger than this are kept as files, not in sled.
 pub const INLINE_BODY_MAX: usize = 64 * 1024;
@@ -38,54 +43,62 @@ const MAX_BATCH: usize = 1024;
 /// fsync. Large segments keep every value we store (records, bodies ≤ 64 KiB, and pages of 16 of
 /// them) inside the log that we fdatasync.
 const SEGMENT_SIZE: usize = 8 << 20;
+const ANCHOR_KEY: &[u8] = b"m/log_anchor";
+
+type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
 
 enum Op {
-    Claim(
-        Box<ClaimRequest>,
-        oneshot::Sender<Result<Claim, StoreError>>,
-    ),
-    Settle(SettleRequest, oneshot::Sender<Result<Record, StoreError>>),
-    Recover(Millis, oneshot::Sender<Result<usize, StoreError>>),
-    Expire(Millis, oneshot::Sender<Result<usize, StoreError>>),
-    Sync(oneshot::Sender<Result<(), StoreError>>),
+    Claim(Box<ClaimRequest>, Reply<Claim>),
+    Settle(Box<SettleRequest>, Reply<Record>),
+    Resolve(String, Box<Resolve>, Event, Reply<Record>),
+    Note(Box<LogEvent>),
+    Recover(Millis, Reply<usize>),
+    Expire(Millis, Reply<usize>),
+    Sync(Reply<()>),
 }
 
 /// An answer decided in a batch, sent once the batch is durable.
-enum Reply {
-    Claim(oneshot::Sender<Result<Claim, StoreError>>, Claim),
-    Settle(oneshot::Sender<Result<Record, StoreError>>, Record),
-    Count(oneshot::Sender<Result<usize, StoreError>>, usize),
-    Unit(oneshot::Sender<Result<(), StoreError>>),
+enum Answer {
+    Claim(Reply<Claim>, Claim),
+    Record(Reply<Record>, Record),
+    Count(Reply<usize>, usize),
+    Unit(Reply<()>),
     /// The operation failed on its own; the closure sends its error.
     Failed(Box<dyn FnOnce() + Send>),
+    None,
 }
 
-impl Reply {
+impl Answer {
+    fn failed<T: Send + 'static>(tx: Reply<T>, e: StoreError) -> Answer {
+        Answer::Failed(Box::new(move || drop(tx.send(Err(e)))))
+    }
+
     fn send(self, commit: &Result<(), String>) {
+        let err = |e: &String| StoreError::Unavailable(e.clone());
         match (self, commit) {
-            (Reply::Failed(f), _) => f(),
-            (Reply::Claim(tx, c), Ok(())) => drop(tx.send(Ok(c))),
-            (Reply::Settle(tx, r), Ok(())) => drop(tx.send(Ok(r))),
-            (Reply::Count(tx, n), Ok(())) => drop(tx.send(Ok(n))),
-            (Reply::Unit(tx), Ok(())) => drop(tx.send(Ok(()))),
-            (Reply::Claim(tx, _), Err(e)) => drop(tx.send(Err(StoreError::Unavailable(e.clone())))),
-            (Reply::Settle(tx, _), Err(e)) => {
-                drop(tx.send(Err(StoreError::Unavailable(e.clone()))))
-            }
-            (Reply::Count(tx, _), Err(e)) => drop(tx.send(Err(StoreError::Unavailable(e.clone())))),
-            (Reply::Unit(tx), Err(e)) => drop(tx.send(Err(StoreError::Unavailable(e.clone())))),
+            (Answer::Failed(f), _) => f(),
+            (Answer::None, _) => {}
+            (Answer::Claim(tx, c), Ok(())) => drop(tx.send(Ok(c))),
+            (Answer::Record(tx, r), Ok(())) => drop(tx.send(Ok(r))),
+            (Answer::Count(tx, n), Ok(())) => drop(tx.send(Ok(n))),
+            (Answer::Unit(tx), Ok(())) => drop(tx.send(Ok(()))),
+            (Answer::Claim(tx, _), Err(e)) => drop(tx.send(Err(err(e)))),
+            (Answer::Record(tx, _), Err(e)) => drop(tx.send(Err(err(e)))),
+            (Answer::Count(tx, _), Err(e)) => drop(tx.send(Err(err(e)))),
+            (Answer::Unit(tx), Err(e)) => drop(tx.send(Err(err(e)))),
         }
     }
 }
 
 pub struct SledStore {
     /// `None` once closed: closing releases sled's file lock, so the folder can be reopened.
-    db: std::sync::RwLock<Option<sled::Db>>,
+    db: RwLock<Option<sled::Db>>,
     dir: PathBuf,
-    tx: std::sync::Mutex<Option<mpsc::Sender<Op>>>,
-    writer: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+    chain: Chain,
+    tx: Mutex<Option<mpsc::Sender<Op>>>,
+    writer: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Flushes performed, for metrics and the "flushes per write" figure.
-    flushes: Arc<std::sync::atomic::AtomicU64>,
+    flushes: Arc<AtomicU64>,
 }
 
 fn unavailable(e: impl std::fmt::Display) -> StoreError {
@@ -104,6 +117,11 @@ fn state_key(state: State, id: &str) -> Vec<u8> {
 fn task_key(task: &str, id: &str) -> Vec<u8> {
     format!("t/{task}\0{id}").into_bytes()
 }
+fn log_key(seq: u64) -> Vec<u8> {
+    let mut k = b"l/".to_vec();
+    k.extend_from_slice(&seq.to_be_bytes());
+    k
+}
 
 fn decode(key: &[u8], v: &[u8]) -> Result<Record, StoreError> {
     serde_json::from_slice(v).map_err(|e| StoreError::Corrupt {
@@ -116,15 +134,48 @@ fn fsync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
+/// The last log entry's `(seq, hash)`, or the anchor of a pruned log, or the genesis.
+fn log_head(db: &sled::Db) -> Result<(u64, String), StoreError> {
+    if let Some((_, v)) = db
+        .scan_prefix(b"l/")
+        .next_back()
+        .transpose()
+        .map_err(unavailable)?
+    {
+        let e: Entry = serde_json::from_slice(&v).map_err(|e| StoreError::Corrupt {
+            id: "write log head".into(),
+            reason: e.to_string(),
+        })?;
+        return Ok((e.seq, e.hash));
+    }
+    Ok(anchor(db)?
+        .map(|(seq, prev)| (seq - 1, prev))
+        .unwrap_or((0, GENESIS.to_string())))
+}
+
+/// Where a pruned log starts: the first kept entry's `(seq, prev)`.
+fn anchor(db: &sled::Db) -> Result<Option<(u64, String)>, StoreError> {
+    match db.get(ANCHOR_KEY).map_err(unavailable)? {
+        None => Ok(None),
+        Some(v) => serde_json::from_slice(&v)
+            .map(Some)
+            .map_err(|e| StoreError::Corrupt {
+                id: "write log anchor".into(),
+                reason: e.to_string(),
+            }),
+    }
+}
+
 impl SledStore {
     /// Opens (or creates) the store at `dir`. Errors name the path and what to do.
-    pub fn open(dir: &Path) -> Result<SledStore, StoreError> {
+    pub fn open(dir: &Path, options: StoreOptions) -> Result<SledStore, StoreError> {
         let fail = |what: &str, e: &dyn std::fmt::Display| {
             StoreError::Unavailable(format!(
-                "cannot open the store at {}: {what}: {e}. If the disk is full or read-only, fix \
-                 that and start again. If the store is corrupt, stop every proxy using it, move the \
-                 folder aside (keep it for the write log), and start with an empty folder: actions \
-                 that were unknown must then be settled at the upstream by hand.",
+                "cannot open the store at {}: {what}: {e}. If another oncegate uses this folder, \
+                 stop it or give this one its own store.path. If the disk is full or read-only, \
+                 fix that and start again. If the store is corrupt, stop every proxy using it, \
+                 move the folder aside (keep it for its write log), and start with an empty \
+                 folder: actions that were unknown must then be settled at the upstream by hand.",
                 dir.display()
             ))
         };
@@ -144,49 +195,34 @@ impl SledStore {
             .open()
             .map_err(|e| fail("sled", &e))?;
         let log = File::open(dir.join("db")).map_err(|e| fail("open sled log file", &e))?;
+        let head = log_head(&db).map_err(|e| fail("read write log", &e))?;
         let (tx, rx) = mpsc::channel();
-        let flushes = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let flushes = Arc::new(AtomicU64::new(0));
         let writer = Writer {
             db: db.clone(),
             log,
             flushes: flushes.clone(),
+            chain: options.chain.clone(),
+            head,
+            log_retention: options.log_retention,
         };
         let handle = std::thread::Builder::new()
             .name("oncegate-store".into())
             .spawn(move || writer.run(rx))
             .map_err(|e| fail("start writer thread", &e))?;
         Ok(SledStore {
-            db: std::sync::RwLock::new(Some(db)),
+            db: RwLock::new(Some(db)),
             dir: dir.to_owned(),
-            tx: std::sync::Mutex::new(Some(tx)),
-            writer: std::sync::Mutex::new(Some(handle)),
+            chain: options.chain,
+            tx: Mutex::new(Some(tx)),
+            writer: Mutex::new(Some(handle)),
             flushes,
         })
     }
 
     /// How many flush+fdatasync rounds the store has made.
     pub fn flush_count(&self) -> u64 {
-        self.flushes.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    async fn call<T>(
-        &self,
-        make: impl FnOnce(oneshot::Sender<Result<T, StoreError>>) -> Op,
-    ) -> Result<T, StoreError> {
-        let (tx, rx) = oneshot::channel();
-        {
-            let guard = self
-                .tx
-                .lock()
-                .map_err(|_| unavailable("store lock poisoned"))?;
-            let sender = guard
-                .as_ref()
-                .ok_or_else(|| unavailable("store is closed"))?;
-            sender
-                .send(make(tx))
-                .map_err(|_| unavailable("store writer stopped"))?;
-        }
-        rx.await.map_err(|_| unavailable("store writer stopped"))?
+        self.flushes.load(Ordering::Relaxed)
     }
 
     fn db(&self) -> Result<sled::Db, StoreError> {
@@ -195,6 +231,25 @@ impl SledStore {
             .map_err(|_| unavailable("store lock poisoned"))?
             .clone()
             .ok_or_else(|| unavailable("store is closed"))
+    }
+
+    fn send(&self, op: Op) -> Result<(), StoreError> {
+        let guard = self
+            .tx
+            .lock()
+            .map_err(|_| unavailable("store lock poisoned"))?;
+        let sender = guard
+            .as_ref()
+            .ok_or_else(|| unavailable("store is closed"))?;
+        sender
+            .send(op)
+            .map_err(|_| unavailable("store writer stopped"))
+    }
+
+    async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Op) -> Result<T, StoreError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(make(tx))?;
+        rx.await.map_err(|_| unavailable("store writer stopped"))?
     }
 
     fn body_path(&self, sha: &str) -> PathBuf {
@@ -217,6 +272,29 @@ impl SledStore {
         fsync_dir(&bodies)?;
         Ok(sha)
     }
+
+    /// Places a body to keep: inline for small ones, a durable file for large ones.
+    async fn place_body(
+        &self,
+        body: &mut Option<Bytes>,
+        r: &mut BodyRef,
+    ) -> Result<(), StoreError> {
+        let Some(b) = body.as_ref() else {
+            return Ok(());
+        };
+        if b.len() > INLINE_BODY_MAX {
+            let (dir, b) = (self.dir.clone(), b.clone());
+            let sha = tokio::task::spawn_blocking(move || Self::write_body_file(dir, b))
+                .await
+                .map_err(unavailable)?
+                .map_err(unavailable)?;
+            *r = BodyRef::File { sha256: sha };
+            *body = None;
+        } else {
+            *r = BodyRef::Inline;
+        }
+        Ok(())
+    }
 }
 
 impl Store for SledStore {
@@ -226,20 +304,74 @@ impl Store for SledStore {
 
     fn settle(&self, mut req: SettleRequest) -> BoxFuture<'_, Result<Record, StoreError>> {
         Box::pin(async move {
-            if let (Some(body), Some(resp)) = (&req.body, req.settlement.response.as_mut()) {
-                if body.len() > INLINE_BODY_MAX {
-                    let (dir, body) = (self.dir.clone(), body.clone());
-                    let sha = tokio::task::spawn_blocking(move || Self::write_body_file(dir, body))
-                        .await
-                        .map_err(unavailable)?
-                        .map_err(unavailable)?;
-                    resp.body = BodyRef::File { sha256: sha };
-                    req.body = None;
-                } else {
-                    resp.body = BodyRef::Inline;
-                }
+            if let Some(resp) = req.settlement.response.as_mut() {
+                self.place_body(&mut req.body, &mut resp.body).await?;
             }
-            self.call(|tx| Op::Settle(req, tx)).await
+            self.call(|tx| Op::Settle(Box::new(req), tx)).await
+        })
+    }
+
+    fn resolve(
+        &self,
+        id: String,
+        mut res: Resolve,
+        event: Event,
+    ) -> BoxFuture<'_, Result<Record, StoreError>> {
+        Box::pin(async move {
+            // A lookup's answer is kept like any other stored response.
+            if let Some(resp) = res.response.as_mut() {
+                self.place_body(&mut res.body, &mut resp.body).await?;
+            }
+            self.call(|tx| Op::Resolve(id, Box::new(res), event, tx))
+                .await
+        })
+    }
+
+    fn note(&self, event: LogEvent) {
+        if let Err(e) = self.send(Op::Note(Box::new(event))) {
+            tracing::warn!(error = %e, "could not append a write-log entry");
+        }
+    }
+
+    fn log(&self, after: u64, limit: usize) -> BoxFuture<'_, Result<Vec<Entry>, StoreError>> {
+        Box::pin(async move {
+            let db = self.db()?;
+            tokio::task::spawn_blocking(move || {
+                db.range(log_key(after.saturating_add(1))..log_key(u64::MAX))
+                    .take(limit)
+                    .map(|kv| {
+                        let (_, v) = kv.map_err(unavailable)?;
+                        serde_json::from_slice(&v).map_err(|e| StoreError::Corrupt {
+                            id: "write log entry".into(),
+                            reason: e.to_string(),
+                        })
+                    })
+                    .collect()
+            })
+            .await
+            .map_err(unavailable)?
+        })
+    }
+
+    fn verify_log(&self) -> BoxFuture<'_, Result<Verification, StoreError>> {
+        Box::pin(async move {
+            let db = self.db()?;
+            let chain = self.chain.clone();
+            tokio::task::spawn_blocking(move || {
+                let anchor = anchor(&db)?;
+                let entries = db.scan_prefix(b"l/").map(|kv| {
+                    let (k, v) = kv.map_err(|_| 0u64)?;
+                    let seq = k
+                        .get(2..10)
+                        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                        .map(u64::from_be_bytes)
+                        .unwrap_or(0);
+                    serde_json::from_slice::<Entry>(&v).map_err(|_| seq)
+                });
+                Ok(log::verify(&chain, entries, anchor))
+            })
+            .await
+            .map_err(unavailable)?
         })
     }
 
@@ -313,34 +445,25 @@ impl Store for SledStore {
 
 fn scan(db: &sled::Db, filter: &Filter, limit: usize) -> Result<Vec<Record>, StoreError> {
     let mut out = Vec::new();
-    let ids: Box<dyn Iterator<Item = Result<String, StoreError>>> =
-        match (&filter.task, filter.state) {
-            (Some(task), _) => {
-                let prefix = format!("t/{task}\0");
-                Box::new(db.scan_prefix(prefix.as_bytes()).map(move |kv| {
-                    let (k, _) = kv.map_err(unavailable)?;
-                    Ok(String::from_utf8_lossy(&k[prefix.len()..]).into_owned())
-                }))
+    let (prefix, skip) = match (&filter.task, filter.state) {
+        (Some(task), _) => (format!("t/{task}\0"), None),
+        (None, Some(state)) => (format!("s/{}/", state.as_str()), None),
+        (None, None) => ("a/".to_string(), Some(())),
+    };
+    for kv in db.scan_prefix(prefix.as_bytes()) {
+        let (k, v) = kv.map_err(unavailable)?;
+        let id = String::from_utf8_lossy(&k[prefix.len()..]).into_owned();
+        let r = if skip.is_some() {
+            decode(&k, &v)?
+        } else {
+            let key = rec_key(&id);
+            match db.get(&key).map_err(unavailable)? {
+                Some(v) => decode(&key, &v)?,
+                None => continue,
             }
-            (None, Some(state)) => {
-                let prefix = format!("s/{}/", state.as_str());
-                Box::new(db.scan_prefix(prefix.as_bytes()).map(move |kv| {
-                    let (k, _) = kv.map_err(unavailable)?;
-                    Ok(String::from_utf8_lossy(&k[prefix.len()..]).into_owned())
-                }))
-            }
-            (None, None) => Box::new(db.scan_prefix(b"a/").map(|kv| {
-                let (k, _) = kv.map_err(unavailable)?;
-                Ok(String::from_utf8_lossy(&k[2..]).into_owned())
-            })),
         };
-    for id in ids {
-        let key = rec_key(&id?);
-        if let Some(v) = db.get(&key).map_err(unavailable)? {
-            let r = decode(&key, &v)?;
-            if filter.matches(&r) {
-                out.push(r);
-            }
+        if filter.matches(&r) {
+            out.push(r);
         }
     }
     out.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
@@ -352,7 +475,11 @@ fn scan(db: &sled::Db, filter: &Filter, limit: usize) -> Result<Vec<Record>, Sto
 struct Writer {
     db: sled::Db,
     log: File,
-    flushes: Arc<std::sync::atomic::AtomicU64>,
+    flushes: Arc<AtomicU64>,
+    chain: Chain,
+    /// `(seq, hash)` of the last log entry staged.
+    head: (u64, String),
+    log_retention: Option<std::time::Duration>,
 }
 
 /// The changes of one batch, readable before they are applied.
@@ -363,8 +490,26 @@ struct Pending {
     writes: usize,
 }
 
+/// The log event of an attempt's end.
+fn settle_event(r: &Record) -> LogEvent {
+    let last = r.evidence.last().and_then(|a| a.tries.last());
+    let status = last.and_then(|t| t.status);
+    let (event, outcome) = match r.state {
+        State::Succeeded => (Event::Outcome, "applied"),
+        State::Failed => (Event::Outcome, "not-applied"),
+        _ => (Event::Unknown, "unknown"),
+    };
+    let ev = LogEvent::for_record(event, r, Actor::Proxy)
+        .status(status)
+        .outcome(outcome);
+    match last.and_then(|t| t.error.clone()) {
+        Some(e) => ev.detail(e),
+        None => ev,
+    }
+}
+
 impl Writer {
-    fn run(self, rx: mpsc::Receiver<Op>) {
+    fn run(mut self, rx: mpsc::Receiver<Op>) {
         while let Ok(first) = rx.recv() {
             let mut ops = vec![first];
             while ops.len() < MAX_BATCH {
@@ -373,22 +518,28 @@ impl Writer {
                     Err(_) => break,
                 }
             }
+            let head_before = self.head.clone();
             let mut pending = Pending::default();
-            let mut replies = Vec::with_capacity(ops.len());
+            let mut answers = Vec::with_capacity(ops.len());
             let mut force_sync = false;
             for op in ops {
                 if matches!(op, Op::Sync(_)) {
                     force_sync = true;
                 }
-                replies.push(self.apply(op, &mut pending));
+                answers.push(self.apply(op, &mut pending));
             }
             let commit = if pending.writes > 0 || force_sync {
                 self.commit(pending.batch)
             } else {
                 Ok(())
             };
-            for r in replies {
-                r.send(&commit);
+            if let Err(e) = &commit {
+                tracing::error!(error = %e, "store commit failed");
+                // Nothing of the batch is durable: the chain goes on from the last durable entry.
+                self.head = head_before;
+            }
+            for a in answers {
+                a.send(&commit);
             }
         }
     }
@@ -401,8 +552,7 @@ impl Writer {
         self.log
             .sync_data()
             .map_err(|e| format!("fdatasync: {e}"))?;
-        self.flushes
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.flushes.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
@@ -415,6 +565,19 @@ impl Writer {
             Some(v) => decode(&key, &v).map(Some),
             None => Ok(None),
         }
+    }
+
+    /// Chains an event into the batch.
+    fn append(&mut self, pending: &mut Pending, ev: LogEvent) {
+        let e = self
+            .chain
+            .seal(ev, (self.head.0, &self.head.1), now_millis());
+        pending.batch.insert(
+            log_key(e.seq),
+            serde_json::to_vec(&e).expect("entries always serialize"),
+        );
+        self.head = (e.seq, e.hash);
+        pending.writes += 1;
     }
 
     /// Stages `new` (replacing `old`) with its index entries.
@@ -447,53 +610,107 @@ impl Writer {
         pending.writes += 1;
     }
 
-    fn apply(&self, op: Op, pending: &mut Pending) -> Reply {
+    fn apply(&mut self, op: Op, pending: &mut Pending) -> Answer {
         match op {
             Op::Claim(req, tx) => match self.read(pending, &req.fresh.id) {
-                Err(e) => Reply::Failed(Box::new(move || drop(tx.send(Err(e))))),
+                Err(e) => Answer::failed(tx, e),
                 Ok(current) => {
                     let old = current.clone();
                     let (claim, write) = decide_claim(current, &req);
                     if let Some(w) = &write {
                         // An expired record being replaced loses its stored body and indexes.
-                        if let Some(o) = old.as_ref().filter(|o| o.is_expired(req.now)) {
+                        let expired = old.as_ref().filter(|o| o.is_expired(req.now));
+                        if let Some(o) = expired {
                             self.unstage(pending, o);
-                            self.stage(pending, None, w);
-                        } else {
-                            self.stage(pending, old.as_ref(), w);
+                            self.append(
+                                pending,
+                                LogEvent::for_record(Event::Expired, o, Actor::Proxy),
+                            );
                         }
+                        let live_old = if expired.is_some() {
+                            None
+                        } else {
+                            old.as_ref()
+                        };
+                        self.stage(pending, live_old, w);
+                        if w.attempts == 1 {
+                            self.append(
+                                pending,
+                                LogEvent::for_record(Event::Intent, w, Actor::Proxy),
+                            );
+                        }
+                        self.append(pending, LogEvent::for_record(Event::Sent, w, Actor::Proxy));
                     }
-                    Reply::Claim(tx, claim)
+                    Answer::Claim(tx, claim)
                 }
             },
             Op::Settle(req, tx) => {
-                let result = self.read(pending, &req.id).and_then(|current| {
+                let SettleRequest {
+                    id,
+                    attempt,
+                    settlement,
+                    body,
+                } = *req;
+                let result = self.read(pending, &id).and_then(|current| {
                     let old = current.clone();
-                    let new = apply_settle(current, &req.id, req.attempt, req.settlement)?;
+                    let new = apply_settle(current, &id, attempt, settlement)?;
                     Ok((old, new))
                 });
                 match result {
-                    Err(e) => Reply::Failed(Box::new(move || drop(tx.send(Err(e))))),
+                    Err(e) => Answer::failed(tx, e),
                     Ok((old, new)) => {
-                        if let Some(body) = &req.body {
+                        if let Some(body) = &body {
                             pending.batch.insert(body_key(&new.id), body.as_ref());
                         }
                         self.stage(pending, old.as_ref(), &new);
-                        Reply::Settle(tx, new)
+                        self.append(pending, settle_event(&new));
+                        Answer::Record(tx, new)
                     }
                 }
             }
-            Op::Recover(now, tx) => {
-                let result = scan(
-                    &self.db,
-                    &Filter {
-                        state: Some(State::InFlight),
-                        ..Filter::default()
-                    },
-                    usize::MAX,
-                );
+            Op::Resolve(id, mut res, event, tx) => {
+                let (actor, reason) = match event {
+                    Event::Lookup => (Actor::Lookup, res.reason.clone()),
+                    _ => (Actor::Admin, res.reason.clone()),
+                };
+                let body = res.body.take();
+                let result = self.read(pending, &id).and_then(|current| {
+                    let old = current.clone();
+                    let new = apply_resolve(current, &id, *res)?;
+                    Ok((old, new))
+                });
                 match result {
-                    Err(e) => Reply::Failed(Box::new(move || drop(tx.send(Err(e))))),
+                    Err(e) => Answer::failed(tx, e),
+                    Ok((old, new)) => {
+                        if let Some(body) = body {
+                            pending.batch.insert(body_key(&new.id), body.as_ref());
+                        }
+                        self.stage(pending, old.as_ref(), &new);
+                        let outcome = if new.state == State::Succeeded {
+                            "applied"
+                        } else {
+                            "not-applied"
+                        };
+                        let ev = LogEvent::for_record(event, &new, actor)
+                            .status(new.response.as_ref().map(|r| r.status))
+                            .outcome(outcome)
+                            .detail(reason);
+                        self.append(pending, ev);
+                        Answer::Record(tx, new)
+                    }
+                }
+            }
+            Op::Note(ev) => {
+                self.append(pending, *ev);
+                Answer::None
+            }
+            Op::Recover(now, tx) => {
+                let filter = Filter {
+                    state: Some(State::InFlight),
+                    ..Filter::default()
+                };
+                match scan(&self.db, &filter, usize::MAX) {
+                    Err(e) => Answer::failed(tx, e),
                     Ok(records) => {
                         let mut n = 0;
                         for r in records {
@@ -502,40 +719,80 @@ impl Writer {
                                 continue;
                             };
                             let old = r.clone();
-                            if let Some(new) = recover_in_flight(
-                                r,
-                                "the proxy stopped during this attempt; the request may have reached the upstream",
-                                now,
-                            ) {
+                            let reason = "the proxy stopped during this attempt; the request may have reached the upstream";
+                            if let Some(new) = recover_in_flight(r, reason, now) {
                                 self.stage(pending, Some(&old), &new);
+                                let ev = LogEvent::for_record(Event::Unknown, &new, Actor::Proxy)
+                                    .outcome("unknown")
+                                    .detail(reason);
+                                self.append(pending, ev);
                                 n += 1;
                             }
                         }
-                        Reply::Count(tx, n)
+                        Answer::Count(tx, n)
                     }
                 }
             }
-            Op::Expire(now, tx) => {
-                let result = scan(&self.db, &Filter::default(), usize::MAX);
-                match result {
-                    Err(e) => Reply::Failed(Box::new(move || drop(tx.send(Err(e))))),
-                    Ok(records) => {
-                        let mut n = 0;
-                        for r in records {
-                            let Ok(Some(r)) = self.read(pending, &r.id) else {
-                                continue;
-                            };
-                            // Never expire an attempt that is still running.
-                            if r.is_expired(now) && r.state != State::InFlight {
-                                self.unstage(pending, &r);
-                                n += 1;
-                            }
+            Op::Expire(now, tx) => match scan(&self.db, &Filter::default(), usize::MAX) {
+                Err(e) => Answer::failed(tx, e),
+                Ok(records) => {
+                    let mut n = 0;
+                    for r in records {
+                        let Ok(Some(r)) = self.read(pending, &r.id) else {
+                            continue;
+                        };
+                        // Never expire an attempt that is still running.
+                        if r.is_expired(now) && r.state != State::InFlight {
+                            self.unstage(pending, &r);
+                            self.append(
+                                pending,
+                                LogEvent::for_record(Event::Expired, &r, Actor::Proxy),
+                            );
+                            n += 1;
                         }
-                        Reply::Count(tx, n)
                     }
+                    if let Err(e) = self.prune_log(pending, now) {
+                        return Answer::failed(tx, e);
+                    }
+                    Answer::Count(tx, n)
                 }
-            }
-            Op::Sync(tx) => Reply::Unit(tx),
+            },
+            Op::Sync(tx) => Answer::Unit(tx),
         }
+    }
+
+    /// Drops log entries older than `log.retention`, keeping the chain verifiable from the first
+    /// kept entry (its `(seq, prev)` becomes the anchor).
+    fn prune_log(&self, pending: &mut Pending, now: Millis) -> Result<(), StoreError> {
+        let Some(keep) = self.log_retention else {
+            return Ok(());
+        };
+        let cutoff = crate::action::rfc3339(now.saturating_sub(keep.as_millis() as u64));
+        let mut first_kept: Option<Entry> = None;
+        let mut dropped = 0;
+        for kv in self.db.scan_prefix(b"l/") {
+            let (k, v) = kv.map_err(unavailable)?;
+            let e: Entry = serde_json::from_slice(&v).map_err(|e| StoreError::Corrupt {
+                id: "write log entry".into(),
+                reason: e.to_string(),
+            })?;
+            // RFC 3339 UTC timestamps of one format order as strings.
+            if e.ts >= cutoff || e.seq == self.head.0 {
+                first_kept = Some(e);
+                break;
+            }
+            pending.batch.remove(k);
+            dropped += 1;
+        }
+        if dropped > 0 {
+            if let Some(e) = first_kept {
+                pending.batch.insert(
+                    ANCHOR_KEY,
+                    serde_json::to_vec(&(e.seq, e.prev)).expect("tuples serialize"),
+                );
+            }
+            pending.writes += 1;
+        }
+        Ok(())
     }
 }

@@ -335,7 +335,7 @@ impl TestProxy {
     /// Starts the proxy with `toml` on the store at `dir`.
     pub async fn start_in(toml: &str, dir: &Path) -> TestProxy {
         let store: Arc<dyn oncegate::store::Store> =
-            Arc::new(oncegate::store::sled::SledStore::open(dir).unwrap());
+            Arc::new(oncegate::store::sled::SledStore::open(dir, Default::default()).unwrap());
         Self::start_with_store(toml, store, dir).await
     }
 

@@ -1,0 +1,358 @@
+//! The write log (SPEC §11): one append-only, hash-chained entry per event, written by the store
+//! in the same durable step as the state change it describes.
+//!
+//! `hash` = hex SHA-256 (or HMAC-SHA256 with `log.hmac_key_env`) over `prev` followed by the
+//! entry's canonical JSON without `hash` (sorted keys, no white space, every field present). The
+//! first entry's `prev` is 64 zeros; after pruning (`log.retention`), verification starts from the
+//! first kept entry's `prev`, which the store keeps as the chain's anchor.
+
+use hmac::{Hmac, Mac};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::action::{rfc3339, Millis, Record};
+use crate::identity::principal_short;
+
+pub const GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+/// What happened (SPEC §11).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Event {
+    Intent,
+    Sent,
+    Outcome,
+    Replayed,
+    Conflict,
+    Rejected,
+    Unknown,
+    Lookup,
+    Resolved,
+    Expired,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Actor {
+    Proxy,
+    Lookup,
+    Admin,
+}
+
+/// An event before it is chained: everything but `seq`, `ts`, `prev` and `hash`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LogEvent {
+    pub event: Event,
+    pub action: Option<String>,
+    pub upstream: Option<String>,
+    pub method: Option<String>,
+    pub path: Option<String>,
+    pub principal: Option<String>,
+    pub key: Option<String>,
+    pub task: Option<String>,
+    pub step: Option<String>,
+    pub attempt: Option<u32>,
+    pub status: Option<u16>,
+    pub outcome: Option<String>,
+    pub external_id: Option<String>,
+    pub fingerprint: Option<String>,
+    pub actor: Actor,
+    pub detail: Option<String>,
+}
+
+impl LogEvent {
+    /// An event about an action, with the record's identifying fields.
+    pub fn for_record(event: Event, r: &Record, actor: Actor) -> LogEvent {
+        LogEvent {
+            event,
+            action: Some(r.id.clone()),
+            upstream: Some(r.upstream.clone()),
+            method: Some(r.method.clone()),
+            path: Some(r.path.clone()),
+            principal: Some(principal_short(&r.principal).to_string()),
+            key: Some(r.key.clone()),
+            task: r.task.clone(),
+            step: r.step.clone(),
+            attempt: Some(r.attempts),
+            status: None,
+            outcome: None,
+            external_id: r.external_id.clone(),
+            fingerprint: Some(r.fingerprint.clone()),
+            actor,
+            detail: None,
+        }
+    }
+
+    /// An event about a request that never became an action (a refused write).
+    pub fn bare(event: Event, actor: Actor) -> LogEvent {
+        LogEvent {
+            event,
+            action: None,
+            upstream: None,
+            method: None,
+            path: None,
+            principal: None,
+            key: None,
+            task: None,
+            step: None,
+            attempt: None,
+            status: None,
+            outcome: None,
+            external_id: None,
+            fingerprint: None,
+            actor,
+            detail: None,
+        }
+    }
+
+    pub fn status(mut self, s: Option<u16>) -> Self {
+        self.status = s;
+        self
+    }
+
+    pub fn outcome(mut self, o: &str) -> Self {
+        self.outcome = Some(o.to_string());
+        self
+    }
+
+    pub fn detail(mut self, d: impl Into<String>) -> Self {
+        self.detail = Some(d.into());
+        self
+    }
+}
+
+/// One chained entry, as stored and exported (one JSON object per line).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Entry {
+    pub seq: u64,
+    pub ts: String,
+    pub event: Event,
+    pub action: Option<String>,
+    pub upstream: Option<String>,
+    pub method: Option<String>,
+    pub path: Option<String>,
+    pub principal: Option<String>,
+    pub key: Option<String>,
+    pub task: Option<String>,
+    pub step: Option<String>,
+    pub attempt: Option<u32>,
+    pub status: Option<u16>,
+    pub outcome: Option<String>,
+    pub external_id: Option<String>,
+    pub fingerprint: Option<String>,
+    pub actor: Actor,
+    pub detail: Option<String>,
+    pub prev: String,
+    pub hash: String,
+}
+
+/// Computes entry hashes: SHA-256, or HMAC-SHA256 when a key is set.
+#[derive(Clone, Default)]
+pub struct Chain {
+    key: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for Chain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the key.
+        f.debug_struct("Chain")
+            .field("hmac", &self.key.is_some())
+            .finish()
+    }
+}
+
+impl Chain {
+    pub fn new(hmac_key: Option<Vec<u8>>) -> Chain {
+        Chain {
+            key: hmac_key.filter(|k| !k.is_empty()),
+        }
+    }
+
+    /// The canonical JSON of an entry without its hash.
+    fn canonical(e: &Entry) -> Vec<u8> {
+        let mut v = serde_json::to_value(e).expect("entries always serialize");
+        if let Some(m) = v.as_object_mut() {
+            m.remove("hash");
+        }
+        // serde_json's map keeps keys sorted, so this is canonical.
+        serde_json::to_vec(&v).expect("values always serialize")
+    }
+
+    pub fn hash(&self, e: &Entry) -> String {
+        let body = Self::canonical(e);
+        match &self.key {
+            None => {
+                let mut h = Sha256::new();
+                h.update(e.prev.as_bytes());
+                h.update(&body);
+                hex::encode(h.finalize())
+            }
+            Some(k) => {
+                let mut m = Hmac::<Sha256>::new_from_slice(k).expect("HMAC takes keys of any size");
+                m.update(e.prev.as_bytes());
+                m.update(&body);
+                hex::encode(m.finalize().into_bytes())
+            }
+        }
+    }
+
+    /// Chains an event after `(seq, hash)` of the current head.
+    pub fn seal(&self, ev: LogEvent, head: (u64, &str), now: Millis) -> Entry {
+        let mut e = Entry {
+            seq: head.0 + 1,
+            ts: rfc3339(now),
+            event: ev.event,
+            action: ev.action,
+            upstream: ev.upstream,
+            method: ev.method,
+            path: ev.path,
+            principal: ev.principal,
+            key: ev.key,
+            task: ev.task,
+            step: ev.step,
+            attempt: ev.attempt,
+            status: ev.status,
+            outcome: ev.outcome,
+            external_id: ev.external_id,
+            fingerprint: ev.fingerprint,
+            actor: ev.actor,
+            detail: ev.detail,
+            prev: head.1.to_string(),
+            hash: String::new(),
+        };
+        e.hash = self.hash(&e);
+        e
+    }
+}
+
+/// The result of walking a chain (`GET /v1/log/verify`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Verification {
+    pub ok: bool,
+    pub entries: u64,
+    /// Sequence number of the last entry checked (0 for an empty log).
+    pub head_seq: u64,
+    pub head: String,
+    pub first_bad_seq: Option<u64>,
+}
+
+/// Walks entries in order. `anchor` is the `(seq, prev)` the first entry must carry: `(1,
+/// GENESIS)` for a log that was never pruned.
+pub fn verify<I>(chain: &Chain, entries: I, anchor: Option<(u64, String)>) -> Verification
+where
+    I: IntoIterator<Item = Result<Entry, u64>>,
+{
+    let (mut want_seq, mut prev) = anchor.unwrap_or((1, GENESIS.to_string()));
+    let mut n = 0;
+    let mut head_seq = want_seq.saturating_sub(1);
+    let mut first_bad = None;
+    for e in entries {
+        let e = match e {
+            Ok(e) => e,
+            // An entry that does not even parse.
+            Err(seq) => {
+                first_bad = Some(seq);
+                break;
+            }
+        };
+        n += 1;
+        if e.seq != want_seq || e.prev != prev || chain.hash(&e) != e.hash {
+            first_bad = Some(want_seq.min(e.seq));
+            break;
+        }
+        head_seq = e.seq;
+        want_seq += 1;
+        prev = e.hash;
+    }
+    Verification {
+        ok: first_bad.is_none(),
+        entries: n,
+        head_seq,
+        head: prev,
+        first_bad_seq: first_bad,
+    }
+}
+
+/// Parses an NDJSON export; a line that is not an entry is reported by its line number.
+pub fn parse_export(text: &str) -> Vec<Result<Entry, u64>> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| serde_json::from_str(l).map_err(|_| i as u64 + 1))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain_of(c: &Chain, n: u64) -> Vec<Entry> {
+        let mut out: Vec<Entry> = Vec::new();
+        for i in 0..n {
+            let head = out
+                .last()
+                .map(|e| (e.seq, e.hash.clone()))
+                .unwrap_or((0, GENESIS.to_string()));
+            let ev = LogEvent::bare(Event::Rejected, Actor::Proxy).detail(format!("event {i}"));
+            out.push(c.seal(ev, (head.0, &head.1), 1_700_000_000_000 + i));
+        }
+        out
+    }
+
+    fn check(c: &Chain, v: &[Entry]) -> Verification {
+        verify(c, v.iter().cloned().map(Ok), None)
+    }
+
+    #[test]
+    fn an_untouched_chain_verifies() {
+        let c = Chain::default();
+        let v = chain_of(&c, 5);
+        let r = check(&c, &v);
+        assert!(r.ok && r.entries == 5 && r.head == v[4].hash && r.head_seq == 5);
+        assert_eq!(v[0].prev, GENESIS);
+    }
+
+    #[test]
+    fn edits_drops_and_swaps_are_found_at_the_right_seq() {
+        let c = Chain::default();
+        let v = chain_of(&c, 6);
+        let mut edited = v.clone();
+        edited[2].detail = Some("event X".into());
+        assert_eq!(check(&c, &edited).first_bad_seq, Some(3));
+        let mut dropped = v.clone();
+        dropped.remove(3);
+        assert_eq!(check(&c, &dropped).first_bad_seq, Some(4));
+        let mut swapped = v.clone();
+        swapped.swap(1, 2);
+        assert_eq!(check(&c, &swapped).first_bad_seq, Some(2));
+    }
+
+    #[test]
+    fn with_hmac_recomputed_plain_hashes_are_caught() {
+        let keyed = Chain::new(Some(b"k3y".to_vec()));
+        let mut v = chain_of(&keyed, 3);
+        // An attacker edits entry 2 and recomputes the plain SHA-256 chain from there.
+        let plain = Chain::default();
+        v[1].detail = Some("forged".into());
+        v[1].hash = plain.hash(&v[1]);
+        v[2].prev = v[1].hash.clone();
+        v[2].hash = plain.hash(&v[2]);
+        assert_eq!(check(&keyed, &v).first_bad_seq, Some(2));
+        assert!(
+            check(&plain, &v).first_bad_seq.is_some(),
+            "entry 1 is keyed"
+        );
+    }
+
+    #[test]
+    fn control_characters_stay_on_one_line() {
+        let c = Chain::default();
+        let mut ev = LogEvent::bare(Event::Rejected, Actor::Proxy);
+        ev.path = Some("/a\r\nX-Injected: 1\"}\n{".into());
+        let e = c.seal(ev, (0, GENESIS), 0);
+        let line = serde_json::to_string(&e).expect("serializes");
+        assert!(!line.contains('\n') && !line.contains('\r'));
+        let back: Entry = serde_json::from_str(&line).expect("one JSON object");
+        assert_eq!(back, e);
+    }
+}
