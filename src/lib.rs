@@ -18,16 +18,22 @@
 //! - [`replay`]: stored response → response.
 //! - [`log`]: the hash-chained write log: entries, hashing, verification.
 //! - [`redact`]: the one place secrets are removed.
+//! - [`lookup`]: status lookups that settle unknown actions, in the foreground and background.
+//! - [`admin`]: the admin API; [`metrics`] the one registry it serves.
 //! - [`error`]: the one error type and its mapping to problem responses.
 //! - [`framing`]: the request-smuggling guard under HTTP/1 connections.
 //! - [`server`]: accept loop, HTTP/1 + HTTP/2, TLS, header timeout, graceful drain.
 
 pub mod action;
+pub mod admin;
+pub mod cli;
 pub mod config;
 pub mod error;
 pub mod framing;
 pub mod identity;
 pub mod log;
+pub mod lookup;
+pub mod metrics;
 pub mod proxy;
 pub mod redact;
 pub mod replay;
@@ -42,6 +48,7 @@ use std::sync::Arc;
 use tokio::net::TcpListener;
 
 use crate::config::{Config, StoreConfig};
+use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::store::{Store, StoreError, StoreOptions};
 
@@ -50,6 +57,9 @@ use crate::store::{Store, StoreError, StoreOptions};
 pub enum RunError {
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// A setting that cannot work (exit 64).
+    #[error("{0}")]
+    Config(String),
     #[error("{0}")]
     Setup(String),
 }
@@ -57,11 +67,21 @@ pub enum RunError {
 /// The listeners `run` serves on, bound by the caller (tests bind `127.0.0.1:0`).
 pub struct Listeners {
     pub proxy: TcpListener,
+    /// The admin API; `None` runs without one.
+    pub admin: Option<TcpListener>,
+}
+
+/// What `run` uses besides the config: made by the caller, so that `run` reads no environment.
+pub struct Services {
+    pub store: Arc<dyn Store>,
+    pub metrics: Arc<Metrics>,
+    /// The admin bearer token (from `admin.token_env`), if any.
+    pub admin_token: Option<String>,
 }
 
 /// The store options the config asks for, reading the secrets it names from the environment.
 /// Errors name the config key.
-pub fn store_options(config: &Config) -> Result<StoreOptions, String> {
+pub fn store_options(config: &Config, metrics: &Metrics) -> Result<StoreOptions, String> {
     let key = match &config.log.hmac_key_env {
         None => None,
         Some(var) => match std::env::var(var) {
@@ -76,6 +96,7 @@ pub fn store_options(config: &Config) -> Result<StoreOptions, String> {
     Ok(StoreOptions {
         chain: log::Chain::new(key),
         log_retention: config.log.retention,
+        flush_latency: Some(metrics.flush_latency.clone()),
     })
 }
 
@@ -99,15 +120,48 @@ pub async fn open_store(
     }
 }
 
+/// How often the sweeper deletes expired records: a tenth of the shortest retention, between
+/// one second and one minute.
+fn sweep_interval(config: &Config) -> std::time::Duration {
+    config
+        .upstreams
+        .iter()
+        .flat_map(|u| std::iter::once(&u.policy).chain(u.routes.iter().map(|r| &r.policy)))
+        .map(|p| p.retention / 10)
+        .min()
+        .unwrap_or(std::time::Duration::from_secs(60))
+        .clamp(
+            std::time::Duration::from_secs(1),
+            std::time::Duration::from_secs(60),
+        )
+}
+
 /// Runs the proxy until `shutdown` resolves, then drains: stops accepting, lets open requests
 /// and running attempts finish within `drain_timeout`, and makes the store durable.
 pub async fn run(
     config: Config,
     listeners: Listeners,
-    store: Arc<dyn Store>,
+    services: Services,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), RunError> {
+    let Services {
+        store,
+        metrics,
+        admin_token,
+    } = services;
     let config = Arc::new(config);
+    if let Some(admin) = &listeners.admin {
+        let addr = admin
+            .local_addr()
+            .map_err(|e| RunError::Setup(format!("admin listener: {e}")))?;
+        if !addr.ip().is_loopback() && admin_token.as_deref().unwrap_or("").is_empty() {
+            return Err(RunError::Config(format!(
+                "invalid `admin.listen`: {addr} is not a loopback address, so the admin API needs \
+                 a token in the environment variable named by `admin.token_env` ({})",
+                config.admin.token_env
+            )));
+        }
+    }
     // SPEC §5 step 6: attempts a previous run left in flight may or may not have left.
     let recovered = store.recover(action::now_millis()).await?;
     if recovered > 0 {
@@ -120,7 +174,9 @@ pub async fn run(
         Some(t) => Some(server::tls_acceptor(t).map_err(RunError::Setup)?),
         None => None,
     };
-    let proxy = Arc::new(Proxy::new(config.clone(), store.clone()).map_err(RunError::Setup)?);
+    let proxy = Arc::new(
+        Proxy::new(config.clone(), store.clone(), metrics.clone()).map_err(RunError::Setup)?,
+    );
     let listen = server::Listen {
         header_timeout: config.server.header_timeout,
         drain_timeout: config.server.drain_timeout,
@@ -130,11 +186,58 @@ pub async fn run(
         tracing::info!(%addr, upstreams = config.upstreams.len(), "oncegate listening");
     }
     let started = tokio::time::Instant::now();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+
+    // Background work: lookups of unknown actions, and the retention sweeper.
+    let background = tokio::spawn(lookup::background(
+        proxy.upstreams.clone(),
+        store.clone(),
+        config.clone(),
+        metrics.clone(),
+    ));
+    let sweeper = {
+        let store = store.clone();
+        let every = sweep_interval(&config);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                match store.expire(action::now_millis()).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(expired = n, "expired actions deleted"),
+                    Err(e) => tracing::warn!(error = %e, "sweeper"),
+                }
+            }
+        })
+    };
+    let admin_task = listeners.admin.map(|l| {
+        if let Ok(addr) = l.local_addr() {
+            tracing::info!(admin = %addr, "admin API listening");
+        }
+        let admin = Arc::new(admin::Admin::new(proxy.clone(), admin_token));
+        let opts = server::Listen {
+            header_timeout: config.server.header_timeout,
+            drain_timeout: std::time::Duration::from_secs(1),
+            tls: None,
+        };
+        tokio::spawn(server::serve(
+            l,
+            opts,
+            move |req| admin.clone().handle(req),
+            stopped(stop_rx.clone()),
+        ))
+    });
+
     let handler = {
         let proxy = proxy.clone();
         move |req| proxy.clone().handle(req)
     };
     let drained = server::serve(listeners.proxy, listen, handler, shutdown).await;
+    let _ = stop_tx.send(true);
+    background.abort();
+    sweeper.abort();
     // Attempts whose clients left still run in their own tasks: give them the rest of the drain.
     proxy.attempts().close();
     let left = config
@@ -147,6 +250,9 @@ pub async fn run(
     )
     .await
     .is_ok();
+    if let Some(t) = admin_task {
+        let _ = t.await;
+    }
     store.close().await?;
     if drained && attempts_done {
         tracing::info!("drained; store flushed");

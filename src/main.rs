@@ -1,14 +1,17 @@
 //! The `oncegate` binary: parse the command line, load the config (exit 64 when it is bad),
-//! bind, and hand over to [`oncegate::run`].
+//! bind, and hand over to [`oncegate::run`]; or run one of the operator commands.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use oncegate::cli::{self, AdminClient, ListArgs};
 use oncegate::config::Config;
+use oncegate::metrics::Metrics;
 use oncegate::route::Class;
 
-/// Exit code for a configuration error (EX_USAGE / EX_CONFIG family).
+/// Exit code for a configuration error (EX_USAGE).
 const EXIT_CONFIG: u8 = 64;
 /// Exit code when the store cannot be opened (EX_IOERR).
 const EXIT_STORE: u8 = 74;
@@ -22,7 +25,7 @@ const EXIT_STORE: u8 = 74;
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
-    /// Config file (when no subcommand is given).
+    /// Config file (for `run` and `check`).
     #[arg(
         long,
         short,
@@ -39,6 +42,98 @@ enum Command {
     Run,
     /// Validate the config and print the routing table.
     Check,
+    /// Find, inspect and settle actions through the admin API.
+    Actions {
+        #[command(flatten)]
+        admin: AdminArgs,
+        #[command(subcommand)]
+        command: ActionsCommand,
+    },
+    /// Export and verify the write log.
+    Log {
+        #[command(flatten)]
+        admin: AdminArgs,
+        #[command(subcommand)]
+        command: LogCommand,
+    },
+}
+
+#[derive(Args)]
+struct AdminArgs {
+    /// The admin API's address (token from ONCEGATE_ADMIN_TOKEN).
+    #[arg(
+        long,
+        env = "ONCEGATE_ADMIN",
+        default_value = "http://127.0.0.1:8081",
+        global = true
+    )]
+    admin: String,
+}
+
+#[derive(Subcommand)]
+enum ActionsCommand {
+    /// List actions, newest first.
+    List {
+        #[arg(long)]
+        state: Option<String>,
+        #[arg(long)]
+        upstream: Option<String>,
+        #[arg(long)]
+        task: Option<String>,
+        #[arg(long)]
+        limit: Option<usize>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one action with its evidence.
+    Show {
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Settle an unknown action by hand.
+    Resolve {
+        id: String,
+        /// `applied` or `not-applied`.
+        #[arg(long)]
+        outcome: String,
+        /// Why (kept in the write log).
+        #[arg(long)]
+        reason: String,
+        #[arg(long)]
+        external_id: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run the status lookup of an unknown action now.
+    Lookup {
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum LogCommand {
+    /// Print the write log as NDJSON.
+    Export {
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+        /// Write to this file instead of standard output.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Verify the chain: the live log through the admin API, or an export with --file.
+    Verify {
+        #[arg(long)]
+        file: Option<PathBuf>,
+        /// Environment variable holding the HMAC key the log was written with.
+        #[arg(long)]
+        hmac_key_env: Option<String>,
+        /// `SEQ:HASH` of a head recorded earlier; the export must still contain it.
+        #[arg(long)]
+        expect_head: Option<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -51,19 +146,126 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let config = match Config::load(&cli.config) {
-        Ok(c) => c,
+    match cli.command.unwrap_or(Command::Run) {
+        Command::Check => match load(&cli.config) {
+            Ok(config) => {
+                print!("{}", routing_table(&config));
+                ExitCode::SUCCESS
+            }
+            Err(code) => code,
+        },
+        Command::Run => match load(&cli.config) {
+            Ok(config) => run(config),
+            Err(code) => code,
+        },
+        Command::Actions { admin, command } => operate(admin, |c| async move {
+            match command {
+                ActionsCommand::List {
+                    state,
+                    upstream,
+                    task,
+                    limit,
+                    json,
+                } => {
+                    let args = ListArgs {
+                        state,
+                        upstream,
+                        task,
+                        limit,
+                    };
+                    cli::actions_list(&c, &args, json).await.map(|s| (true, s))
+                }
+                ActionsCommand::Show { id, json } => {
+                    cli::actions_show(&c, &id, json).await.map(|s| (true, s))
+                }
+                ActionsCommand::Resolve {
+                    id,
+                    outcome,
+                    reason,
+                    external_id,
+                    json,
+                } => cli::actions_resolve(&c, &id, &outcome, &reason, external_id.as_deref(), json)
+                    .await
+                    .map(|s| (true, s)),
+                ActionsCommand::Lookup { id, json } => {
+                    cli::actions_lookup(&c, &id, json).await.map(|s| (true, s))
+                }
+            }
+        }),
+        Command::Log { admin, command } => operate(admin, |c| async move {
+            match command {
+                LogCommand::Export { after, out } => {
+                    let text = cli::log_export(&c, after).await?;
+                    match out {
+                        None => Ok((true, text)),
+                        Some(path) => std::fs::write(&path, text)
+                            .map(|()| (true, String::new()))
+                            .map_err(|e| format!("{}: {e}", path.display())),
+                    }
+                }
+                LogCommand::Verify {
+                    file: Some(file),
+                    hmac_key_env,
+                    expect_head,
+                } => {
+                    let key = match hmac_key_env {
+                        None => None,
+                        Some(var) => Some(
+                            std::env::var(&var)
+                                .map_err(|_| format!("--hmac-key-env: {var} is not set"))?
+                                .into_bytes(),
+                        ),
+                    };
+                    cli::log_verify_file(&file, key, expect_head.as_deref())
+                }
+                LogCommand::Verify { file: None, .. } => cli::log_verify_remote(&c).await,
+            }
+        }),
+    }
+}
+
+fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
+    Config::load(path).map_err(|e| {
+        eprintln!("oncegate: config {}: {e}", path.display());
+        ExitCode::from(EXIT_CONFIG)
+    })
+}
+
+/// Runs an operator command: prints its text; exit 1 when it failed or found a problem.
+fn operate<F, Fut>(admin: AdminArgs, f: F) -> ExitCode
+where
+    F: FnOnce(AdminClient) -> Fut,
+    Fut: std::future::Future<Output = Result<(bool, String), String>>,
+{
+    let client = AdminClient {
+        base: admin.admin,
+        token: std::env::var("ONCEGATE_ADMIN_TOKEN")
+            .ok()
+            .filter(|t| !t.is_empty()),
+    };
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
         Err(e) => {
-            eprintln!("oncegate: config {}: {e}", cli.config.display());
-            return ExitCode::from(EXIT_CONFIG);
+            eprintln!("oncegate: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
         }
     };
-    match cli.command.unwrap_or(Command::Run) {
-        Command::Check => {
-            print!("{}", routing_table(&config));
-            ExitCode::SUCCESS
+    match rt.block_on(f(client)) {
+        Ok((good, text)) => {
+            print!("{text}");
+            if good {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
         }
-        Command::Run => run(config),
+        Err(e) => {
+            eprintln!("oncegate: {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 
@@ -103,13 +305,17 @@ fn run(config: Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let options = match oncegate::store_options(&config) {
+    let metrics = Arc::new(Metrics::new());
+    let options = match oncegate::store_options(&config, &metrics) {
         Ok(o) => o,
         Err(e) => {
             eprintln!("oncegate: config: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
+    let admin_token = std::env::var(&config.admin.token_env)
+        .ok()
+        .filter(|t| !t.is_empty());
     rt.block_on(async move {
         let store = match oncegate::open_store(&config, options).await {
             Ok(s) => s,
@@ -128,9 +334,31 @@ fn run(config: Config) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
-        let listeners = oncegate::Listeners { proxy };
-        match oncegate::run(config, listeners, store, shutdown_signal()).await {
+        let admin = match tokio::net::TcpListener::bind(config.admin.listen).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!(
+                    "oncegate: cannot listen on {} (admin.listen): {e}",
+                    config.admin.listen
+                );
+                return ExitCode::FAILURE;
+            }
+        };
+        let listeners = oncegate::Listeners {
+            proxy,
+            admin: Some(admin),
+        };
+        let services = oncegate::Services {
+            store,
+            metrics,
+            admin_token,
+        };
+        match oncegate::run(config, listeners, services, shutdown_signal()).await {
             Ok(()) => ExitCode::SUCCESS,
+            Err(e @ oncegate::RunError::Config(_)) => {
+                eprintln!("oncegate: config: {e}");
+                ExitCode::from(EXIT_CONFIG)
+            }
             Err(e) => {
                 eprintln!("oncegate: {e}");
                 ExitCode::FAILURE

@@ -33,6 +33,8 @@ use crate::config::{Config, Policy, Upstream};
 use crate::error::{action_json, ActionCtx, Completed, Outcome, ProxyError};
 use crate::identity::{self, Identity, KeyError};
 use crate::log::{Actor, Event, LogEvent};
+use crate::lookup;
+use crate::metrics::Metrics;
 use crate::redact::{latin1, Redactor};
 use crate::replay::replay;
 use crate::route::{route, Class, Target};
@@ -83,10 +85,11 @@ impl Waiters {
 
 /// The proxy: shared by every connection.
 pub struct Proxy {
-    config: Arc<Config>,
-    upstreams: Upstreams,
-    store: Arc<dyn Store>,
-    redactor: Redactor,
+    pub(crate) config: Arc<Config>,
+    pub(crate) upstreams: Arc<Upstreams>,
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) redactor: Redactor,
     /// This process's identity as the owner of in-flight claims.
     owner: String,
     waiters: Waiters,
@@ -167,9 +170,14 @@ fn store_unavailable(e: StoreError, ctx: Option<Box<ActionCtx>>) -> ProxyError {
 }
 
 impl Proxy {
-    pub fn new(config: Arc<Config>, store: Arc<dyn Store>) -> Result<Proxy, String> {
+    pub fn new(
+        config: Arc<Config>,
+        store: Arc<dyn Store>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Proxy, String> {
         Ok(Proxy {
-            upstreams: Upstreams::new(&config)?,
+            upstreams: Arc::new(Upstreams::new(&config)?),
+            metrics,
             redactor: Redactor::new(&config),
             owner: format!("{}-{:08x}", std::process::id(), rand::random::<u32>()),
             config,
@@ -198,7 +206,8 @@ impl Proxy {
             action = tracing::field::Empty,
         );
         async move {
-            match self.call(req).await {
+            let mut labels = ("-".to_string(), "-");
+            let resp = match self.call(req, &mut labels).await {
                 Ok(resp) => {
                     tracing::debug!(status = resp.status().as_u16(), "answered");
                     resp
@@ -207,15 +216,24 @@ impl Proxy {
                     tracing::info!(error = %err, "problem");
                     err.into_response()
                 }
-            }
+            };
+            let outcome = resp
+                .headers()
+                .get("oncegate-outcome")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("forwarded");
+            self.metrics.request(&labels.0, labels.1, outcome);
+            resp
         }
         .instrument(span)
         .await
     }
 
+    /// Routes and classifies; `labels` receives the upstream and class for metrics.
     async fn call(
         self: &Arc<Self>,
         req: Request<Incoming>,
+        labels: &mut (String, &'static str),
     ) -> Result<Response<ProxyBody>, ProxyError> {
         check_framing(req.headers())?;
         let path = req.uri().path().to_string();
@@ -224,6 +242,7 @@ impl Proxy {
         }
         let target = route(&self.config, req.method(), &path)
             .ok_or_else(|| ProxyError::NoRoute(path.clone()))?;
+        *labels = (target.upstream.name.clone(), target.class.as_str());
         let span = tracing::Span::current();
         span.record("upstream", target.upstream.name.as_str());
         span.record("class", target.class.as_str());
@@ -441,6 +460,7 @@ impl Proxy {
         waiter: &mut Option<Arc<Notify>>,
     ) -> Result<Next, ProxyError> {
         let wait_until = tokio::time::Instant::now() + job.policy.in_flight_wait;
+        let mut looked_up = false;
         loop {
             // Registered only once a wait is needed, so other answers leave nothing behind.
             let notify = waiter.clone().unwrap_or_default();
@@ -485,6 +505,27 @@ impl Proxy {
                         ctx: self.ctx(rec).await,
                         retry_after_secs: secs,
                     });
+                }
+                State::Unknown if job.policy.lookup.is_some() && !looked_up => {
+                    // SPEC §9: a duplicate asks the upstream (with its own credentials) first.
+                    looked_up = true;
+                    let verdict = lookup::lookup(
+                        &self.upstreams,
+                        self.store.as_ref(),
+                        &job.upstream,
+                        &rec,
+                        Some(&job.headers),
+                    )
+                    .await;
+                    match verdict {
+                        Ok(v) => {
+                            self.metrics.lookup(v.label());
+                            // Settled (or settled meanwhile): claim again and act on the new state.
+                            continue;
+                        }
+                        Err(e) => tracing::warn!(error = %e, "lookup could not settle"),
+                    }
+                    continue;
                 }
                 State::Unknown => {
                     return Err(ProxyError::OutcomeUnknown {
@@ -590,7 +631,9 @@ impl Proxy {
         let mut tries: Vec<Try> = Vec::new();
         let result = match out {
             Ok(out) => {
-                self.upstreams
+                let started = std::time::Instant::now();
+                let r = self
+                    .upstreams
                     .send_write(
                         &job.upstream,
                         policy,
@@ -599,7 +642,10 @@ impl Proxy {
                         self.config.server.max_stored_response,
                         &mut tries,
                     )
-                    .await
+                    .await;
+                self.metrics
+                    .upstream_latency(&job.upstream.name, started.elapsed().as_secs_f64());
+                r
             }
             // Nothing can be sent: treated as a try that did not reach the upstream.
             Err(e) => AttemptResult::Unreachable(format!("cannot build the upstream request: {e}")),

@@ -45,6 +45,8 @@ pub struct StoreOptions {
     pub chain: Chain,
     /// `log.retention`: log entries older than this are pruned by the sweeper (default: keep).
     pub log_retention: Option<std::time::Duration>,
+    /// Where to record how long each durable flush takes.
+    pub flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
 }
 
 /// Which records a scan returns.
@@ -104,6 +106,12 @@ pub trait Store: Send + Sync + 'static {
 
     /// Walks the whole write-log chain.
     fn verify_log(&self) -> BoxFuture<'_, Result<Verification, StoreError>>;
+
+    /// `(seq, hash)` of the newest write-log entry.
+    fn log_head(&self) -> BoxFuture<'_, Result<(u64, String), StoreError>>;
+
+    /// How many actions are in each state.
+    fn counts(&self) -> BoxFuture<'_, Result<Vec<(State, u64)>, StoreError>>;
 
     /// Turns the `in_flight` records left by a previous run into `unknown` (SPEC §5 step 6).
     /// Returns how many changed.

@@ -539,3 +539,28 @@ impl Body for Prefixed {
         Pin::new(&mut self.rest).poll_frame(cx).map_err(Into::into)
     }
 }
+
+impl Upstreams {
+    /// A small bodiless exchange (status lookups): the whole answer within `timeout`, its body
+    /// up to 1 MiB.
+    pub async fn fetch(
+        &self,
+        up: &Upstream,
+        policy: &Policy,
+        out: &Outgoing,
+        timeout: Duration,
+    ) -> Result<(http::response::Parts, Bytes), String> {
+        let client = self.client(up, policy);
+        let deadline = tokio::time::Instant::now() + timeout;
+        let resp = tokio::time::timeout_at(deadline, client.request(out.request(empty())))
+            .await
+            .map_err(|_| format!("no answer within {timeout:?}"))?
+            .map_err(|e| error_chain(&e))?;
+        let (mut head, body) = resp.into_parts();
+        strip_hop_by_hop(&mut head.headers);
+        match read_limited(body, 1 << 20, deadline).await? {
+            (body, None) => Ok((head, body)),
+            (_, Some(_)) => Err("lookup answer larger than 1 MiB".into()),
+        }
+    }
+}

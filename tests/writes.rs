@@ -701,6 +701,19 @@ impl oncegate::store::Store for BrokenStore {
     > {
         self.0.verify_log()
     }
+    fn log_head(
+        &self,
+    ) -> oncegate::store::BoxFuture<'_, Result<(u64, String), oncegate::store::StoreError>> {
+        self.0.log_head()
+    }
+    fn counts(
+        &self,
+    ) -> oncegate::store::BoxFuture<
+        '_,
+        Result<Vec<(oncegate::action::State, u64)>, oncegate::store::StoreError>,
+    > {
+        self.0.counts()
+    }
     fn recover(
         &self,
         n: u64,

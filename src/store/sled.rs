@@ -205,6 +205,7 @@ impl SledStore {
             chain: options.chain.clone(),
             head,
             log_retention: options.log_retention,
+            flush_latency: options.flush_latency.clone(),
         };
         let handle = std::thread::Builder::new()
             .name("oncegate-store".into())
@@ -375,6 +376,32 @@ impl Store for SledStore {
         })
     }
 
+    fn log_head(&self) -> BoxFuture<'_, Result<(u64, String), StoreError>> {
+        Box::pin(async move { log_head(&self.db()?) })
+    }
+
+    fn counts(&self) -> BoxFuture<'_, Result<Vec<(State, u64)>, StoreError>> {
+        Box::pin(async move {
+            let db = self.db()?;
+            tokio::task::spawn_blocking(move || {
+                [
+                    State::InFlight,
+                    State::Succeeded,
+                    State::Failed,
+                    State::Unknown,
+                ]
+                .into_iter()
+                .map(|st| {
+                    let prefix = format!("s/{}/", st.as_str());
+                    Ok((st, db.scan_prefix(prefix.as_bytes()).keys().count() as u64))
+                })
+                .collect()
+            })
+            .await
+            .map_err(unavailable)?
+        })
+    }
+
     fn get<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         Box::pin(async move {
             let key = rec_key(id);
@@ -480,6 +507,7 @@ struct Writer {
     /// `(seq, hash)` of the last log entry staged.
     head: (u64, String),
     log_retention: Option<std::time::Duration>,
+    flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
 }
 
 /// The changes of one batch, readable before they are applied.
@@ -545,6 +573,7 @@ impl Writer {
     }
 
     fn commit(&self, batch: sled::Batch) -> Result<(), String> {
+        let started = std::time::Instant::now();
         self.db
             .apply_batch(batch)
             .map_err(|e| format!("apply: {e}"))?;
@@ -553,6 +582,9 @@ impl Writer {
             .sync_data()
             .map_err(|e| format!("fdatasync: {e}"))?;
         self.flushes.fetch_add(1, Ordering::Relaxed);
+        if let Some(h) = &self.flush_latency {
+            h.observe(started.elapsed().as_secs_f64());
+        }
         Ok(())
     }
 

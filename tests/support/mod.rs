@@ -312,9 +312,13 @@ fn run_behavior(
     })
 }
 
+/// The admin token of every in-process test proxy.
+pub const ADMIN_TOKEN: &str = "test-admin-token-7f3a";
+
 /// The proxy, running in-process on a temporary sled store.
 pub struct TestProxy {
     pub addr: SocketAddr,
+    pub admin: SocketAddr,
     pub dir: PathBuf,
     pub store: Arc<dyn oncegate::store::Store>,
     _tmp: Option<tempfile::TempDir>,
@@ -347,17 +351,27 @@ impl TestProxy {
         let config = Config::parse(toml).unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
+        let admin_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let admin = admin_listener.local_addr().unwrap();
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let task = tokio::spawn(oncegate::run(
             config,
-            oncegate::Listeners { proxy: listener },
-            store.clone(),
+            oncegate::Listeners {
+                proxy: listener,
+                admin: Some(admin_listener),
+            },
+            oncegate::Services {
+                store: store.clone(),
+                metrics: Arc::new(oncegate::metrics::Metrics::new()),
+                admin_token: Some(ADMIN_TOKEN.to_string()),
+            },
             async move {
                 let _ = stop_rx.await;
             },
         ));
         TestProxy {
             addr,
+            admin,
             dir: dir.to_owned(),
             store,
             _tmp: None,
@@ -368,6 +382,22 @@ impl TestProxy {
 
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.admin, path)
+    }
+
+    /// Calls the admin API with the token.
+    pub async fn admin(&self, method: &str, path: &str, body: &str) -> Resp {
+        TestClient::default()
+            .send(
+                method,
+                &self.admin_url(path),
+                &[("authorization", &format!("Bearer {ADMIN_TOKEN}"))],
+                body,
+            )
+            .await
     }
 
     /// Graceful stop; returns once the store is closed.
@@ -390,6 +420,9 @@ pub fn config(upstream_url: &str, extra: &str) -> String {
 listen = "127.0.0.1:0"
 header_timeout = "2s"
 drain_timeout = "5s"
+
+[admin]
+listen = "127.0.0.1:0"
 
 [defaults]
 timeout = "1s"
@@ -517,6 +550,7 @@ pub async fn raw(addr: SocketAddr, request: &[u8], limit: Duration) -> (String, 
 pub struct ChildProxy {
     pub child: std::process::Child,
     pub addr: SocketAddr,
+    pub admin: SocketAddr,
     pub stderr: Arc<Mutex<String>>,
 }
 
@@ -538,16 +572,15 @@ impl ChildProxy {
         let (tx, rx) = std::sync::mpsc::channel();
         let log2 = log.clone();
         std::thread::spawn(move || {
-            let mut tx = Some(tx);
             for line in std::io::BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
-                if let Some(i) = line.find("addr=") {
-                    let addr: String = line[i + 5..]
-                        .chars()
-                        .take_while(|c| !c.is_whitespace())
-                        .collect();
-                    if let Some(tx) = tx.take() {
-                        let _ = tx.send(addr);
+                for field in ["addr=", "admin="] {
+                    if let Some(i) = line.find(field) {
+                        let v: String = line[i + field.len()..]
+                            .chars()
+                            .take_while(|c| !c.is_whitespace())
+                            .collect();
+                        let _ = tx.send((field, v));
                     }
                 }
                 let mut l = log2.lock().unwrap();
@@ -555,12 +588,22 @@ impl ChildProxy {
                 l.push('\n');
             }
         });
-        let addr = rx
-            .recv_timeout(Duration::from_secs(20))
-            .unwrap_or_else(|_| panic!("proxy did not start: {}", log.lock().unwrap()));
+        let (mut addr, mut admin) = (None, None);
+        while addr.is_none() || admin.is_none() {
+            let (field, v) = rx
+                .recv_timeout(Duration::from_secs(20))
+                .unwrap_or_else(|_| panic!("proxy did not start: {}", log.lock().unwrap()));
+            let v: SocketAddr = v.parse().unwrap();
+            if field == "addr=" {
+                addr = Some(v);
+            } else {
+                admin = Some(v);
+            }
+        }
         ChildProxy {
             child,
-            addr: addr.parse().unwrap(),
+            addr: addr.unwrap(),
+            admin: admin.unwrap(),
             stderr: log,
         }
     }

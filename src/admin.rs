@@ -1,0 +1,497 @@
+//! The admin API (SPEC §10.2) on its own listener: finding, inspecting and settling actions, the
+//! task view for every principal, the write log, health and metrics.
+//!
+//! Everything under `/v1/` needs `Authorization: Bearer <token>` when a token is configured
+//! (compared in constant time); `/healthz`, `/readyz` and `/metrics` never do. Nothing here shows a
+//! credential: request headers were redacted when stored, and stored response headers are
+//! redacted again on the way out.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use crate::action::{now_millis, rfc3339, Record, Resolve, State};
+use crate::error::{action_json, evidence_json};
+use crate::identity::principal_short;
+use crate::log::Event;
+use crate::lookup::{self, Verdict};
+use crate::proxy::{task_entry, Proxy};
+use crate::redact::REDACTED;
+use crate::store::{Filter, StoreError};
+use crate::upstream::{full, ProxyBody};
+
+/// The admin service.
+pub struct Admin {
+    proxy: Arc<Proxy>,
+    token: Option<String>,
+}
+
+/// Compares two secrets without leaking where they differ.
+fn same_secret(a: &str, b: &str) -> bool {
+    let (x, y) = (Sha256::digest(a.as_bytes()), Sha256::digest(b.as_bytes()));
+    x.iter()
+        .zip(y.iter())
+        .fold(0u8, |acc, (p, q)| acc | (p ^ q))
+        == 0
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response<ProxyBody> {
+    let mut r = Response::new(full(serde_json::to_vec(v).expect("JSON serializes")));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+/// An admin error as an RFC 9457 problem.
+fn problem(status: StatusCode, name: &str, detail: impl Into<String>) -> Response<ProxyBody> {
+    let mut r = json_response(
+        status,
+        &json!({
+            "type": format!("urn:oncegate:problem:{name}"),
+            "title": status.canonical_reason().unwrap_or("Error"),
+            "status": status.as_u16(),
+            "detail": detail.into(),
+        }),
+    );
+    r.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    if status == StatusCode::UNAUTHORIZED {
+        r.headers_mut()
+            .insert("www-authenticate", HeaderValue::from_static("Bearer"));
+    }
+    r
+}
+
+fn store_problem(e: StoreError) -> Response<ProxyBody> {
+    match e {
+        StoreError::Resolve(crate::action::ResolveError::NotFound(id)) => problem(
+            StatusCode::NOT_FOUND,
+            "not-found",
+            format!("no action {id}"),
+        ),
+        StoreError::Resolve(e @ crate::action::ResolveError::NotUnknown { .. }) => {
+            problem(StatusCode::CONFLICT, "not-unknown", e.to_string())
+        }
+        e => problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store-unavailable",
+            e.to_string(),
+        ),
+    }
+}
+
+/// Query parameters, decoded.
+fn query(req: &Request<Incoming>) -> Vec<(String, String)> {
+    req.uri()
+        .query()
+        .map(|q| form_urlencoded::parse(q.as_bytes()).into_owned().collect())
+        .unwrap_or_default()
+}
+
+fn param<'a>(q: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    q.iter()
+        .find(|(k, v)| k == name && !v.is_empty())
+        .map(|(_, v)| v.as_str())
+}
+
+/// The whole record as the admin API shows it.
+pub fn record_view(r: &Record, redactor: &crate::redact::Redactor) -> Value {
+    let mut v = action_json(r);
+    v["principal"] = json!(principal_short(&r.principal));
+    v["fingerprint"] = json!(r.fingerprint);
+    v["needs_decision"] = json!(r.needs_decision);
+    v["request"] = json!({
+        "headers": r.request.headers,
+        "body_size": r.request.body_size,
+        "body_sha256": r.request.body_sha256,
+    });
+    v["evidence"] = evidence_json(r);
+    v["response"] = match &r.response {
+        None => Value::Null,
+        Some(s) => json!({
+            "status": s.status,
+            "headers": s.headers.iter().map(|(k, val)| {
+                let secret = http::HeaderName::from_bytes(k.as_bytes())
+                    .map(|n| redactor.is_secret_header(&n))
+                    .unwrap_or(false);
+                (k.clone(), if secret { REDACTED.to_string() } else { val.clone() })
+            }).collect::<Vec<_>>(),
+            "size": s.size,
+            "stored": s.body != crate::action::BodyRef::Absent,
+            "source": s.source,
+        }),
+    };
+    v["resolution"] = match &r.resolution {
+        None => Value::Null,
+        Some(res) => json!({
+            "at": rfc3339(res.at),
+            "actor": res.actor,
+            "outcome": if res.applied { "applied" } else { "not-applied" },
+            "reason": res.reason,
+        }),
+    };
+    v
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResolveBody {
+    outcome: String,
+    external_id: Option<String>,
+    reason: Option<String>,
+}
+
+impl Admin {
+    pub fn new(proxy: Arc<Proxy>, token: Option<String>) -> Admin {
+        Admin {
+            proxy,
+            token: token.filter(|t| !t.is_empty()),
+        }
+    }
+
+    fn authorized(&self, req: &Request<Incoming>) -> bool {
+        let Some(token) = &self.token else {
+            return true;
+        };
+        req.headers()
+            .get(AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|given| same_secret(given.trim(), token))
+    }
+
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<ProxyBody> {
+        let path = req.uri().path().to_string();
+        let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+        let m = req.method().clone();
+        match (m.clone(), segs.as_slice()) {
+            (Method::GET, ["healthz"]) => {
+                return json_response(StatusCode::OK, &json!({"ok": true}))
+            }
+            (Method::GET, ["readyz"]) => return self.ready().await,
+            (Method::GET, ["metrics"]) => return self.metrics().await,
+            _ => {}
+        }
+        if !self.authorized(&req) {
+            return problem(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "send Authorization: Bearer <admin token>",
+            );
+        }
+        match (m, segs.as_slice()) {
+            (Method::GET, ["v1", "actions"]) => self.list(&req).await,
+            (Method::GET, ["v1", "actions", id]) => self.show(id).await,
+            (Method::POST, ["v1", "actions", id, "resolve"]) => {
+                let id = id.to_string();
+                self.resolve(&id, req).await
+            }
+            (Method::POST, ["v1", "actions", id, "lookup"]) => self.lookup(id).await,
+            (Method::GET, ["v1", "tasks", task]) => self.task(task).await,
+            (Method::GET, ["v1", "log"]) => self.log(&req).await,
+            (Method::GET, ["v1", "log", "verify"]) => self.verify().await,
+            _ => problem(
+                StatusCode::NOT_FOUND,
+                "not-found",
+                format!("no admin endpoint {path}"),
+            ),
+        }
+    }
+
+    async fn ready(&self) -> Response<ProxyBody> {
+        match self.proxy.store.log_head().await {
+            Ok(_) => json_response(StatusCode::OK, &json!({"ready": true})),
+            Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, "not-ready", e.to_string()),
+        }
+    }
+
+    async fn metrics(&self) -> Response<ProxyBody> {
+        let m = &self.proxy.metrics;
+        if let Ok(counts) = self.proxy.store.counts().await {
+            for (state, n) in counts {
+                m.actions
+                    .get_or_create(&crate::metrics::StateLabels {
+                        state: state.as_str().to_string(),
+                    })
+                    .set(n as i64);
+            }
+        }
+        if let Ok((seq, _)) = self.proxy.store.log_head().await {
+            m.log_head.set(seq as i64);
+        }
+        let mut r = Response::new(full(m.encode()));
+        r.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        );
+        r
+    }
+
+    async fn list(&self, req: &Request<Incoming>) -> Response<ProxyBody> {
+        let q = query(req);
+        let state = match param(&q, "state") {
+            None => None,
+            Some(s) => match State::parse(s) {
+                Some(st) => Some(st),
+                None => {
+                    return problem(
+                        StatusCode::BAD_REQUEST,
+                        "bad-request",
+                        format!("state {s:?}: expected in_flight, succeeded, failed or unknown"),
+                    )
+                }
+            },
+        };
+        let limit = match param(&q, "limit").map(str::parse::<usize>) {
+            None => 100,
+            Some(Ok(n)) if (1..=1000).contains(&n) => n,
+            Some(_) => {
+                return problem(
+                    StatusCode::BAD_REQUEST,
+                    "bad-request",
+                    "limit must be 1 to 1000",
+                )
+            }
+        };
+        let filter = Filter {
+            state,
+            upstream: param(&q, "upstream").map(str::to_string),
+            principal: None,
+            task: param(&q, "task").map(str::to_string),
+        };
+        let mut all = match self.proxy.store.scan(filter, usize::MAX).await {
+            Ok(a) => a,
+            Err(e) => return store_problem(e),
+        };
+        // Newest first; the cursor is the last item's `created_at.id`.
+        all.sort_by(|a, b| (b.created_at, &b.id).cmp(&(a.created_at, &a.id)));
+        let cursor = |r: &Record| format!("{}.{}", r.created_at, r.id);
+        let start = match param(&q, "after") {
+            None => 0,
+            Some(after) => all
+                .iter()
+                .position(|r| cursor(r) == after)
+                .map_or(all.len(), |i| i + 1),
+        };
+        let page: Vec<&Record> = all.iter().skip(start).take(limit).collect();
+        let next = (start + page.len() < all.len())
+            .then(|| page.last().map(|r| cursor(r)))
+            .flatten();
+        let items: Vec<Value> = page
+            .iter()
+            .map(|r| {
+                let mut v = action_json(r);
+                v["principal"] = json!(principal_short(&r.principal));
+                v
+            })
+            .collect();
+        json_response(StatusCode::OK, &json!({"actions": items, "next": next}))
+    }
+
+    async fn record(&self, id: &str) -> Result<Record, Response<ProxyBody>> {
+        match self.proxy.store.get(id).await {
+            Ok(Some(r)) => Ok(r),
+            Ok(None) => Err(problem(
+                StatusCode::NOT_FOUND,
+                "not-found",
+                format!("no action {id}"),
+            )),
+            Err(e) => Err(store_problem(e)),
+        }
+    }
+
+    async fn show(&self, id: &str) -> Response<ProxyBody> {
+        match self.record(id).await {
+            Ok(r) => json_response(StatusCode::OK, &record_view(&r, &self.proxy.redactor)),
+            Err(resp) => resp,
+        }
+    }
+
+    async fn resolve(&self, id: &str, req: Request<Incoming>) -> Response<ProxyBody> {
+        let body = match http_body_util::Limited::new(req.into_body(), 64 * 1024)
+            .collect()
+            .await
+        {
+            Ok(b) => b.to_bytes(),
+            Err(e) => return problem(StatusCode::BAD_REQUEST, "bad-request", e.to_string()),
+        };
+        let b: ResolveBody = match serde_json::from_slice(&body) {
+            Ok(b) => b,
+            Err(e) => {
+                return problem(
+                    StatusCode::BAD_REQUEST,
+                    "bad-request",
+                    format!("expected {{\"outcome\": \"applied\"|\"not-applied\", \"external_id\"?, \"reason\"}}: {e}"),
+                )
+            }
+        };
+        let applied = match b.outcome.as_str() {
+            "applied" => true,
+            "not-applied" => false,
+            other => {
+                return problem(
+                    StatusCode::BAD_REQUEST,
+                    "bad-request",
+                    format!("outcome {other:?}: expected \"applied\" or \"not-applied\""),
+                )
+            }
+        };
+        let Some(reason) = b.reason.filter(|r| !r.trim().is_empty()) else {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                "bad-request",
+                "a reason is required",
+            );
+        };
+        let res = Resolve {
+            applied,
+            external_id: if applied { b.external_id } else { None },
+            response: None,
+            body: None,
+            actor: "admin".into(),
+            reason,
+            now: now_millis(),
+        };
+        match self
+            .proxy
+            .store
+            .resolve(id.to_string(), res, Event::Resolved)
+            .await
+        {
+            Ok(r) => json_response(StatusCode::OK, &record_view(&r, &self.proxy.redactor)),
+            Err(e) => store_problem(e),
+        }
+    }
+
+    async fn lookup(&self, id: &str) -> Response<ProxyBody> {
+        let r = match self.record(id).await {
+            Ok(r) => r,
+            Err(resp) => return resp,
+        };
+        let Some(up) = self
+            .proxy
+            .config
+            .upstreams
+            .iter()
+            .find(|u| u.name == r.upstream)
+        else {
+            return problem(
+                StatusCode::CONFLICT,
+                "no-lookup",
+                "the action's upstream is no longer configured",
+            );
+        };
+        if lookup::policy_for(up, &r).lookup.is_none() {
+            return problem(
+                StatusCode::CONFLICT,
+                "no-lookup",
+                "no lookup is configured for this action's route",
+            );
+        }
+        if r.state != State::Unknown {
+            return problem(
+                StatusCode::CONFLICT,
+                "not-unknown",
+                format!("action {id} is {}, not unknown", r.state.as_str()),
+            );
+        }
+        match lookup::lookup(
+            &self.proxy.upstreams,
+            self.proxy.store.as_ref(),
+            up,
+            &r,
+            None,
+        )
+        .await
+        {
+            Ok(v) => {
+                self.proxy.metrics.lookup(v.label());
+                let (action, detail) = match &v {
+                    Verdict::Applied(r) | Verdict::NotApplied(r) => (r.clone(), None),
+                    Verdict::Unknown(why) => (r, Some(why.clone())),
+                };
+                json_response(
+                    StatusCode::OK,
+                    &json!({
+                        "result": v.label(),
+                        "detail": detail,
+                        "action": record_view(&action, &self.proxy.redactor),
+                    }),
+                )
+            }
+            Err(e) => store_problem(e),
+        }
+    }
+
+    async fn task(&self, task: &str) -> Response<ProxyBody> {
+        let filter = Filter {
+            task: Some(task.to_string()),
+            ..Filter::default()
+        };
+        match self.proxy.store.scan(filter, 10_000).await {
+            Ok(rs) => {
+                let items: Vec<Value> = rs
+                    .iter()
+                    .map(|r| {
+                        let mut v = task_entry(r);
+                        v["principal"] = json!(principal_short(&r.principal));
+                        v
+                    })
+                    .collect();
+                json_response(StatusCode::OK, &json!({"task": task, "actions": items}))
+            }
+            Err(e) => store_problem(e),
+        }
+    }
+
+    async fn log(&self, req: &Request<Incoming>) -> Response<ProxyBody> {
+        let q = query(req);
+        let after = param(&q, "after").and_then(|a| a.parse().ok()).unwrap_or(0);
+        let limit = param(&q, "limit")
+            .and_then(|a| a.parse().ok())
+            .unwrap_or(1000usize)
+            .clamp(1, 10_000);
+        match self.proxy.store.log(after, limit).await {
+            Ok(entries) => {
+                let mut out = Vec::new();
+                for e in entries {
+                    out.extend(serde_json::to_vec(&e).expect("entries serialize"));
+                    out.push(b'\n');
+                }
+                let mut r = Response::new(full(Bytes::from(out)));
+                r.headers_mut().insert(
+                    CONTENT_TYPE,
+                    HeaderValue::from_static("application/x-ndjson"),
+                );
+                r
+            }
+            Err(e) => store_problem(e),
+        }
+    }
+
+    async fn verify(&self) -> Response<ProxyBody> {
+        match self.proxy.store.verify_log().await {
+            Ok(v) => json_response(
+                StatusCode::OK,
+                &json!({
+                    "ok": v.ok,
+                    "entries": v.entries,
+                    "head": v.head,
+                    "head_seq": v.head_seq,
+                    "first_bad_seq": v.first_bad_seq,
+                }),
+            ),
+            Err(e) => store_problem(e),
+        }
+    }
+}

@@ -1,0 +1,277 @@
+//! Status lookups (SPEC §9): asking the upstream whether an `unknown` write happened, by its key,
+//! and settling the action from the answer. A lookup never sends the write itself.
+
+use std::time::Duration;
+
+use http::header::HeaderMap;
+use http::{Method, StatusCode};
+use serde_json::Value;
+
+use crate::action::{now_millis, BodyRef, Record, Resolve, Source, State, StoredResponse};
+use crate::config::{LookupConfig, Policy, Upstream};
+use crate::log::{Actor, Event, LogEvent};
+use crate::redact::latin1;
+use crate::store::{Store, StoreError};
+use crate::upstream::{Outgoing, Upstreams};
+
+/// What a lookup concluded.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    /// The write happened; the action is now `succeeded`.
+    Applied(Record),
+    /// The write did not happen; the action is now `failed` and the next request sends it.
+    NotApplied(Record),
+    /// The answer settles nothing; the action stays `unknown`.
+    Unknown(String),
+}
+
+impl Verdict {
+    pub fn label(&self) -> &'static str {
+        match self {
+            Verdict::Applied(_) => "applied",
+            Verdict::NotApplied(_) => "not-applied",
+            Verdict::Unknown(_) => "unknown",
+        }
+    }
+}
+
+/// URL-encodes a key for a path (every byte outside the unreserved set).
+fn encode_key(key: &str) -> String {
+    let mut out = String::with_capacity(key.len());
+    for b in key.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// How the upstream's answer settles the action (pure; table-tested).
+pub fn judge(
+    cfg: &LookupConfig,
+    status: StatusCode,
+    body: &[u8],
+) -> Result<Option<String>, String> {
+    if status == StatusCode::NOT_FOUND {
+        return Ok(None);
+    }
+    if !status.is_success() {
+        return Err(format!("lookup answered {status}"));
+    }
+    let found = serde_json::from_slice::<Value>(body)
+        .ok()
+        .and_then(|v| v.pointer(&cfg.found).cloned())
+        .filter(|v| !v.is_null());
+    Ok(found.map(|v| match v {
+        Value::String(s) => s,
+        other => other.to_string(),
+    }))
+}
+
+/// The route policy that governs a stored action now.
+pub fn policy_for<'a>(up: &'a Upstream, r: &Record) -> &'a Policy {
+    let rest = r.path.split('?').next().unwrap_or("");
+    let method = Method::from_bytes(r.method.as_bytes()).unwrap_or(Method::POST);
+    crate::route::classify(up, &method, rest).1
+}
+
+/// Runs the lookup for an `unknown` action and settles it when the answer allows.
+/// `headers` are the caller's (a duplicate's credentials), when there is a caller.
+pub async fn lookup(
+    upstreams: &Upstreams,
+    store: &dyn Store,
+    up: &Upstream,
+    record: &Record,
+    headers: Option<&HeaderMap>,
+) -> Result<Verdict, StoreError> {
+    let policy = policy_for(up, record);
+    let Some(cfg) = policy.lookup.as_ref() else {
+        return Ok(Verdict::Unknown(
+            "no lookup is configured for this route".into(),
+        ));
+    };
+    if record.state != State::Unknown {
+        return Ok(Verdict::Unknown(format!(
+            "the action is {}",
+            record.state.as_str()
+        )));
+    }
+    let path = cfg.path.replace("{key}", &encode_key(&record.key));
+    let (rest, query) = match path.split_once('?') {
+        Some((p, q)) => (p.to_string(), Some(q.to_string())),
+        None => (path, None),
+    };
+    let method = Method::from_bytes(cfg.method.as_bytes()).unwrap_or(Method::GET);
+    let mut h = headers.cloned().unwrap_or_default();
+    // A lookup is a bodiless request: the write's own framing and type do not apply.
+    for name in [
+        "content-length",
+        "content-type",
+        "idempotency-key",
+        "transfer-encoding",
+    ] {
+        h.remove(name);
+    }
+    let answer = match Outgoing::new(up, &method, &h, &rest, query.as_deref(), None) {
+        Ok(out) => upstreams.fetch(up, policy, &out, policy.timeout).await,
+        Err(e) => Err(e.to_string()),
+    };
+    let verdict_for = |reason: String| {
+        store.note(
+            LogEvent::for_record(Event::Lookup, record, Actor::Lookup)
+                .outcome("unknown")
+                .detail(reason.clone()),
+        );
+        Ok(Verdict::Unknown(reason))
+    };
+    let (head, body) = match answer {
+        Ok(a) => a,
+        Err(e) => return verdict_for(format!("lookup failed: {e}")),
+    };
+    let found = match judge(cfg, head.status, &body) {
+        Ok(f) => f,
+        Err(reason) => return verdict_for(reason),
+    };
+    let now = now_millis();
+    let res = match found {
+        Some(external_id) => Resolve {
+            applied: true,
+            external_id: Some(external_id.clone()),
+            response: Some(StoredResponse {
+                status: head.status.as_u16(),
+                headers: head
+                    .headers
+                    .iter()
+                    .map(|(k, v)| (k.as_str().to_string(), latin1(v.as_bytes())))
+                    .collect(),
+                size: body.len() as u64,
+                body: BodyRef::Inline,
+                source: Source::Lookup,
+            }),
+            body: Some(body),
+            actor: "lookup".into(),
+            reason: format!("lookup {} {} found {external_id}", cfg.method, cfg.path),
+            now,
+        },
+        None => Resolve {
+            applied: false,
+            external_id: None,
+            response: None,
+            body: None,
+            actor: "lookup".into(),
+            reason: format!(
+                "lookup {} {} answered {}: not applied",
+                cfg.method, cfg.path, head.status
+            ),
+            now,
+        },
+    };
+    let applied = res.applied;
+    match store.resolve(record.id.clone(), res, Event::Lookup).await {
+        Ok(r) if applied => Ok(Verdict::Applied(r)),
+        Ok(r) => Ok(Verdict::NotApplied(r)),
+        // Settled meanwhile by someone else: report what it is now.
+        Err(StoreError::Resolve(e)) => Ok(Verdict::Unknown(e.to_string())),
+        Err(e) => Err(e),
+    }
+}
+
+/// Keeps looking up `unknown` actions in the background, each at most once per its route's
+/// `lookup_interval`.
+pub async fn background(
+    upstreams: std::sync::Arc<Upstreams>,
+    store: std::sync::Arc<dyn Store>,
+    config: std::sync::Arc<crate::config::Config>,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+) {
+    let tick = config
+        .upstreams
+        .iter()
+        .flat_map(|u| std::iter::once(&u.policy).chain(u.routes.iter().map(|r| &r.policy)))
+        .filter(|p| p.lookup.is_some())
+        .map(|p| p.lookup_interval)
+        .min();
+    let Some(tick) = tick else {
+        return;
+    };
+    let tick = tick.max(Duration::from_millis(100));
+    let mut last: std::collections::HashMap<String, tokio::time::Instant> = Default::default();
+    loop {
+        tokio::time::sleep(tick).await;
+        let unknown = match store
+            .scan(
+                crate::store::Filter {
+                    state: Some(State::Unknown),
+                    ..Default::default()
+                },
+                10_000,
+            )
+            .await
+        {
+            Ok(u) => u,
+            Err(e) => {
+                tracing::warn!(error = %e, "background lookup: cannot scan");
+                continue;
+            }
+        };
+        last.retain(|id, _| unknown.iter().any(|r| &r.id == id));
+        for r in unknown {
+            let Some(up) = config.upstreams.iter().find(|u| u.name == r.upstream) else {
+                continue;
+            };
+            let p = policy_for(up, &r);
+            if p.lookup.is_none()
+                || last
+                    .get(&r.id)
+                    .is_some_and(|t| t.elapsed() < p.lookup_interval)
+            {
+                continue;
+            }
+            last.insert(r.id.clone(), tokio::time::Instant::now());
+            match lookup(&upstreams, store.as_ref(), up, &r, None).await {
+                Ok(v) => {
+                    metrics.lookup(v.label());
+                    tracing::info!(action = %r.id, result = v.label(), "background lookup");
+                }
+                Err(e) => tracing::warn!(action = %r.id, error = %e, "background lookup"),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn judging_answers() {
+        let cfg = LookupConfig {
+            method: "GET".into(),
+            path: "/v1/charges?key={key}".into(),
+            found: "/data/0/id".into(),
+        };
+        let ok = StatusCode::OK;
+        assert_eq!(
+            judge(&cfg, ok, br#"{"data":[{"id":"ch_1"}]}"#),
+            Ok(Some("ch_1".into()))
+        );
+        assert_eq!(
+            judge(&cfg, ok, br#"{"data":[{"id":7}]}"#),
+            Ok(Some("7".into()))
+        );
+        assert_eq!(judge(&cfg, ok, br#"{"data":[]}"#), Ok(None));
+        assert_eq!(judge(&cfg, ok, br#"{"data":[{"id":null}]}"#), Ok(None));
+        assert_eq!(judge(&cfg, ok, b"not json"), Ok(None));
+        assert_eq!(judge(&cfg, StatusCode::NOT_FOUND, b""), Ok(None));
+        assert!(judge(&cfg, StatusCode::INTERNAL_SERVER_ERROR, b"").is_err());
+        assert!(judge(&cfg, StatusCode::UNAUTHORIZED, b"").is_err());
+    }
+
+    #[test]
+    fn keys_are_url_encoded() {
+        assert_eq!(encode_key("a b/c?d&e"), "a%20b%2Fc%3Fd%26e");
+        assert_eq!(encode_key("ts-0af3"), "ts-0af3");
+    }
+}

@@ -1,0 +1,130 @@
+//! Metrics from one registry, passed down (never global), served on the admin listener as
+//! Prometheus text.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub upstream: String,
+    pub class: String,
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UpstreamLabels {
+    pub upstream: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabels {
+    pub state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub result: String,
+}
+
+fn latency() -> Histogram {
+    // 0.5 ms .. ~16 s
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub upstream_latency: Family<UpstreamLabels, Histogram, fn() -> Histogram>,
+    pub actions: Family<StateLabels, Gauge>,
+    pub flush_latency: Histogram,
+    pub lookups: Family<ResultLabels, Counter>,
+    pub log_head: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("oncegate");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "requests",
+            "Requests answered, by upstream, class and Oncegate-Outcome",
+            requests.clone(),
+        );
+        let upstream_latency =
+            Family::<UpstreamLabels, Histogram, fn() -> Histogram>::new_with_constructor(latency);
+        registry.register(
+            "upstream_latency_seconds",
+            "Time to the upstream's answer head, per try",
+            upstream_latency.clone(),
+        );
+        let actions = Family::<StateLabels, Gauge>::default();
+        registry.register("actions", "Stored actions by state", actions.clone());
+        let flush_latency = Histogram::new(exponential_buckets(0.00005, 2.0, 16));
+        registry.register(
+            "store_flush_seconds",
+            "Duration of one durable store flush (a group commit)",
+            flush_latency.clone(),
+        );
+        let lookups = Family::<ResultLabels, Counter>::default();
+        registry.register("lookups", "Status lookups by result", lookups.clone());
+        let log_head = Gauge::default();
+        registry.register(
+            "log_head_seq",
+            "Sequence number of the newest write-log entry",
+            log_head.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            upstream_latency,
+            actions,
+            flush_latency,
+            lookups,
+            log_head,
+        }
+    }
+
+    pub fn request(&self, upstream: &str, class: &str, outcome: &str) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                upstream: upstream.to_string(),
+                class: class.to_string(),
+                outcome: outcome.to_string(),
+            })
+            .inc();
+    }
+
+    pub fn lookup(&self, result: &str) {
+        self.lookups
+            .get_or_create(&ResultLabels {
+                result: result.to_string(),
+            })
+            .inc();
+    }
+
+    pub fn upstream_latency(&self, upstream: &str, seconds: f64) {
+        self.upstream_latency
+            .get_or_create(&UpstreamLabels {
+                upstream: upstream.to_string(),
+            })
+            .observe(seconds);
+    }
+
+    /// The registry as Prometheus text.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+}
