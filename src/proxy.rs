@@ -322,11 +322,14 @@ impl Proxy {
             None,
         )
         .map_err(|e| ProxyError::BadRequest(format!("cannot build the upstream request: {e}")))?;
-        match self
+        let started = std::time::Instant::now();
+        let answer = self
             .upstreams
             .forward_read(t.upstream, t.policy, &out, body)
-            .await
-        {
+            .await;
+        self.metrics
+            .upstream_latency(&t.upstream.name, started.elapsed().as_secs_f64());
+        match answer {
             Ok(resp) => {
                 let (mut head, body) = resp.into_parts();
                 strip_hop_by_hop(&mut head.headers);
@@ -620,10 +623,20 @@ impl Proxy {
             .key_header
             .as_ref()
             .map(|h| (h, job.identity.key.as_str()));
+        // Stamping writes the key into the body (after fingerprinting, which saw the original).
+        let (headers, body) = match &policy.stamp {
+            Some(at) => {
+                let body = stamp(&job.headers, &job.body, at, &job.identity.key);
+                let mut h = job.headers.clone();
+                h.insert(http::header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+                (std::borrow::Cow::Owned(h), body)
+            }
+            None => (std::borrow::Cow::Borrowed(&job.headers), job.body.clone()),
+        };
         let out = Outgoing::new(
             &job.upstream,
             &job.method,
-            &job.headers,
+            &headers,
             &job.rest,
             job.query.as_deref(),
             key_header,
@@ -638,7 +651,7 @@ impl Proxy {
                         &job.upstream,
                         policy,
                         &out,
-                        job.body.clone(),
+                        body,
                         self.config.server.max_stored_response,
                         &mut tries,
                     )
@@ -833,6 +846,60 @@ fn percent_decode(s: &str) -> String {
         }
     }
     String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Writes the key into a write's body (SPEC §12 `stamp`): at a JSON pointer for JSON bodies
+/// (creating objects on the way), or as a form field for form bodies. Other bodies, and JSON
+/// that does not parse, are sent unchanged.
+pub fn stamp(headers: &HeaderMap, body: &Bytes, at: &str, key: &str) -> Bytes {
+    if identity::is_json(headers) {
+        let Ok(mut v) = serde_json::from_slice::<Value>(body) else {
+            return body.clone();
+        };
+        let mut cur = &mut v;
+        let parts: Vec<String> = at
+            .split('/')
+            .skip(1)
+            .map(|p| p.replace("~1", "/").replace("~0", "~"))
+            .collect();
+        for (i, p) in parts.iter().enumerate() {
+            if !cur.is_object() {
+                return body.clone();
+            }
+            let obj = cur.as_object_mut().expect("checked above");
+            if i + 1 == parts.len() {
+                obj.insert(p.clone(), Value::String(key.to_string()));
+                return Bytes::from(serde_json::to_vec(&v).expect("JSON serializes"));
+            }
+            cur = obj.entry(p.clone()).or_insert_with(|| json!({}));
+        }
+        body.clone()
+    } else if identity::is_form(headers) {
+        let field: String = form_urlencoded::Serializer::new(String::new())
+            .append_pair(at, key)
+            .finish();
+        if !form_urlencoded::parse(body).any(|(k, _)| k == at) {
+            // Appended, so the client's own bytes go out unchanged.
+            let mut out = body.to_vec();
+            if !out.is_empty() {
+                out.push(b'&');
+            }
+            out.extend_from_slice(field.as_bytes());
+            return Bytes::from(out);
+        }
+        let mut pairs: Vec<(String, String)> = form_urlencoded::parse(body)
+            .into_owned()
+            .filter(|(k, _)| k != at)
+            .collect();
+        pairs.push((at.to_string(), key.to_string()));
+        Bytes::from(
+            form_urlencoded::Serializer::new(String::new())
+                .extend_pairs(pairs)
+                .finish(),
+        )
+    } else {
+        body.clone()
+    }
 }
 
 /// `Oncegate-Outcome`, `Oncegate-Action` and `Idempotency-Key` on every write response.

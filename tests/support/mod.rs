@@ -112,6 +112,8 @@ impl Received {
 
 struct UpstreamState {
     received: Mutex<Vec<Received>>,
+    /// Behaviours by path prefix, checked before the script (e.g. a status-lookup endpoint).
+    routes: Mutex<Vec<(String, Behavior)>>,
     script: Mutex<VecDeque<Behavior>>,
     default: Mutex<Behavior>,
     arrived: Notify,
@@ -139,6 +141,7 @@ impl FakeUpstream {
         let addr = listener.local_addr().unwrap();
         let state = Arc::new(UpstreamState {
             received: Mutex::new(Vec::new()),
+            routes: Mutex::new(Vec::new()),
             script: Mutex::new(VecDeque::new()),
             default: Mutex::new(Behavior::json(200, r#"{"ok":true}"#)),
             arrived: Notify::new(),
@@ -187,6 +190,21 @@ impl FakeUpstream {
         self.state.script.lock().unwrap().push_back(b);
     }
 
+    /// Requests whose path starts with `prefix` always get `b` (replacing an earlier rule).
+    pub fn on(&self, prefix: &str, b: Behavior) {
+        let mut r = self.state.routes.lock().unwrap();
+        r.retain(|(p, _)| p != prefix);
+        r.push((prefix.to_string(), b));
+    }
+
+    /// How many requests with this method arrived.
+    pub fn count_method(&self, method: &str) -> usize {
+        self.received()
+            .iter()
+            .filter(|r| r.method == method)
+            .count()
+    }
+
     /// What requests get once the queue is empty.
     pub fn set_default(&self, b: Behavior) {
         *self.state.default.lock().unwrap() = b;
@@ -226,18 +244,29 @@ async fn handle(
 ) -> Result<Response<Body>, BoxError> {
     let (parts, body) = req.into_parts();
     let body = body.collect().await?.to_bytes();
+    let target = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_default();
     st.received.lock().unwrap().push(Received {
         method: parts.method.to_string(),
-        target: parts
-            .uri
-            .path_and_query()
-            .map(|p| p.as_str().to_string())
-            .unwrap_or_default(),
+        target: target.clone(),
         version: parts.version,
         headers: parts.headers,
         body,
     });
     st.arrived.notify_waiters();
+    let routed = st
+        .routes
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|(prefix, _)| target.starts_with(prefix.as_str()))
+        .map(|(_, b)| b.clone());
+    if let Some(b) = routed {
+        return run_behavior(b).await;
+    }
     let behavior = {
         let next = st.script.lock().unwrap().pop_front();
         next.unwrap_or_else(|| st.default.lock().unwrap().clone())
