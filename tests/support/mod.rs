@@ -587,11 +587,21 @@ impl ChildProxy {
     /// Starts `oncegate run --config <config>` and waits until it listens. The config must use
     /// `listen = "127.0.0.1:0"`; the address is read from the proxy's log.
     pub fn spawn(config: &Path) -> ChildProxy {
+        Self::spawn_with(config, &[])
+    }
+
+    /// Like `spawn`, with extra environment variables.
+    pub fn spawn_with(config: &Path, envs: &[(&str, &str)]) -> ChildProxy {
         use std::io::BufRead;
-        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_oncegate"))
-            .args(["run", "--config"])
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_oncegate"));
+        cmd.args(["run", "--config"])
             .arg(config)
             .env("RUST_LOG", "info")
+            .env_remove("ONCEGATE_ADMIN_TOKEN");
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let mut child = cmd
             .stderr(std::process::Stdio::piped())
             .stdout(std::process::Stdio::null())
             .spawn()
@@ -649,12 +659,20 @@ impl ChildProxy {
 
     /// SIGTERM, then waits for the exit status.
     pub fn terminate(mut self) -> std::process::ExitStatus {
+        self.terminate_ref()
+    }
+
+    /// SIGTERM, then waits for the exit status (and the end of its log).
+    pub fn terminate_ref(&mut self) -> std::process::ExitStatus {
         let pid = self.child.id().to_string();
         std::process::Command::new("kill")
             .args(["-TERM", &pid])
             .status()
             .unwrap();
-        self.child.wait().unwrap()
+        let status = self.child.wait().unwrap();
+        // Let the reader thread take the last lines.
+        std::thread::sleep(Duration::from_millis(50));
+        status
     }
 }
 
