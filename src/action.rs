@@ -12,6 +12,15 @@ pub const EVIDENCE_BODY_MAX: usize = 4096;
 /// Milliseconds since the Unix epoch. Every time in the store is one of these.
 pub type Millis = u64;
 
+/// Where the proxy reads the time for records (creation, expiry). Injectable so that tests can
+/// move time forward instead of sleeping.
+pub type Clock = std::sync::Arc<dyn Fn() -> Millis + Send + Sync>;
+
+/// The wall clock.
+pub fn system_clock() -> Clock {
+    std::sync::Arc::new(now_millis)
+}
+
 pub fn now_millis() -> Millis {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -17,7 +17,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use crate::action::{now_millis, rfc3339, Record, Resolve, State};
+use crate::action::{rfc3339, Record, Resolve, State};
 use crate::error::{action_json, evidence_json};
 use crate::identity::principal_short;
 use crate::log::Event;
@@ -360,7 +360,7 @@ impl Admin {
             body: None,
             actor: "admin".into(),
             reason,
-            now: now_millis(),
+            now: (self.proxy.clock)(),
         };
         match self
             .proxy
@@ -411,6 +411,7 @@ impl Admin {
             up,
             &r,
             None,
+            (self.proxy.clock)(),
         )
         .await
         {

@@ -48,6 +48,7 @@ use std::sync::Arc;
 use tokio::net::TcpListener;
 
 use crate::config::{Config, StoreConfig};
+use crate::action::Clock;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::store::{Store, StoreError, StoreOptions};
@@ -77,6 +78,20 @@ pub struct Services {
     pub metrics: Arc<Metrics>,
     /// The admin bearer token (from `admin.token_env`), if any.
     pub admin_token: Option<String>,
+    /// The time for records and expiry (the wall clock, but for tests).
+    pub clock: Clock,
+}
+
+impl Services {
+    /// Services on the wall clock.
+    pub fn new(store: Arc<dyn Store>, metrics: Arc<Metrics>, admin_token: Option<String>) -> Self {
+        Services {
+            store,
+            metrics,
+            admin_token,
+            clock: action::system_clock(),
+        }
+    }
 }
 
 /// The store options the config asks for, reading the secrets it names from the environment.
@@ -148,6 +163,7 @@ pub async fn run(
         store,
         metrics,
         admin_token,
+        clock,
     } = services;
     let config = Arc::new(config);
     if let Some(admin) = &listeners.admin {
@@ -163,7 +179,7 @@ pub async fn run(
         }
     }
     // SPEC §5 step 6: attempts a previous run left in flight may or may not have left.
-    let recovered = store.recover(action::now_millis()).await?;
+    let recovered = store.recover(None, clock()).await?;
     if recovered > 0 {
         tracing::warn!(
             recovered,
@@ -175,7 +191,8 @@ pub async fn run(
         None => None,
     };
     let proxy = Arc::new(
-        Proxy::new(config.clone(), store.clone(), metrics.clone()).map_err(RunError::Setup)?,
+        Proxy::new(config.clone(), store.clone(), metrics.clone(), clock.clone())
+            .map_err(RunError::Setup)?,
     );
     let listen = server::Listen {
         header_timeout: config.server.header_timeout,
@@ -197,14 +214,16 @@ pub async fn run(
         store.clone(),
         config.clone(),
         metrics.clone(),
+        clock.clone(),
     ));
     let sweeper = {
         let store = store.clone();
+        let clock = clock.clone();
         let every = sweep_interval(&config);
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
-                match store.expire(action::now_millis()).await {
+                match store.expire(clock()).await {
                     Ok(0) => {}
                     Ok(n) => tracing::info!(expired = n, "expired actions deleted"),
                     Err(e) => tracing::warn!(error = %e, "sweeper"),
@@ -252,6 +271,14 @@ pub async fn run(
     .is_ok();
     if let Some(t) = admin_task {
         let _ = t.await;
+    }
+    if !attempts_done {
+        // Attempts still running at the deadline: their outcome is not known, and this proxy is
+        // about to stop. Say so durably now rather than at the next start.
+        match store.recover(Some(proxy.owner.clone()), clock()).await {
+            Ok(n) => tracing::warn!(unknown = n, "attempts still running at drain_timeout recorded unknown"),
+            Err(e) => tracing::error!(error = %e, "could not record running attempts as unknown"),
+        }
     }
     store.close().await?;
     if drained && attempts_done {

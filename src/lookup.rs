@@ -7,7 +7,7 @@ use http::header::HeaderMap;
 use http::{Method, StatusCode};
 use serde_json::Value;
 
-use crate::action::{now_millis, BodyRef, Record, Resolve, Source, State, StoredResponse};
+use crate::action::{BodyRef, Clock, Millis, Record, Resolve, Source, State, StoredResponse};
 use crate::config::{LookupConfig, Policy, Upstream};
 use crate::log::{Actor, Event, LogEvent};
 use crate::redact::latin1;
@@ -85,6 +85,7 @@ pub async fn lookup(
     up: &Upstream,
     record: &Record,
     headers: Option<&HeaderMap>,
+    now: Millis,
 ) -> Result<Verdict, StoreError> {
     let policy = policy_for(up, record);
     let Some(cfg) = policy.lookup.as_ref() else {
@@ -134,7 +135,6 @@ pub async fn lookup(
         Ok(f) => f,
         Err(reason) => return verdict_for(reason),
     };
-    let now = now_millis();
     let res = match found {
         Some(external_id) => Resolve {
             applied: true,
@@ -185,6 +185,7 @@ pub async fn background(
     store: std::sync::Arc<dyn Store>,
     config: std::sync::Arc<crate::config::Config>,
     metrics: std::sync::Arc<crate::metrics::Metrics>,
+    clock: Clock,
 ) {
     let tick = config
         .upstreams
@@ -230,7 +231,7 @@ pub async fn background(
                 continue;
             }
             last.insert(r.id.clone(), tokio::time::Instant::now());
-            match lookup(&upstreams, store.as_ref(), up, &r, None).await {
+            match lookup(&upstreams, store.as_ref(), up, &r, None, clock()).await {
                 Ok(v) => {
                     metrics.lookup(v.label());
                     tracing::info!(action = %r.id, result = v.label(), "background lookup");

@@ -348,11 +348,7 @@ fn run(config: Config) -> ExitCode {
             proxy,
             admin: Some(admin),
         };
-        let services = oncegate::Services {
-            store,
-            metrics,
-            admin_token,
-        };
+        let services = oncegate::Services::new(store, metrics, admin_token);
         match oncegate::run(config, listeners, services, shutdown_signal()).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e @ oncegate::RunError::Config(_)) => {

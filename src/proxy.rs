@@ -26,7 +26,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::action::{
-    now_millis, BodyRef, Claim, ClaimRequest, Millis, Record, RequestInfo, Settlement, Source,
+    BodyRef, Claim, Clock, ClaimRequest, Millis, Record, RequestInfo, Settlement, Source,
     State, StoredResponse, Try, RECORD_VERSION,
 };
 use crate::config::{Config, Policy, Upstream};
@@ -90,8 +90,9 @@ pub struct Proxy {
     pub(crate) store: Arc<dyn Store>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) redactor: Redactor,
+    pub(crate) clock: Clock,
     /// This process's identity as the owner of in-flight claims.
-    owner: String,
+    pub(crate) owner: String,
     waiters: Waiters,
     /// Attempts running in their own tasks; drained on shutdown.
     attempts: TaskTracker,
@@ -174,8 +175,10 @@ impl Proxy {
         config: Arc<Config>,
         store: Arc<dyn Store>,
         metrics: Arc<Metrics>,
+        clock: Clock,
     ) -> Result<Proxy, String> {
         Ok(Proxy {
+            clock,
             upstreams: Arc::new(Upstreams::new(&config)?),
             metrics,
             redactor: Redactor::new(&config),
@@ -477,7 +480,7 @@ impl Proxy {
                     max_attempts: job.policy.max_attempts,
                     owner: self.owner.clone(),
                     lease: Self::lease(&job.policy),
-                    now: now_millis(),
+                    now: (self.clock)(),
                 })
                 .await
                 .map_err(|e| store_unavailable(e, None))?;
@@ -518,6 +521,7 @@ impl Proxy {
                         &job.upstream,
                         &rec,
                         Some(&job.headers),
+                        (self.clock)(),
                     )
                     .await;
                     match verdict {
@@ -663,7 +667,7 @@ impl Proxy {
             // Nothing can be sent: treated as a try that did not reach the upstream.
             Err(e) => AttemptResult::Unreachable(format!("cannot build the upstream request: {e}")),
         };
-        let now = now_millis();
+        let now = (self.clock)();
         let attempt = rec.attempts;
         let settle = |state, response, external_id, needs_decision, body| SettleRequest {
             id: rec.id.clone(),

@@ -260,11 +260,7 @@ async fn the_admin_listener_refuses_a_public_address_without_a_token() {
             proxy: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
             admin: Some(tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap()),
         },
-        oncegate::Services {
-            store,
-            metrics: Default::default(),
-            admin_token: None,
-        },
+        oncegate::Services::new(store, Default::default(), None),
         std::future::pending(),
     )
     .await;

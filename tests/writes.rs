@@ -623,114 +623,6 @@ async fn stored_responses_survive_a_restart_large_ones_included() {
     );
 }
 
-/// A store that refuses every change, as a full disk would.
-struct BrokenStore(Arc<dyn oncegate::store::Store>);
-
-impl oncegate::store::Store for BrokenStore {
-    fn claim(
-        &self,
-        _: oncegate::action::ClaimRequest,
-    ) -> oncegate::store::BoxFuture<'_, Result<oncegate::action::Claim, oncegate::store::StoreError>>
-    {
-        Box::pin(async {
-            Err(oncegate::store::StoreError::Unavailable(
-                "no space left on device".into(),
-            ))
-        })
-    }
-    fn settle(
-        &self,
-        r: oncegate::store::SettleRequest,
-    ) -> oncegate::store::BoxFuture<'_, Result<oncegate::action::Record, oncegate::store::StoreError>>
-    {
-        self.0.settle(r)
-    }
-    fn get<'a>(
-        &'a self,
-        id: &'a str,
-    ) -> oncegate::store::BoxFuture<
-        'a,
-        Result<Option<oncegate::action::Record>, oncegate::store::StoreError>,
-    > {
-        self.0.get(id)
-    }
-    fn body<'a>(
-        &'a self,
-        r: &'a oncegate::action::Record,
-    ) -> oncegate::store::BoxFuture<'a, Result<Option<bytes::Bytes>, oncegate::store::StoreError>>
-    {
-        self.0.body(r)
-    }
-    fn scan(
-        &self,
-        f: oncegate::store::Filter,
-        l: usize,
-    ) -> oncegate::store::BoxFuture<
-        '_,
-        Result<Vec<oncegate::action::Record>, oncegate::store::StoreError>,
-    > {
-        self.0.scan(f, l)
-    }
-    fn resolve(
-        &self,
-        id: String,
-        res: oncegate::action::Resolve,
-        ev: oncegate::log::Event,
-    ) -> oncegate::store::BoxFuture<'_, Result<oncegate::action::Record, oncegate::store::StoreError>>
-    {
-        self.0.resolve(id, res, ev)
-    }
-    fn note(&self, ev: oncegate::log::LogEvent) {
-        self.0.note(ev)
-    }
-    fn log(
-        &self,
-        after: u64,
-        limit: usize,
-    ) -> oncegate::store::BoxFuture<
-        '_,
-        Result<Vec<oncegate::log::Entry>, oncegate::store::StoreError>,
-    > {
-        self.0.log(after, limit)
-    }
-    fn verify_log(
-        &self,
-    ) -> oncegate::store::BoxFuture<
-        '_,
-        Result<oncegate::log::Verification, oncegate::store::StoreError>,
-    > {
-        self.0.verify_log()
-    }
-    fn log_head(
-        &self,
-    ) -> oncegate::store::BoxFuture<'_, Result<(u64, String), oncegate::store::StoreError>> {
-        self.0.log_head()
-    }
-    fn counts(
-        &self,
-    ) -> oncegate::store::BoxFuture<
-        '_,
-        Result<Vec<(oncegate::action::State, u64)>, oncegate::store::StoreError>,
-    > {
-        self.0.counts()
-    }
-    fn recover(
-        &self,
-        n: u64,
-    ) -> oncegate::store::BoxFuture<'_, Result<usize, oncegate::store::StoreError>> {
-        self.0.recover(n)
-    }
-    fn expire(
-        &self,
-        n: u64,
-    ) -> oncegate::store::BoxFuture<'_, Result<usize, oncegate::store::StoreError>> {
-        self.0.expire(n)
-    }
-    fn close(&self) -> oncegate::store::BoxFuture<'_, Result<(), oncegate::store::StoreError>> {
-        self.0.close()
-    }
-}
-
 #[tokio::test]
 async fn a_store_that_cannot_record_gets_503_and_nothing_is_sent_but_reads_flow() {
     let up = FakeUpstream::start().await;
@@ -738,9 +630,11 @@ async fn a_store_that_cannot_record_gets_503_and_nothing_is_sent_but_reads_flow(
     let inner: Arc<dyn oncegate::store::Store> = Arc::new(
         oncegate::store::sled::SledStore::open(&tmp.path().join("s"), Default::default()).unwrap(),
     );
+    let faulty = Arc::new(support::FaultyStore::new(inner));
+    faulty.fail_claims.store(true, std::sync::atomic::Ordering::SeqCst);
     let proxy = TestProxy::start_with_store(
         &config(&up.url(), ""),
-        Arc::new(BrokenStore(inner)),
+        faulty,
         tmp.path(),
     )
     .await;

@@ -52,7 +52,7 @@ enum Op {
     Settle(Box<SettleRequest>, Reply<Record>),
     Resolve(String, Box<Resolve>, Event, Reply<Record>),
     Note(Box<LogEvent>),
-    Recover(Millis, Reply<usize>),
+    Recover(Option<String>, Millis, Reply<usize>),
     Expire(Millis, Reply<usize>),
     Sync(Reply<()>),
 }
@@ -440,8 +440,12 @@ impl Store for SledStore {
         })
     }
 
-    fn recover(&self, now: Millis) -> BoxFuture<'_, Result<usize, StoreError>> {
-        Box::pin(self.call(move |tx| Op::Recover(now, tx)))
+    fn recover(
+        &self,
+        owner: Option<String>,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<usize, StoreError>> {
+        Box::pin(self.call(move |tx| Op::Recover(owner, now, tx)))
     }
 
     fn expire(&self, now: Millis) -> BoxFuture<'_, Result<usize, StoreError>> {
@@ -736,7 +740,7 @@ impl Writer {
                 self.append(pending, *ev);
                 Answer::None
             }
-            Op::Recover(now, tx) => {
+            Op::Recover(owner, now, tx) => {
                 let filter = Filter {
                     state: Some(State::InFlight),
                     ..Filter::default()
@@ -750,8 +754,15 @@ impl Writer {
                             let Ok(Some(r)) = self.read(pending, &r.id) else {
                                 continue;
                             };
+                            if owner.as_ref().is_some_and(|o| r.owner.as_ref() != Some(o)) {
+                                continue;
+                            }
                             let old = r.clone();
-                            let reason = "the proxy stopped during this attempt; the request may have reached the upstream";
+                            let reason = if owner.is_some() {
+                                "the proxy stopped (drain_timeout) during this attempt; the request may have reached the upstream"
+                            } else {
+                                "the proxy stopped during this attempt; the request may have reached the upstream"
+                            };
                             if let Some(new) = recover_in_flight(r, reason, now) {
                                 self.stage(pending, Some(&old), &new);
                                 let ev = LogEvent::for_record(Event::Unknown, &new, Actor::Proxy)

@@ -389,11 +389,11 @@ impl TestProxy {
                 proxy: listener,
                 admin: Some(admin_listener),
             },
-            oncegate::Services {
-                store: store.clone(),
-                metrics: Arc::new(oncegate::metrics::Metrics::new()),
-                admin_token: Some(ADMIN_TOKEN.to_string()),
-            },
+            oncegate::Services::new(
+                store.clone(),
+                Arc::new(oncegate::metrics::Metrics::new()),
+                Some(ADMIN_TOKEN.to_string()),
+            ),
             async move {
                 let _ = stop_rx.await;
             },
@@ -680,5 +680,85 @@ impl Drop for ChildProxy {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A store that fails on demand, as a full disk or a lost database would.
+pub struct FaultyStore {
+    inner: Arc<dyn oncegate::store::Store>,
+    pub fail_claims: std::sync::atomic::AtomicBool,
+    pub fail_settles: std::sync::atomic::AtomicBool,
+}
+
+impl FaultyStore {
+    pub fn new(inner: Arc<dyn oncegate::store::Store>) -> FaultyStore {
+        FaultyStore {
+            inner,
+            fail_claims: Default::default(),
+            fail_settles: Default::default(),
+        }
+    }
+}
+
+mod faulty {
+    use super::FaultyStore;
+    use oncegate::action::{Claim, ClaimRequest, Millis, Record, Resolve, State};
+    use oncegate::log::{Entry, Event, LogEvent, Verification};
+    use oncegate::store::{BoxFuture, Filter, SettleRequest, Store, StoreError};
+    use std::sync::atomic::Ordering;
+
+    fn full() -> StoreError {
+        StoreError::Unavailable("No space left on device (os error 28)".into())
+    }
+
+    impl Store for FaultyStore {
+        fn claim(&self, r: ClaimRequest) -> BoxFuture<'_, Result<Claim, StoreError>> {
+            if self.fail_claims.load(Ordering::SeqCst) {
+                return Box::pin(async { Err(full()) });
+            }
+            self.inner.claim(r)
+        }
+        fn settle(&self, r: SettleRequest) -> BoxFuture<'_, Result<Record, StoreError>> {
+            if self.fail_settles.load(Ordering::SeqCst) {
+                return Box::pin(async { Err(full()) });
+            }
+            self.inner.settle(r)
+        }
+        fn resolve(&self, id: String, r: Resolve, e: Event) -> BoxFuture<'_, Result<Record, StoreError>> {
+            self.inner.resolve(id, r, e)
+        }
+        fn note(&self, e: LogEvent) {
+            self.inner.note(e)
+        }
+        fn log(&self, after: u64, limit: usize) -> BoxFuture<'_, Result<Vec<Entry>, StoreError>> {
+            self.inner.log(after, limit)
+        }
+        fn verify_log(&self) -> BoxFuture<'_, Result<Verification, StoreError>> {
+            self.inner.verify_log()
+        }
+        fn log_head(&self) -> BoxFuture<'_, Result<(u64, String), StoreError>> {
+            self.inner.log_head()
+        }
+        fn counts(&self) -> BoxFuture<'_, Result<Vec<(State, u64)>, StoreError>> {
+            self.inner.counts()
+        }
+        fn get<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+            self.inner.get(id)
+        }
+        fn body<'a>(&'a self, r: &'a Record) -> BoxFuture<'a, Result<Option<bytes::Bytes>, StoreError>> {
+            self.inner.body(r)
+        }
+        fn scan(&self, f: Filter, l: usize) -> BoxFuture<'_, Result<Vec<Record>, StoreError>> {
+            self.inner.scan(f, l)
+        }
+        fn recover(&self, o: Option<String>, n: Millis) -> BoxFuture<'_, Result<usize, StoreError>> {
+            self.inner.recover(o, n)
+        }
+        fn expire(&self, n: Millis) -> BoxFuture<'_, Result<usize, StoreError>> {
+            self.inner.expire(n)
+        }
+        fn close(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+            self.inner.close()
+        }
     }
 }
