@@ -47,8 +47,8 @@ use std::sync::Arc;
 
 use tokio::net::TcpListener;
 
-use crate::config::{Config, StoreConfig};
 use crate::action::Clock;
+use crate::config::{Config, StoreConfig};
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::store::{Store, StoreError, StoreOptions};
@@ -191,8 +191,13 @@ pub async fn run(
         None => None,
     };
     let proxy = Arc::new(
-        Proxy::new(config.clone(), store.clone(), metrics.clone(), clock.clone())
-            .map_err(RunError::Setup)?,
+        Proxy::new(
+            config.clone(),
+            store.clone(),
+            metrics.clone(),
+            clock.clone(),
+        )
+        .map_err(RunError::Setup)?,
     );
     let listen = server::Listen {
         header_timeout: config.server.header_timeout,
@@ -276,7 +281,10 @@ pub async fn run(
         // Attempts still running at the deadline: their outcome is not known, and this proxy is
         // about to stop. Say so durably now rather than at the next start.
         match store.recover(Some(proxy.owner.clone()), clock()).await {
-            Ok(n) => tracing::warn!(unknown = n, "attempts still running at drain_timeout recorded unknown"),
+            Ok(n) => tracing::warn!(
+                unknown = n,
+                "attempts still running at drain_timeout recorded unknown"
+            ),
             Err(e) => tracing::error!(error = %e, "could not record running attempts as unknown"),
         }
     }

@@ -26,8 +26,8 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::action::{
-    BodyRef, Claim, Clock, ClaimRequest, Millis, Record, RequestInfo, Settlement, Source,
-    State, StoredResponse, Try, RECORD_VERSION,
+    BodyRef, Claim, ClaimRequest, Clock, Millis, Record, RequestInfo, Settlement, Source, State,
+    StoredResponse, Try, RECORD_VERSION,
 };
 use crate::config::{Config, Policy, Upstream};
 use crate::error::{action_json, ActionCtx, Completed, Outcome, ProxyError};

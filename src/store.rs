@@ -116,7 +116,11 @@ pub trait Store: Send + Sync + 'static {
     /// Turns the `in_flight` records left by a previous run into `unknown` (SPEC §5 step 6).
     /// Returns how many changed.
     /// With `owner`, only that owner's in-flight records (a draining proxy's own attempts).
-    fn recover(&self, owner: Option<String>, now: Millis) -> BoxFuture<'_, Result<usize, StoreError>>;
+    fn recover(
+        &self,
+        owner: Option<String>,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<usize, StoreError>>;
 
     /// Deletes records that expired before `now` (and prunes the log past `log.retention`).
     /// Returns how many records.

@@ -631,13 +631,10 @@ async fn a_store_that_cannot_record_gets_503_and_nothing_is_sent_but_reads_flow(
         oncegate::store::sled::SledStore::open(&tmp.path().join("s"), Default::default()).unwrap(),
     );
     let faulty = Arc::new(support::FaultyStore::new(inner));
-    faulty.fail_claims.store(true, std::sync::atomic::Ordering::SeqCst);
-    let proxy = TestProxy::start_with_store(
-        &config(&up.url(), ""),
-        faulty,
-        tmp.path(),
-    )
-    .await;
+    faulty
+        .fail_claims
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let proxy = TestProxy::start_with_store(&config(&up.url(), ""), faulty, tmp.path()).await;
     let c = TestClient::default();
     let r = c
         .post(&proxy.url("/pay/v1/charges"), &[(KEY, "k")], "a")

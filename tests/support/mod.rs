@@ -377,6 +377,16 @@ impl TestProxy {
         store: Arc<dyn oncegate::store::Store>,
         dir: &Path,
     ) -> TestProxy {
+        Self::start_with_clock(toml, store, dir, oncegate::action::system_clock()).await
+    }
+
+    /// Starts the proxy on `store`, reading time from `clock`.
+    pub async fn start_with_clock(
+        toml: &str,
+        store: Arc<dyn oncegate::store::Store>,
+        dir: &Path,
+        clock: oncegate::action::Clock,
+    ) -> TestProxy {
         let config = Config::parse(toml).unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -389,11 +399,14 @@ impl TestProxy {
                 proxy: listener,
                 admin: Some(admin_listener),
             },
-            oncegate::Services::new(
-                store.clone(),
-                Arc::new(oncegate::metrics::Metrics::new()),
-                Some(ADMIN_TOKEN.to_string()),
-            ),
+            oncegate::Services {
+                clock,
+                ..oncegate::Services::new(
+                    store.clone(),
+                    Arc::new(oncegate::metrics::Metrics::new()),
+                    Some(ADMIN_TOKEN.to_string()),
+                )
+            },
             async move {
                 let _ = stop_rx.await;
             },
@@ -724,7 +737,12 @@ mod faulty {
             }
             self.inner.settle(r)
         }
-        fn resolve(&self, id: String, r: Resolve, e: Event) -> BoxFuture<'_, Result<Record, StoreError>> {
+        fn resolve(
+            &self,
+            id: String,
+            r: Resolve,
+            e: Event,
+        ) -> BoxFuture<'_, Result<Record, StoreError>> {
             self.inner.resolve(id, r, e)
         }
         fn note(&self, e: LogEvent) {
@@ -745,13 +763,20 @@ mod faulty {
         fn get<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
             self.inner.get(id)
         }
-        fn body<'a>(&'a self, r: &'a Record) -> BoxFuture<'a, Result<Option<bytes::Bytes>, StoreError>> {
+        fn body<'a>(
+            &'a self,
+            r: &'a Record,
+        ) -> BoxFuture<'a, Result<Option<bytes::Bytes>, StoreError>> {
             self.inner.body(r)
         }
         fn scan(&self, f: Filter, l: usize) -> BoxFuture<'_, Result<Vec<Record>, StoreError>> {
             self.inner.scan(f, l)
         }
-        fn recover(&self, o: Option<String>, n: Millis) -> BoxFuture<'_, Result<usize, StoreError>> {
+        fn recover(
+            &self,
+            o: Option<String>,
+            n: Millis,
+        ) -> BoxFuture<'_, Result<usize, StoreError>> {
             self.inner.recover(o, n)
         }
         fn expire(&self, n: Millis) -> BoxFuture<'_, Result<usize, StoreError>> {

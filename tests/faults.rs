@@ -1,0 +1,215 @@
+//! Faults around the write path: retention and expiry on a controlled clock, graceful drain,
+//! and a store that fails in the middle of an attempt.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::{config, Behavior, FakeUpstream, FaultyStore, TestClient, TestProxy};
+use tokio::sync::Notify;
+
+const KEY: &str = "idempotency-key";
+const HOUR: u64 = 3600 * 1000;
+
+fn sled(dir: &std::path::Path) -> Arc<dyn oncegate::store::Store> {
+    Arc::new(oncegate::store::sled::SledStore::open(dir, Default::default()).unwrap())
+}
+
+#[tokio::test]
+async fn records_expire_retention_after_their_last_change_and_the_key_becomes_new() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let store = sled(&tmp.path().join("s"));
+    let now = Arc::new(AtomicU64::new(1_800_000_000_000));
+    let clock: oncegate::action::Clock = {
+        let now = now.clone();
+        Arc::new(move || now.load(Ordering::SeqCst))
+    };
+    let proxy = TestProxy::start_with_clock(
+        &config(&up.url(), "retention = \"2h\""),
+        store.clone(),
+        tmp.path(),
+        clock,
+    )
+    .await;
+    let c = TestClient::default();
+    let url = proxy.url("/pay/v1/charges");
+    up.push(Behavior::json(201, r#"{"n":1}"#));
+    c.post(&url, &[(KEY, "k-exp")], "a").await;
+    // Within retention: a replay, which does not change the record.
+    now.fetch_add(HOUR, Ordering::SeqCst);
+    assert_eq!(
+        c.post(&url, &[(KEY, "k-exp")], "a")
+            .await
+            .header("oncegate-outcome"),
+        Some("replayed")
+    );
+    // The sweeper at 1h59m after the last change keeps it; at 2h it deletes it.
+    assert_eq!(
+        store
+            .expire(1_800_000_000_000 + 2 * HOUR - 1)
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(store.expire(1_800_000_000_000 + 2 * HOUR).await.unwrap(), 1);
+    // After expiry the same key is a new action.
+    now.store(1_800_000_000_000 + 2 * HOUR, Ordering::SeqCst);
+    up.push(Behavior::json(201, r#"{"n":2}"#));
+    let r = c.post(&url, &[(KEY, "k-exp")], "a").await;
+    assert_eq!(r.header("oncegate-outcome"), Some("sent"));
+    assert_eq!(r.body, r#"{"n":2}"#);
+    assert_eq!(up.count(), 2);
+}
+
+#[tokio::test]
+async fn an_expired_record_is_a_new_action_even_before_the_sweeper_runs() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let now = Arc::new(AtomicU64::new(1_800_000_000_000));
+    let clock: oncegate::action::Clock = {
+        let now = now.clone();
+        Arc::new(move || now.load(Ordering::SeqCst))
+    };
+    let proxy = TestProxy::start_with_clock(
+        &config(&up.url(), "retention = \"1h\"\nmax_attempts = 1"),
+        sled(&tmp.path().join("s")),
+        tmp.path(),
+        clock,
+    )
+    .await;
+    let c = TestClient::default();
+    let url = proxy.url("/pay/v1/charges");
+    up.push(Behavior::status(400));
+    c.post(&url, &[(KEY, "k")], "a").await;
+    assert_eq!(
+        c.post(&url, &[(KEY, "k")], "a").await.problem(),
+        "attempts-exhausted"
+    );
+    now.fetch_add(HOUR, Ordering::SeqCst);
+    let r = c.post(&url, &[(KEY, "k")], "a").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(up.count(), 2);
+}
+
+#[tokio::test]
+async fn an_unknown_action_is_not_forgotten_before_its_retention() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let store = sled(&tmp.path().join("s"));
+    let proxy = TestProxy::start_with_store(
+        &config(&up.url(), "timeout = \"200ms\"\nretention = \"1h\""),
+        store.clone(),
+        tmp.path(),
+    )
+    .await;
+    up.push(Behavior::Hang);
+    let c = TestClient::default();
+    c.post(&proxy.url("/pay/v1/c"), &[(KEY, "u")], "a").await;
+    let now = oncegate::action::now_millis();
+    assert_eq!(store.expire(now + HOUR / 2).await.unwrap(), 0);
+    assert_eq!(
+        c.post(&proxy.url("/pay/v1/c"), &[(KEY, "u")], "a")
+            .await
+            .problem(),
+        "outcome-unknown"
+    );
+}
+
+#[tokio::test]
+async fn a_drain_lets_running_attempts_finish_and_records_them() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let cfg = config(&up.url(), "timeout = \"10s\"");
+    let proxy = TestProxy::start_in(&cfg, &dir).await;
+    let gate = Arc::new(Notify::new());
+    up.push(Behavior::Gate(
+        gate.clone(),
+        Box::new(Behavior::json(201, r#"{"done":true}"#)),
+    ));
+    let url = proxy.url("/pay/v1/c");
+    let client = tokio::spawn(async move {
+        TestClient::default()
+            .post(&url, &[(KEY, "drain-1")], "a")
+            .await
+    });
+    up.wait_for(1).await;
+    let stopping = tokio::spawn(proxy.stop());
+    gate.notify_one();
+    let r = client.await.unwrap();
+    assert_eq!(r.status, 201);
+    stopping.await.unwrap();
+    let proxy = TestProxy::start_in(&cfg, &dir).await;
+    let r = TestClient::default()
+        .post(&proxy.url("/pay/v1/c"), &[(KEY, "drain-1")], "a")
+        .await;
+    assert_eq!(r.header("oncegate-outcome"), Some("replayed"));
+    assert_eq!(up.count(), 1);
+}
+
+#[tokio::test]
+async fn attempts_still_running_at_the_drain_deadline_are_recorded_unknown() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let cfg = config(&up.url(), "timeout = \"30s\"")
+        .replace("drain_timeout = \"5s\"", "drain_timeout = \"300ms\"");
+    let store = sled(&dir);
+    let proxy = TestProxy::start_with_store(&cfg, store.clone(), tmp.path()).await;
+    up.push(Behavior::Hang);
+    let url = proxy.url("/pay/v1/c");
+    let _client = tokio::spawn(async move {
+        TestClient::default()
+            .post(&url, &[(KEY, "stuck")], "a")
+            .await
+    });
+    up.wait_for(1).await;
+    tokio::time::timeout(Duration::from_secs(10), proxy.stop())
+        .await
+        .expect("the drain is bounded by drain_timeout");
+    // Read what the stopped proxy left behind, before any restart recovery.
+    let store = sled(&dir);
+    let all = store.scan(Default::default(), 10).await.unwrap();
+    assert_eq!(all.len(), 1);
+    assert_eq!(all[0].state, oncegate::action::State::Unknown);
+    let why = all[0].evidence[0]
+        .tries
+        .last()
+        .unwrap()
+        .error
+        .clone()
+        .unwrap();
+    assert!(why.contains("drain_timeout"), "{why}");
+    store.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_store_that_fails_after_sending_never_answers_success_and_the_action_is_unknown_later() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let faulty = Arc::new(FaultyStore::new(sled(&dir)));
+    let cfg = config(&up.url(), "");
+    let proxy = TestProxy::start_with_store(&cfg, faulty.clone(), tmp.path()).await;
+    up.push(Behavior::json(201, r#"{"id":"x"}"#));
+    faulty.fail_settles.store(true, Ordering::SeqCst);
+    let c = TestClient::default();
+    let r = c.post(&proxy.url("/pay/v1/c"), &[(KEY, "sf")], "a").await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.problem(), "store-unavailable");
+    let p = r.json();
+    assert_eq!(p["outcome"], "unknown");
+    assert_eq!(p["duplicate_risk"], true);
+    assert_eq!(up.count(), 1);
+    faulty.fail_settles.store(false, Ordering::SeqCst);
+    proxy.stop().await;
+    // The claim was durable: after a restart the action is unknown, never re-sent.
+    let proxy = TestProxy::start_in(&cfg, &dir).await;
+    let r = c.post(&proxy.url("/pay/v1/c"), &[(KEY, "sf")], "a").await;
+    assert_eq!(r.problem(), "outcome-unknown");
+    assert_eq!(up.count(), 1);
+}
