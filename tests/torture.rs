@@ -1,0 +1,569 @@
+//! The torture harness: the proxy as a child process on a sled store, a counting upstream that
+//! stalls, drops and fails at random, concurrent clients doing logical writes with retries
+//! (explicit keys, keyless identical retries, task/step keys), and SIGKILLs at random moments,
+//! during start-up and recovery included. At the end it checks the upstream's own record:
+//! duplicates, lost completed writes and re-sends must all be 0, and the write log must verify
+//! after every restart.
+//!
+//! CI runs a short mode. The long mode:
+//! `ONCEGATE_TORTURE_KILLS=300 cargo test --release --test torture -- --nocapture`
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rand::Rng;
+use serde_json::Value;
+use support::ChildProxy;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// One logical time for the whole harness: upstream receipts and client observations are
+/// ordered on it.
+static TICK: AtomicU64 = AtomicU64::new(1);
+fn tick() -> u64 {
+    TICK.fetch_add(1, Ordering::SeqCst)
+}
+
+#[derive(Clone, Copy)]
+struct Faults {
+    stall: f64,
+    drop: f64,
+    unavailable: f64,
+}
+
+/// What the upstream did with one request of a logical write.
+#[derive(Clone, Debug)]
+struct Receipt {
+    at: u64,
+    applied: bool,
+}
+
+/// The counting upstream: its record is the truth the checker compares against.
+#[derive(Default)]
+struct Ledger {
+    receipts: Mutex<HashMap<String, Vec<Receipt>>>,
+    executions: AtomicU64,
+}
+
+async fn upstream_handle(
+    ledger: Arc<Ledger>,
+    faults: Faults,
+    req: http::Request<hyper::body::Incoming>,
+) -> Result<http::Response<Full<Bytes>>, BoxError> {
+    let body = req.into_body().collect().await?.to_bytes();
+    let write = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| v["write"].as_str().map(str::to_string))
+        .unwrap_or_default();
+    let roll: f64 = rand::rng().random();
+    let applied = roll >= faults.unavailable;
+    ledger
+        .receipts
+        .lock()
+        .unwrap()
+        .entry(write.clone())
+        .or_default()
+        .push(Receipt {
+            at: tick(),
+            applied,
+        });
+    if !applied {
+        let mut r = http::Response::new(Full::new(Bytes::from_static(b"{}")));
+        *r.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+        return Ok(r);
+    }
+    let exec = ledger.executions.fetch_add(1, Ordering::SeqCst);
+    let roll = roll - faults.unavailable;
+    if roll < faults.stall {
+        // Applied, then the answer never comes.
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+    } else if roll < faults.stall + faults.drop {
+        // Applied, then the connection drops: a failing service makes hyper close it unanswered.
+        return Err("drop".into());
+    }
+    let body = format!(r#"{{"exec":{exec},"write":"{write}"}}"#);
+    let mut r = http::Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = http::StatusCode::CREATED;
+    Ok(r)
+}
+
+async fn start_upstream(ledger: Arc<Ledger>, faults: Faults) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let ledger = ledger.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req| upstream_handle(ledger.clone(), faults, req));
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Mode {
+    Key,
+    Keyless,
+    TaskStep,
+}
+
+/// What a client learned about one logical write.
+#[derive(Default, Debug)]
+struct Seen {
+    success: Option<(u16, Bytes)>,
+    /// The key suffix of the request that succeeded (only a broken client changes it).
+    suffix: u64,
+    unknown_at: Option<u64>,
+    exhausted: bool,
+}
+
+#[derive(Default)]
+struct Book {
+    writes: Mutex<HashMap<String, (Mode, usize, u64, Seen)>>,
+    violations: Mutex<Vec<String>>,
+}
+
+struct Options {
+    kills: usize,
+    clients: usize,
+    faults: Faults,
+    /// A deliberately broken client: a new key on every retry after an unknown answer.
+    broken_client: bool,
+    /// Without kills: how many writes each client makes.
+    writes_per_client: usize,
+}
+
+#[derive(Debug, Default)]
+struct Report {
+    kills: usize,
+    writes: usize,
+    completed: usize,
+    unknown: usize,
+    exhausted: usize,
+    duplicates: usize,
+    lost_completed: usize,
+    resends: usize,
+    log_checks: usize,
+    log_failures: usize,
+    violations: Vec<String>,
+    seconds: f64,
+}
+
+fn request(
+    mode: Mode,
+    client: usize,
+    n: usize,
+    write: &str,
+    key_suffix: u64,
+) -> (Vec<(String, String)>, String) {
+    let mut h = vec![
+        (
+            "authorization".to_string(),
+            format!("Bearer agent-{client}"),
+        ),
+        ("content-type".to_string(), "application/json".to_string()),
+    ];
+    match mode {
+        Mode::Key => h.push(("idempotency-key".into(), format!("{write}-{key_suffix}"))),
+        Mode::Keyless => {}
+        Mode::TaskStep => {
+            h.push(("oncegate-task".into(), format!("task-{client}")));
+            h.push(("oncegate-step".into(), format!("step-{n}")));
+        }
+    }
+    (h, format!(r#"{{"write":"{write}","amount":{n}}}"#))
+}
+
+async fn send(
+    client: &hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        Full<Bytes>,
+    >,
+    addr: SocketAddr,
+    headers: &[(String, String)],
+    body: &str,
+) -> Result<(u16, Option<String>, Bytes), ()> {
+    let mut req = http::Request::post(format!("http://{addr}/pay/v1/charges"));
+    for (k, v) in headers {
+        req = req.header(k, v);
+    }
+    let req = req.body(Full::new(Bytes::from(body.to_string()))).unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+        .await
+        .map_err(|_| ())?
+        .map_err(|_| ())?;
+    let status = resp.status().as_u16();
+    let outcome = resp
+        .headers()
+        .get("oncegate-outcome")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let body = resp.into_body().collect().await.map_err(|_| ())?.to_bytes();
+    Ok((status, outcome, body))
+}
+
+async fn run_client(
+    id: usize,
+    opts: Arc<Options>,
+    book: Arc<Book>,
+    proxy: Arc<RwLock<Option<SocketAddr>>>,
+    stop: Arc<AtomicBool>,
+) {
+    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(0)
+        .build_http::<Full<Bytes>>();
+    let modes = [Mode::Key, Mode::Keyless, Mode::TaskStep];
+    let mut n = 0;
+    while !stop.load(Ordering::SeqCst) && (opts.kills > 0 || n < opts.writes_per_client) {
+        let mode = modes[(id + n) % 3];
+        let write = format!("c{id}-{n}");
+        book.writes
+            .lock()
+            .unwrap()
+            .insert(write.clone(), (mode, id, 0, Seen::default()));
+        let mut key_suffix = 0;
+        // One logical write, retried until a definite answer.
+        loop {
+            if stop.load(Ordering::SeqCst) {
+                break;
+            }
+            let Some(addr) = *proxy.read().unwrap() else {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            };
+            let (headers, body) = request(mode, id, n, &write, key_suffix);
+            let Ok((status, outcome, resp)) = send(&client, addr, &headers, &body).await else {
+                // The proxy died under us: whatever happened, retry the same logical write.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            };
+            let problem = serde_json::from_slice::<Value>(&resp)
+                .ok()
+                .and_then(|v| v["type"].as_str().map(str::to_string))
+                .unwrap_or_default();
+            enum Next {
+                Done,
+                Retry,
+                NewKey,
+            }
+            let next = {
+                let mut w = book.writes.lock().unwrap();
+                let seen = &mut w.get_mut(&write).unwrap().3;
+                match (
+                    status,
+                    outcome.as_deref(),
+                    problem.trim_start_matches("urn:oncegate:problem:"),
+                ) {
+                    (201, Some("sent" | "replayed"), _) => {
+                        seen.success = Some((status, resp));
+                        seen.suffix = key_suffix;
+                        Next::Done
+                    }
+                    (_, _, "outcome-unknown") => {
+                        seen.unknown_at.get_or_insert_with(tick);
+                        if opts.broken_client && mode == Mode::Key {
+                            // The naive agent: a timeout means "try again", with a fresh key.
+                            Next::NewKey
+                        } else {
+                            Next::Done
+                        }
+                    }
+                    (_, _, "attempts-exhausted") => {
+                        seen.exhausted = true;
+                        Next::Done
+                    }
+                    (409, _, "in-flight") | (503, _, _) | (502, _, "upstream-unreachable") => {
+                        Next::Retry
+                    }
+                    other => {
+                        let msg = format!(
+                            "{write}: unexpected answer {other:?}: {}",
+                            String::from_utf8_lossy(&resp)
+                        );
+                        book.violations.lock().unwrap().push(msg);
+                        Next::Done
+                    }
+                }
+            };
+            match next {
+                Next::Done => break,
+                Next::NewKey => key_suffix += 1,
+                Next::Retry => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        }
+        n += 1;
+    }
+}
+
+fn proxy_config(dir: &std::path::Path, upstream: SocketAddr) -> std::path::PathBuf {
+    let path = dir.join("oncegate.toml");
+    let store = dir.join("store");
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+[server]
+listen = "127.0.0.1:0"
+drain_timeout = "1s"
+[admin]
+listen = "127.0.0.1:0"
+[store]
+path = {store:?}
+[defaults]
+timeout = "150ms"
+connect_timeout = "500ms"
+retries = 1
+max_retry_wait = "20ms"
+max_attempts = 20
+[[upstreams]]
+name = "pay"
+prefix = "/pay"
+url = "http://{upstream}"
+"#
+        ),
+    )
+    .unwrap();
+    path
+}
+
+async fn verify_log(child: &ChildProxy) -> bool {
+    let r = support::TestClient::default()
+        .get(&format!("http://{}/v1/log/verify", child.admin))
+        .await;
+    r.json()["ok"] == true
+}
+
+async fn harness(opts: Options) -> Report {
+    let started = Instant::now();
+    let tmp = tempfile::tempdir().unwrap();
+    let ledger = Arc::new(Ledger::default());
+    let upstream = start_upstream(ledger.clone(), opts.faults).await;
+    let cfg = proxy_config(tmp.path(), upstream);
+    let opts = Arc::new(opts);
+    let book = Arc::new(Book::default());
+    let proxy_addr = Arc::new(RwLock::new(None));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut report = Report::default();
+
+    let mut child = {
+        let cfg = cfg.clone();
+        tokio::task::spawn_blocking(move || ChildProxy::spawn(&cfg))
+            .await
+            .unwrap()
+    };
+    *proxy_addr.write().unwrap() = Some(child.addr);
+    let clients: Vec<_> = (0..opts.clients)
+        .map(|i| {
+            tokio::spawn(run_client(
+                i,
+                opts.clone(),
+                book.clone(),
+                proxy_addr.clone(),
+                stop.clone(),
+            ))
+        })
+        .collect();
+
+    for k in 0..opts.kills {
+        let wait = rand::rng().random_range(30..250);
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        *proxy_addr.write().unwrap() = None;
+        child.kill();
+        report.kills += 1;
+        if k % 4 == 3 {
+            // Killed again while starting up and recovering.
+            let cfg = cfg.clone();
+            let early = rand::rng().random_range(0..40);
+            tokio::task::spawn_blocking(move || {
+                let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_oncegate"))
+                    .args(["run", "--config"])
+                    .arg(&cfg)
+                    .stderr(std::process::Stdio::null())
+                    .spawn()
+                    .unwrap();
+                std::thread::sleep(Duration::from_millis(early));
+                c.kill().unwrap();
+                c.wait().unwrap();
+            })
+            .await
+            .unwrap();
+            report.kills += 1;
+        }
+        child = {
+            let cfg = cfg.clone();
+            tokio::task::spawn_blocking(move || ChildProxy::spawn(&cfg))
+                .await
+                .unwrap()
+        };
+        report.log_checks += 1;
+        if !verify_log(&child).await {
+            report.log_failures += 1;
+        }
+        *proxy_addr.write().unwrap() = Some(child.addr);
+    }
+    if opts.kills > 0 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        stop.store(true, Ordering::SeqCst);
+    }
+    for c in clients {
+        c.await.unwrap();
+    }
+
+    // Final check: after all the restarts, every completed write replays identically and every
+    // unknown write is still unknown, and none is sent again.
+    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    let writes: Vec<(String, Mode, usize, Seen)> = book
+        .writes
+        .lock()
+        .unwrap()
+        .drain()
+        .map(|(w, (m, c, _, s))| (w, m, c, s))
+        .collect();
+    let final_tick = tick();
+    for (write, mode, client_id, seen) in &writes {
+        let n: usize = write.rsplit('-').next().unwrap().parse().unwrap();
+        if let Some((status, body)) = &seen.success {
+            let (h, b) = request(*mode, *client_id, n, write, seen.suffix);
+            match send(&client, child.addr, &h, &b).await {
+                Ok((s, Some(o), again)) if s == *status && &again == body && o == "replayed" => {}
+                other => {
+                    report.lost_completed += 1;
+                    let mut msg = format!("{write}: completed, then {other:?}");
+                    msg.truncate(300);
+                    report.violations.push(msg);
+                }
+            }
+            report.completed += 1;
+        } else if seen.unknown_at.is_some() && !(opts.broken_client && *mode == Mode::Key) {
+            let (h, b) = request(*mode, *client_id, n, write, 0);
+            let r = send(&client, child.addr, &h, &b).await;
+            if !matches!(&r, Ok((409, Some(o), _)) if o == "unknown") {
+                let mut msg = format!("{write}: was unknown, then {r:?}");
+                msg.truncate(300);
+                report.violations.push(msg);
+            }
+            report.unknown += 1;
+        }
+        if seen.exhausted {
+            report.exhausted += 1;
+        }
+    }
+    report.log_checks += 1;
+    if !verify_log(&child).await {
+        report.log_failures += 1;
+    }
+    let receipts = ledger.receipts.lock().unwrap().clone();
+    for (write, _, _, seen) in &writes {
+        let got = receipts.get(write).map(Vec::as_slice).unwrap_or_default();
+        let applied = got.iter().filter(|r| r.applied).count();
+        report.duplicates += applied.saturating_sub(1);
+        if let Some(at) = seen.unknown_at {
+            if !opts.broken_client {
+                report.resends += got.iter().filter(|r| r.at > at).count();
+            }
+        }
+        assert!(
+            got.iter().all(|r| r.at < final_tick),
+            "a receipt after the final check"
+        );
+    }
+    report.writes = writes.len();
+    report
+        .violations
+        .extend(book.violations.lock().unwrap().drain(..));
+    report.seconds = started.elapsed().as_secs_f64();
+    println!(
+        "torture: kills={} writes={} completed={} unknown={} exhausted={} upstream_executions={} \
+         duplicates={} lost_completed={} resends={} log_verified={}/{} violations={} duration={:.1}s",
+        report.kills,
+        report.writes,
+        report.completed,
+        report.unknown,
+        report.exhausted,
+        ledger.executions.load(Ordering::SeqCst),
+        report.duplicates,
+        report.lost_completed,
+        report.resends,
+        report.log_checks - report.log_failures,
+        report.log_checks,
+        report.violations.len(),
+        report.seconds,
+    );
+    for v in report.violations.iter().take(10) {
+        println!("  violation: {v}");
+    }
+    report
+}
+
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkills_under_load_never_duplicate_lose_or_resend_a_write() {
+    let report = harness(Options {
+        kills: env_or("ONCEGATE_TORTURE_KILLS", 20),
+        clients: env_or("ONCEGATE_TORTURE_CLIENTS", 6),
+        faults: Faults {
+            stall: 0.05,
+            drop: 0.05,
+            unavailable: 0.05,
+        },
+        broken_client: false,
+        writes_per_client: 0,
+    })
+    .await;
+    assert!(
+        report.writes > report.kills,
+        "too little load to mean anything: {report:?}"
+    );
+    assert!(report.completed > 0 && report.unknown > 0, "{report:?}");
+    assert_eq!(report.duplicates, 0, "{report:?}");
+    assert_eq!(report.lost_completed, 0, "{report:?}");
+    assert_eq!(report.resends, 0, "{report:?}");
+    assert_eq!(report.log_failures, 0, "{report:?}");
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+}
+
+/// The harness must be able to fail: a client that ignores idempotency (a fresh key on every
+/// retry after an unknown answer) makes the upstream apply writes twice, and the checker says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_harness_catches_a_client_that_ignores_idempotency() {
+    let report = harness(Options {
+        kills: 0,
+        clients: 3,
+        faults: Faults {
+            stall: 0.3,
+            drop: 0.0,
+            unavailable: 0.0,
+        },
+        broken_client: true,
+        writes_per_client: 30,
+    })
+    .await;
+    assert!(
+        report.duplicates > 0,
+        "the checker missed real duplicates: {report:?}"
+    );
+}
