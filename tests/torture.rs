@@ -443,7 +443,7 @@ async fn harness(opts: Options) -> Report {
         if let Some((status, body)) = &seen.success {
             let (h, b) = request(*mode, *client_id, n, write, seen.suffix);
             match send(&client, child.addr, &h, &b).await {
-                Ok((s, Some(o), again)) if s == *status && &again == body && o == "replayed" => {}
+                Ok((s, Some(o), again)) if s == *status && again == *body && o == "replayed" => {}
                 other => {
                     report.lost_completed += 1;
                     let mut msg = format!("{write}: completed, then {other:?}");
