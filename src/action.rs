@@ -351,6 +351,16 @@ pub fn decide_claim(current: Option<Record>, req: &ClaimRequest) -> (Claim, Opti
             r.start_attempt(&req.owner, req.lease, req.now);
             (Claim::Claimed(r.clone()), Some(r))
         }
+        // An attempt whose owner stopped renewing its lease (a proxy that died): its outcome
+        // is unknown, whoever notices first records it.
+        Some(r) if r.state == State::InFlight && r.lease_until.is_some_and(|l| l < req.now) => {
+            let reason = format!(
+                "the lease of proxy {} expired during this attempt; the request may have reached the upstream",
+                r.owner.as_deref().unwrap_or("?")
+            );
+            let u = recover_in_flight(r, &reason, req.now).expect("the record is in flight");
+            (Claim::Existing(u.clone()), Some(u))
+        }
         Some(r) => (Claim::Existing(r), None),
     }
 }

@@ -129,9 +129,15 @@ pub async fn open_store(
                     .map_err(|e| StoreError::Unavailable(e.to_string()))??;
             Ok(Arc::new(store))
         }
-        StoreConfig::Postgres { .. } => Err(StoreError::Unavailable(
-            "store.backend = \"postgres\" is not available in this build yet; use \"sled\"".into(),
-        )),
+        StoreConfig::Postgres { url_env } => {
+            let url = std::env::var(url_env).map_err(|_| {
+                StoreError::Unavailable(format!(
+                    "store.url_env: the environment variable {url_env} (the PostgreSQL URL) is not set"
+                ))
+            })?;
+            let store = store::postgres::PostgresStore::open(&url, options).await?;
+            Ok(Arc::new(store))
+        }
     }
 }
 

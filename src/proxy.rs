@@ -441,7 +441,7 @@ impl Proxy {
         let tries = u64::from(policy.retries) + 1;
         policy.timeout.as_millis() as u64 * tries
             + policy.max_retry_wait.as_millis() as u64 * u64::from(policy.retries)
-            + 5_000
+            + 2_000
     }
 
     /// Phase `claim`: decides what this request gets (SPEC §5 step 2), then acts on it.
@@ -645,6 +645,21 @@ impl Proxy {
             job.query.as_deref(),
             key_header,
         );
+        // While the attempt runs, its lease is renewed, so that other proxies sharing the store
+        // never take a slow attempt for a dead one.
+        let renewer = {
+            let (store, id, owner) = (self.store.clone(), rec.id.clone(), self.owner.clone());
+            let (lease, clock) = (Self::lease(policy), self.clock.clone());
+            tokio::spawn(async move {
+                let every = Duration::from_millis((lease / 3).max(100));
+                loop {
+                    tokio::time::sleep(every).await;
+                    if let Err(e) = store.renew(&id, &owner, clock() + lease).await {
+                        tracing::warn!(error = %e, "could not renew the lease of an attempt");
+                    }
+                }
+            })
+        };
         let mut tries: Vec<Try> = Vec::new();
         let result = match out {
             Ok(out) => {
@@ -667,6 +682,7 @@ impl Proxy {
             // Nothing can be sent: treated as a try that did not reach the upstream.
             Err(e) => AttemptResult::Unreachable(format!("cannot build the upstream request: {e}")),
         };
+        renewer.abort();
         let now = (self.clock)();
         let attempt = rec.attempts;
         let settle = |state, response, external_id, needs_decision, body| SettleRequest {

@@ -1,6 +1,7 @@
 //! The store: where actions live durably (SPEC §13). One trait, implemented by the embedded sled
 //! store ([`sled::SledStore`]); every method returns only after its change is durable.
 
+pub mod postgres;
 pub mod sled;
 
 use std::future::Future;
@@ -11,7 +12,7 @@ use bytes::Bytes;
 use crate::action::{
     Claim, ClaimRequest, Millis, Record, Resolve, ResolveError, SettleError, Settlement, State,
 };
-use crate::log::{Chain, Entry, Event, LogEvent, Verification};
+use crate::log::{Actor, Chain, Entry, Event, LogEvent, Verification};
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -36,6 +37,68 @@ pub struct SettleRequest {
     pub attempt: u32,
     pub settlement: Settlement,
     pub body: Option<Bytes>,
+}
+
+/// The log entries of a claim that changed a record: `intent` (a new action) and `sent` (its
+/// attempt goes out), or `unknown` (an in-flight attempt whose owner's lease expired).
+pub fn claim_events(claim: &Claim, written: &Record) -> Vec<LogEvent> {
+    match claim {
+        Claim::Claimed(_) => {
+            let mut v = Vec::with_capacity(2);
+            if written.attempts == 1 {
+                v.push(LogEvent::for_record(Event::Intent, written, Actor::Proxy));
+            }
+            v.push(LogEvent::for_record(Event::Sent, written, Actor::Proxy));
+            v
+        }
+        _ => vec![recover_event(
+            written,
+            written
+                .evidence
+                .last()
+                .and_then(|a| a.tries.last())
+                .and_then(|t| t.error.as_deref())
+                .unwrap_or("lease expired"),
+        )],
+    }
+}
+
+/// The log entry of an attempt's end.
+pub fn settle_event(r: &Record) -> LogEvent {
+    let last = r.evidence.last().and_then(|a| a.tries.last());
+    let status = last.and_then(|t| t.status);
+    let (event, outcome) = match r.state {
+        State::Succeeded => (Event::Outcome, "applied"),
+        State::Failed => (Event::Outcome, "not-applied"),
+        _ => (Event::Unknown, "unknown"),
+    };
+    let ev = LogEvent::for_record(event, r, Actor::Proxy)
+        .status(status)
+        .outcome(outcome);
+    match last.and_then(|t| t.error.clone()) {
+        Some(e) => ev.detail(e),
+        None => ev,
+    }
+}
+
+/// The log entry of a settled unknown action.
+pub fn resolve_event(event: Event, r: &Record, actor: Actor, reason: String) -> LogEvent {
+    let outcome = if r.state == State::Succeeded {
+        "applied"
+    } else {
+        "not-applied"
+    };
+    LogEvent::for_record(event, r, actor)
+        .status(r.response.as_ref().map(|s| s.status))
+        .outcome(outcome)
+        .detail(reason)
+}
+
+/// The log entry of an in-flight attempt turned unknown (restart, drain deadline, lease).
+pub fn recover_event(r: &Record, reason: &str) -> LogEvent {
+    LogEvent::for_record(Event::Unknown, r, Actor::Proxy)
+        .outcome("unknown")
+        .detail(reason)
 }
 
 /// What every store needs besides its location.
@@ -95,6 +158,17 @@ pub trait Store: Send + Sync + 'static {
         res: Resolve,
         event: Event,
     ) -> BoxFuture<'_, Result<Record, StoreError>>;
+
+    /// Extends the lease of an in-flight attempt this owner is running. Returns whether the
+    /// attempt was still this owner's. Stores used by one process need no leases.
+    fn renew(
+        &self,
+        _id: &str,
+        _owner: &str,
+        _until: Millis,
+    ) -> BoxFuture<'_, Result<bool, StoreError>> {
+        Box::pin(async { Ok(true) })
+    }
 
     /// Appends a log entry for an event that changes no record (a replay, a conflict, a refused
     /// request, a lookup that settled nothing). It is written with the next durable batch; the

@@ -28,7 +28,10 @@ use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 
-use super::{BoxFuture, Filter, SettleRequest, Store, StoreError, StoreOptions};
+use super::{
+    claim_events, recover_event, resolve_event, settle_event, BoxFuture, Filter, SettleRequest,
+    Store, StoreError, StoreOptions,
+};
 use crate::action::{
     apply_resolve, apply_settle, decide_claim, now_millis, recover_in_flight, BodyRef, Claim,
     ClaimRequest, Millis, Record, Resolve, State,
@@ -55,6 +58,7 @@ enum Op {
     Recover(Option<String>, Millis, Reply<usize>),
     Expire(Millis, Reply<usize>),
     Sync(Reply<()>),
+    Renew(String, String, Millis, Reply<bool>),
 }
 
 /// An answer decided in a batch, sent once the batch is durable.
@@ -63,6 +67,7 @@ enum Answer {
     Record(Reply<Record>, Record),
     Count(Reply<usize>, usize),
     Unit(Reply<()>),
+    Bool(Reply<bool>, bool),
     /// The operation failed on its own; the closure sends its error.
     Failed(Box<dyn FnOnce() + Send>),
     None,
@@ -82,6 +87,8 @@ impl Answer {
             (Answer::Record(tx, r), Ok(())) => drop(tx.send(Ok(r))),
             (Answer::Count(tx, n), Ok(())) => drop(tx.send(Ok(n))),
             (Answer::Unit(tx), Ok(())) => drop(tx.send(Ok(()))),
+            (Answer::Bool(tx, b), Ok(())) => drop(tx.send(Ok(b))),
+            (Answer::Bool(tx, _), Err(e)) => drop(tx.send(Err(err(e)))),
             (Answer::Claim(tx, _), Err(e)) => drop(tx.send(Err(err(e)))),
             (Answer::Record(tx, _), Err(e)) => drop(tx.send(Err(err(e)))),
             (Answer::Count(tx, _), Err(e)) => drop(tx.send(Err(err(e)))),
@@ -380,6 +387,16 @@ impl Store for SledStore {
         Box::pin(async move { log_head(&self.db()?) })
     }
 
+    fn renew(
+        &self,
+        id: &str,
+        owner: &str,
+        until: Millis,
+    ) -> BoxFuture<'_, Result<bool, StoreError>> {
+        let (id, owner) = (id.to_string(), owner.to_string());
+        Box::pin(self.call(move |tx| Op::Renew(id, owner, until, tx)))
+    }
+
     fn counts(&self) -> BoxFuture<'_, Result<Vec<(State, u64)>, StoreError>> {
         Box::pin(async move {
             let db = self.db()?;
@@ -522,24 +539,6 @@ struct Pending {
     writes: usize,
 }
 
-/// The log event of an attempt's end.
-fn settle_event(r: &Record) -> LogEvent {
-    let last = r.evidence.last().and_then(|a| a.tries.last());
-    let status = last.and_then(|t| t.status);
-    let (event, outcome) = match r.state {
-        State::Succeeded => (Event::Outcome, "applied"),
-        State::Failed => (Event::Outcome, "not-applied"),
-        _ => (Event::Unknown, "unknown"),
-    };
-    let ev = LogEvent::for_record(event, r, Actor::Proxy)
-        .status(status)
-        .outcome(outcome);
-    match last.and_then(|t| t.error.clone()) {
-        Some(e) => ev.detail(e),
-        None => ev,
-    }
-}
-
 impl Writer {
     fn run(mut self, rx: mpsc::Receiver<Op>) {
         while let Ok(first) = rx.recv() {
@@ -669,13 +668,9 @@ impl Writer {
                             old.as_ref()
                         };
                         self.stage(pending, live_old, w);
-                        if w.attempts == 1 {
-                            self.append(
-                                pending,
-                                LogEvent::for_record(Event::Intent, w, Actor::Proxy),
-                            );
+                        for ev in claim_events(&claim, w) {
+                            self.append(pending, ev);
                         }
-                        self.append(pending, LogEvent::for_record(Event::Sent, w, Actor::Proxy));
                     }
                     Answer::Claim(tx, claim)
                 }
@@ -722,16 +717,7 @@ impl Writer {
                             pending.batch.insert(body_key(&new.id), body.as_ref());
                         }
                         self.stage(pending, old.as_ref(), &new);
-                        let outcome = if new.state == State::Succeeded {
-                            "applied"
-                        } else {
-                            "not-applied"
-                        };
-                        let ev = LogEvent::for_record(event, &new, actor)
-                            .status(new.response.as_ref().map(|r| r.status))
-                            .outcome(outcome)
-                            .detail(reason);
-                        self.append(pending, ev);
+                        self.append(pending, resolve_event(event, &new, actor, reason));
                         Answer::Record(tx, new)
                     }
                 }
@@ -765,10 +751,7 @@ impl Writer {
                             };
                             if let Some(new) = recover_in_flight(r, reason, now) {
                                 self.stage(pending, Some(&old), &new);
-                                let ev = LogEvent::for_record(Event::Unknown, &new, Actor::Proxy)
-                                    .outcome("unknown")
-                                    .detail(reason);
-                                self.append(pending, ev);
+                                self.append(pending, recover_event(&new, reason));
                                 n += 1;
                             }
                         }
@@ -801,6 +784,16 @@ impl Writer {
                 }
             },
             Op::Sync(tx) => Answer::Unit(tx),
+            Op::Renew(id, owner, until, tx) => match self.read(pending, &id) {
+                Err(e) => Answer::failed(tx, e),
+                Ok(Some(r)) if r.state == State::InFlight && r.owner.as_ref() == Some(&owner) => {
+                    let mut new = r.clone();
+                    new.lease_until = Some(until);
+                    self.stage(pending, Some(&r), &new);
+                    Answer::Bool(tx, true)
+                }
+                Ok(_) => Answer::Bool(tx, false),
+            },
         }
     }
 

@@ -748,6 +748,14 @@ mod faulty {
         fn note(&self, e: LogEvent) {
             self.inner.note(e)
         }
+        fn renew(
+            &self,
+            id: &str,
+            owner: &str,
+            until: Millis,
+        ) -> BoxFuture<'_, Result<bool, StoreError>> {
+            self.inner.renew(id, owner, until)
+        }
         fn log(&self, after: u64, limit: usize) -> BoxFuture<'_, Result<Vec<Entry>, StoreError>> {
             self.inner.log(after, limit)
         }
@@ -786,4 +794,55 @@ mod faulty {
             self.inner.close()
         }
     }
+}
+
+/// The PostgreSQL server the PostgreSQL tests use: `ONCEGATE_TEST_POSTGRES`, a URL to a database
+/// the tests may create databases from. `None` (and one line saying so) when it is not set.
+pub fn postgres_base(test: &str) -> Option<String> {
+    match std::env::var("ONCEGATE_TEST_POSTGRES") {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            eprintln!("skipping {test}: ONCEGATE_TEST_POSTGRES is not set (PostgreSQL tests need a server)");
+            None
+        }
+    }
+}
+
+/// A fresh, empty database for one test; returns its URL.
+pub async fn fresh_database(base: &str) -> String {
+    let (client, conn) = tokio_postgres::connect(base, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let name = format!("oncegate_t_{:016x}", rand::random::<u64>());
+    client
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .unwrap();
+    let mut cfg: tokio_postgres::Config = base.parse().unwrap();
+    cfg.dbname(&name);
+    let user = cfg.get_user().unwrap_or("postgres").to_string();
+    let host = match cfg.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        _ => "127.0.0.1".into(),
+    };
+    let port = cfg.get_ports().first().copied().unwrap_or(5432);
+    format!("postgres://{user}@{host}:{port}/{name}")
+}
+
+/// Ends every connection to the database of `url` (as a database restart would).
+pub async fn terminate_connections(base: &str, url: &str) -> u64 {
+    let db = url.rsplit('/').next().unwrap().to_string();
+    let (client, conn) = tokio_postgres::connect(base, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let rows = client
+        .query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+            &[&db],
+        )
+        .await
+        .unwrap();
+    rows.len() as u64
 }

@@ -1,0 +1,822 @@
+//! oncegate side by side with what a user would otherwise run: the upstream directly, and nginx as
+//! a plain reverse proxy with upstream keepalive. Every workload runs against the three targets
+//! in turn, interleaved (A B C A B C …), so machine drift hits all alike.
+//!
+//! `cargo bench --bench side_by_side -- --out bench/results.md` (add `--quick` for a short run).
+//! nginx is installed with apt-get when missing; without it the nginx column says so.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::io::BufRead;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use http_body_util::{BodyExt, Full};
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+
+const BODY: &str = r#"{"id":"obj_123","object":"charge","amount":500,"ok":true}"#;
+
+// ---------------------------------------------------------------- the upstream
+
+async fn upstream() -> SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = l.accept().await else {
+                continue;
+            };
+            let _ = s.set_nodelay(true);
+            tokio::spawn(async move {
+                let svc = service_fn(|req: http::Request<hyper::body::Incoming>| async move {
+                    let slow = req.uri().path().ends_with("/slow");
+                    let _ = req.into_body().collect().await;
+                    if slow {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    let mut r = http::Response::new(Full::new(Bytes::from_static(BODY.as_bytes())));
+                    r.headers_mut()
+                        .insert("content-type", "application/json".parse().unwrap());
+                    Ok::<_, hyper::Error>(r)
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+// ---------------------------------------------------------------- targets
+
+struct Target {
+    name: &'static str,
+    addr: SocketAddr,
+    pid: Option<u32>,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn ensure_nginx() -> Option<PathBuf> {
+    let find = || {
+        ["/usr/sbin/nginx", "/usr/bin/nginx"]
+            .iter()
+            .map(PathBuf::from)
+            .find(|p| p.exists())
+    };
+    if let Some(p) = find() {
+        return Some(p);
+    }
+    eprintln!("nginx not found: installing nginx-light with apt-get");
+    let _ = std::process::Command::new("apt-get")
+        .args(["update", "-qq"])
+        .status();
+    let _ = std::process::Command::new("apt-get")
+        .args(["install", "-y", "-qq", "nginx-light"])
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .status();
+    find()
+}
+
+fn start_nginx(dir: &Path, upstream: SocketAddr) -> Option<(std::process::Child, SocketAddr)> {
+    let bin = ensure_nginx()?;
+    let port = free_port();
+    let conf = dir.join("nginx.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            r#"worker_processes auto;
+daemon off;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {d}/cb; proxy_temp_path {d}/pt; fastcgi_temp_path {d}/ft;
+  uwsgi_temp_path {d}/ut; scgi_temp_path {d}/st;
+  upstream up {{ server {upstream}; keepalive 256; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://up;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }}
+  }}
+}}
+"#,
+            d = dir.display()
+        ),
+    )
+    .unwrap();
+    let child = std::process::Command::new(bin)
+        .args(["-c", conf.to_str().unwrap(), "-p", dir.to_str().unwrap()])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(addr).is_ok() {
+            return Some((child, addr));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+/// Starts the oncegate binary; returns it with its proxy and admin addresses.
+fn start_oncegate(
+    dir: &Path,
+    upstream: SocketAddr,
+) -> (std::process::Child, SocketAddr, SocketAddr) {
+    let conf = dir.join("oncegate.toml");
+    std::fs::write(
+        &conf,
+        format!(
+            r#"[server]
+listen = "127.0.0.1:0"
+[admin]
+listen = "127.0.0.1:0"
+[store]
+path = "{}"
+[defaults]
+timeout = "10s"
+[[upstreams]]
+name = "pay"
+prefix = "/pay"
+url = "http://{upstream}"
+"#,
+            dir.join("store").display()
+        ),
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_oncegate"))
+        .args(["run", "--config", conf.to_str().unwrap()])
+        .env("RUST_LOG", "warn,oncegate=info")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            for f in ["addr=", "admin="] {
+                if let Some(i) = line.find(f) {
+                    let v: String = line[i + f.len()..]
+                        .chars()
+                        .take_while(|c| !c.is_whitespace())
+                        .collect();
+                    let _ = tx.send((f, v));
+                }
+            }
+        }
+    });
+    let (mut proxy, mut admin) = (None, None);
+    while proxy.is_none() || admin.is_none() {
+        let (f, v) = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("oncegate started");
+        if f == "addr=" {
+            proxy = v.parse().ok();
+        } else {
+            admin = v.parse().ok();
+        }
+    }
+    (child, proxy.unwrap(), admin.unwrap())
+}
+
+// ---------------------------------------------------------------- load
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Workload {
+    Read,
+    Write,
+    Replay,
+    Mixed,
+    Storm,
+}
+
+struct Spec {
+    name: &'static str,
+    workload: Workload,
+    conns: usize,
+}
+
+#[derive(Default)]
+struct Result_ {
+    requests: u64,
+    errors: u64,
+    seconds: f64,
+    hist: Option<Histogram<u64>>,
+    peak_rss_kib: u64,
+}
+
+impl Result_ {
+    fn rps(&self) -> f64 {
+        self.requests as f64 / self.seconds.max(1e-9)
+    }
+    fn q(&self, q: f64) -> f64 {
+        self.hist
+            .as_ref()
+            .map_or(0.0, |h| h.value_at_quantile(q) as f64)
+    }
+    fn merge(&mut self, other: Result_) {
+        self.requests += other.requests;
+        self.errors += other.errors;
+        self.seconds += other.seconds;
+        self.peak_rss_kib = self.peak_rss_kib.max(other.peak_rss_kib);
+        match (&mut self.hist, other.hist) {
+            (Some(h), Some(o)) => h.add(o).unwrap(),
+            (h @ None, o) => *h = o,
+            _ => {}
+        }
+    }
+}
+
+static UNIQUE: AtomicU64 = AtomicU64::new(0);
+
+fn build(w: Workload, conn: usize, i: u64, recent: &mut Vec<String>) -> http::Request<Full<Bytes>> {
+    let get = || {
+        http::Request::get("/pay/v1/items?limit=10")
+            .header("host", "bench")
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+    let post = |path: &str, key: &str| {
+        http::Request::post(path)
+            .header("host", "bench")
+            .header("content-type", "application/json")
+            .header("authorization", format!("Bearer agent-{}", conn % 8))
+            .header("idempotency-key", key)
+            .body(Full::new(Bytes::from(format!(
+                r#"{{"amount":500,"key":"{key}"}}"#
+            ))))
+            .unwrap()
+    };
+    let fresh = || {
+        format!(
+            "w-{}-{}",
+            std::process::id(),
+            UNIQUE.fetch_add(1, Ordering::Relaxed)
+        )
+    };
+    match w {
+        Workload::Read => get(),
+        Workload::Write => post("/pay/v1/charges", &fresh()),
+        Workload::Replay => post(
+            "/pay/v1/charges",
+            &format!("replay-{}", (conn as u64 * 7919 + i) % 512),
+        ),
+        Workload::Storm => post("/pay/v1/slow", "storm-key"),
+        Workload::Mixed => {
+            let roll = (i * 2654435761 + conn as u64 * 40503) % 100;
+            if roll < 80 {
+                get()
+            } else if roll < 95 || recent.is_empty() {
+                let k = fresh();
+                recent.push(k.clone());
+                if recent.len() > 32 {
+                    recent.remove(0);
+                }
+                post("/pay/v1/charges", &k)
+            } else {
+                let k = recent[(i as usize) % recent.len()].clone();
+                post("/pay/v1/charges", &k)
+            }
+        }
+    }
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let mut total = 0;
+    // The process and its children (nginx workers).
+    let mut pids = vec![pid];
+    if let Ok(rd) = std::fs::read_dir("/proc") {
+        for e in rd.flatten() {
+            let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            if let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) {
+                let ppid = stat
+                    .rsplit(')')
+                    .next()
+                    .and_then(|r| r.split_whitespace().nth(1));
+                if ppid == Some(&pid.to_string()) {
+                    pids.push(p);
+                }
+            }
+        }
+    }
+    for p in pids {
+        if let Ok(s) = std::fs::read_to_string(format!("/proc/{p}/status")) {
+            for l in s.lines() {
+                if let Some(v) = l.strip_prefix("VmRSS:") {
+                    total += v
+                        .trim()
+                        .trim_end_matches("kB")
+                        .trim()
+                        .parse::<u64>()
+                        .unwrap_or(0);
+                }
+            }
+        }
+    }
+    total
+}
+
+async fn drive(
+    addr: SocketAddr,
+    w: Workload,
+    conns: usize,
+    dur: Duration,
+    pid: Option<u32>,
+) -> Result_ {
+    let deadline = Instant::now() + dur;
+    let peak = Arc::new(AtomicU64::new(0));
+    let sampler = pid.map(|pid| {
+        let peak = peak.clone();
+        tokio::spawn(async move {
+            loop {
+                peak.fetch_max(rss_kib(pid), Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    });
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for c in 0..conns {
+        tasks.push(tokio::spawn(async move {
+            let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).unwrap();
+            let (mut n, mut errors) = (0u64, 0u64);
+            let mut recent = Vec::new();
+            'conn: while Instant::now() < deadline {
+                let Ok(s) = tokio::net::TcpStream::connect(addr).await else {
+                    errors += 1;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    continue;
+                };
+                let _ = s.set_nodelay(true);
+                let Ok((mut send, conn)) =
+                    hyper::client::conn::http1::handshake(TokioIo::new(s)).await
+                else {
+                    errors += 1;
+                    continue;
+                };
+                tokio::spawn(conn);
+                let mut i = 0u64;
+                while Instant::now() < deadline {
+                    let req = build(w, c, i, &mut recent);
+                    i += 1;
+                    let t = Instant::now();
+                    match send.send_request(req).await {
+                        Ok(resp) => {
+                            let status = resp.status();
+                            let _ = resp.into_body().collect().await;
+                            let _ = hist.record(t.elapsed().as_micros() as u64);
+                            n += 1;
+                            // A storm's in-flight answers are expected; other failures are errors.
+                            if status.is_server_error() {
+                                errors += 1;
+                            }
+                        }
+                        Err(_) => {
+                            errors += 1;
+                            continue 'conn;
+                        }
+                    }
+                }
+            }
+            (n, errors, hist)
+        }));
+    }
+    let mut r = Result_::default();
+    for t in tasks {
+        let (n, e, h) = t.await.unwrap();
+        r.merge(Result_ {
+            requests: n,
+            errors: e,
+            seconds: 0.0,
+            hist: Some(h),
+            peak_rss_kib: 0,
+        });
+    }
+    r.seconds = started.elapsed().as_secs_f64();
+    if let Some(s) = sampler {
+        s.abort();
+    }
+    r.peak_rss_kib = peak.load(Ordering::Relaxed);
+    r
+}
+
+async fn metric(admin: SocketAddr, name: &str) -> f64 {
+    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    let Ok(resp) = client
+        .get(format!("http://{admin}/metrics").parse().unwrap())
+        .await
+    else {
+        return 0.0;
+    };
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8_lossy(&body)
+        .lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn dir_bytes(p: &Path) -> u64 {
+    let mut n = 0;
+    if let Ok(rd) = std::fs::read_dir(p) {
+        for e in rd.flatten() {
+            let m = e.metadata().unwrap();
+            n += if m.is_dir() {
+                dir_bytes(&e.path())
+            } else {
+                m.len()
+            };
+        }
+    }
+    n
+}
+
+/// Fills a store with `n` succeeded actions through the store API (as the proxy would).
+async fn preload(dir: &Path, n: usize) {
+    use oncegate::action::*;
+    use oncegate::store::Store;
+    let store = Arc::new(oncegate::store::sled::SledStore::open(dir, Default::default()).unwrap());
+    let done = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for t in 0..64 {
+        let (store, done) = (store.clone(), done.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut i = t;
+            while i < n {
+                let id = format!("{:032x}", i as u128 * 0x9E3779B97F4A7C15);
+                let fresh = Record {
+                    v: RECORD_VERSION,
+                    id: id.clone(),
+                    upstream: "pay".into(),
+                    principal: "anonymous".into(),
+                    key: format!("preload-{i}"),
+                    fingerprint: "f".repeat(64),
+                    method: "POST".into(),
+                    path: "/v1/charges".into(),
+                    task: None,
+                    step: None,
+                    state: State::InFlight,
+                    attempts: 0,
+                    owner: None,
+                    lease_until: None,
+                    created_at: 0,
+                    updated_at: 0,
+                    retention_ms: 86_400_000,
+                    expires_at: 0,
+                    external_id: None,
+                    needs_decision: false,
+                    request: RequestInfo::default(),
+                    evidence: vec![],
+                    response: None,
+                    resolution: None,
+                };
+                let now = now_millis();
+                store
+                    .claim(ClaimRequest {
+                        fresh,
+                        max_attempts: 5,
+                        owner: "preload".into(),
+                        lease: 1000,
+                        now,
+                    })
+                    .await
+                    .unwrap();
+                store
+                    .settle(oncegate::store::SettleRequest {
+                        id,
+                        attempt: 1,
+                        settlement: Settlement {
+                            state: State::Succeeded,
+                            tries: vec![Try {
+                                at: now,
+                                status: Some(201),
+                                ..Default::default()
+                            }],
+                            response: Some(StoredResponse {
+                                status: 201,
+                                headers: vec![("content-type".into(), "application/json".into())],
+                                size: BODY.len() as u64,
+                                body: BodyRef::Inline,
+                                source: Source::Upstream,
+                            }),
+                            external_id: Some("obj_123".into()),
+                            needs_decision: false,
+                            now,
+                        },
+                        body: Some(Bytes::from_static(BODY.as_bytes())),
+                    })
+                    .await
+                    .unwrap();
+                done.fetch_add(1, Ordering::Relaxed);
+                i += 64;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    store.close().await.unwrap();
+}
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .unwrap_or("unknown")
+        .trim()
+        .to_string();
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .next()
+        .unwrap_or("")
+        .to_string();
+    format!(
+        "{cores} cores, {cpu}, {}",
+        mem.replace("MemTotal:", "memory")
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    )
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let out = args
+        .iter()
+        .position(|a| a == "--out")
+        .and_then(|i| args.get(i + 1))
+        .map(PathBuf::from);
+    let secs = if quick { 1.0 } else { 3.0 };
+    let rounds = if quick { 1 } else { 2 };
+    let preloads: Vec<usize> = if quick {
+        vec![1_000, 10_000]
+    } else {
+        vec![10_000, 1_000_000]
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(run(secs, rounds, preloads, out));
+}
+
+async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf>) {
+    let dur = Duration::from_secs_f64(secs);
+    let tmp = tempfile::tempdir().unwrap();
+    let up = upstream().await;
+    let nginx = start_nginx(tmp.path(), up);
+    let og_dir = tmp.path().join("og");
+    std::fs::create_dir_all(&og_dir).unwrap();
+    let (mut og, og_addr, og_admin) = start_oncegate(&og_dir, up);
+    let mut targets = vec![Target {
+        name: "direct",
+        addr: up,
+        pid: None,
+    }];
+    if let Some((c, a)) = &nginx {
+        targets.push(Target {
+            name: "nginx",
+            addr: *a,
+            pid: Some(c.id()),
+        });
+    }
+    targets.push(Target {
+        name: "oncegate",
+        addr: og_addr,
+        pid: Some(og.id()),
+    });
+
+    // The replay workload's keys exist before it runs.
+    for t in &targets {
+        drive(
+            t.addr,
+            Workload::Replay,
+            64,
+            Duration::from_millis(300),
+            None,
+        )
+        .await;
+    }
+    let specs = [
+        Spec {
+            name: "read GET, 1 connection",
+            workload: Workload::Read,
+            conns: 1,
+        },
+        Spec {
+            name: "read GET, 64 connections",
+            workload: Workload::Read,
+            conns: 64,
+        },
+        Spec {
+            name: "unique durable writes, 1 connection",
+            workload: Workload::Write,
+            conns: 1,
+        },
+        Spec {
+            name: "unique durable writes, 64 connections",
+            workload: Workload::Write,
+            conns: 64,
+        },
+        Spec {
+            name: "duplicate replays, 64 connections",
+            workload: Workload::Replay,
+            conns: 64,
+        },
+        Spec {
+            name: "mixed agent workload, 64 connections",
+            workload: Workload::Mixed,
+            conns: 64,
+        },
+        Spec {
+            name: "duplicate storm on one key, slow upstream, 64 connections",
+            workload: Workload::Storm,
+            conns: 64,
+        },
+    ];
+    let mut results: Vec<(&Spec, HashMap<&str, Result_>)> = Vec::new();
+    let mut flushes_per_write = HashMap::new();
+    for spec in &specs {
+        let mut per: HashMap<&str, Result_> = HashMap::new();
+        for _ in 0..rounds {
+            for t in &targets {
+                let before = if t.name == "oncegate" {
+                    Some((
+                        metric(og_admin, "oncegate_store_flush_seconds_count").await,
+                        metric(og_admin, "oncegate_requests_total{").await,
+                    ))
+                } else {
+                    None
+                };
+                let r = drive(t.addr, spec.workload, spec.conns, dur, t.pid).await;
+                if let Some((f0, _)) = before {
+                    let f1 = metric(og_admin, "oncegate_store_flush_seconds_count").await;
+                    if spec.workload == Workload::Write {
+                        let e = flushes_per_write.entry(spec.conns).or_insert((0.0, 0u64));
+                        e.0 += f1 - f0;
+                        e.1 += r.requests;
+                    }
+                }
+                per.entry(t.name).or_default().merge(r);
+            }
+        }
+        let line: Vec<String> = targets
+            .iter()
+            .map(|t| format!("{} {:.0} req/s", t.name, per[t.name].rps()))
+            .collect();
+        println!("{}: {}", spec.name, line.join(", "));
+        results.push((spec, per));
+    }
+    let actions = metric(og_admin, "oncegate_actions{").await;
+    let store_bytes = dir_bytes(&og_dir.join("store"));
+    let _ = og.kill();
+    let _ = og.wait();
+
+    // Write throughput with many actions already stored.
+    let mut preload_rows = Vec::new();
+    for n in &preloads {
+        let d = tmp.path().join(format!("pre-{n}"));
+        std::fs::create_dir_all(&d).unwrap();
+        let t = Instant::now();
+        preload(&d.join("store"), *n).await;
+        let load_secs = t.elapsed().as_secs_f64();
+        let (mut c, a, _) = start_oncegate(&d, up);
+        let mut r = Result_::default();
+        for _ in 0..rounds {
+            r.merge(drive(a, Workload::Write, 64, dur, Some(c.id())).await);
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+        println!(
+            "unique writes, 64 connections, {n} stored: {:.0} req/s (preload {load_secs:.1}s)",
+            r.rps()
+        );
+        preload_rows.push((*n, r, load_secs, dir_bytes(&d.join("store"))));
+    }
+    if let Some((mut c, _)) = nginx {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+
+    // The report.
+    let mut md = String::new();
+    md.push_str("# oncegate side by side\n\n");
+    md.push_str(&format!(
+        "Generated by `cargo bench --bench side_by_side -- --out bench/results.md`. Machine: {}. \
+         Each workload ran {rounds} round(s) of {secs:.0} s per target, interleaved; load \
+         generator, upstream and proxy share the machine. Latencies in µs.\n\n",
+        machine()
+    ));
+    md.push_str("| workload | target | req/s | p50 | p99 | p99.9 | errors | peak RSS (MiB) |\n|---|---|---:|---:|---:|---:|---:|---:|\n");
+    for (spec, per) in &results {
+        for t in &targets {
+            let r = &per[t.name];
+            md.push_str(&format!(
+                "| {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} |\n",
+                spec.name,
+                t.name,
+                r.rps(),
+                r.q(0.5),
+                r.q(0.99),
+                r.q(0.999),
+                r.errors,
+                if t.pid.is_some() {
+                    format!("{:.1}", r.peak_rss_kib as f64 / 1024.0)
+                } else {
+                    "-".into()
+                },
+            ));
+        }
+    }
+    md.push_str("\n## Ratios (same run)\n\n| workload | oncegate / nginx (req/s) | oncegate / direct (req/s) | p50 oncegate − nginx (µs) |\n|---|---:|---:|---:|\n");
+    for (spec, per) in &results {
+        let og = &per["oncegate"];
+        let direct = &per["direct"];
+        let (vs_nginx, dp50) = match per.get("nginx") {
+            Some(n) => (
+                format!("{:.2}×", og.rps() / n.rps()),
+                format!("{:+.0}", og.q(0.5) - n.q(0.5)),
+            ),
+            None => ("no nginx".into(), "-".into()),
+        };
+        md.push_str(&format!(
+            "| {} | {} | {:.2}× | {} |\n",
+            spec.name,
+            vs_nginx,
+            og.rps() / direct.rps(),
+            dp50
+        ));
+    }
+    md.push_str("\n## Durability and storage\n\n");
+    for (conns, (flushes, writes)) in &flushes_per_write {
+        md.push_str(&format!(
+            "- unique writes at {conns} connection(s): {:.3} durable flushes (flush + fdatasync) per write ({} flushes for {} writes)\n",
+            flushes / (*writes).max(1) as f64,
+            *flushes as u64,
+            writes
+        ));
+    }
+    md.push_str(&format!(
+        "- bytes on disk per stored action (records, stored bodies and write-log entries, sled's own overhead included): {:.0} ({} bytes for {} actions)\n",
+        store_bytes as f64 / actions.max(1.0),
+        store_bytes,
+        actions
+    ));
+    for (n, r, load, bytes) in &preload_rows {
+        md.push_str(&format!(
+            "- unique writes at 64 connections with {n} actions already stored: {:.0} req/s (p99 {:.0} µs); preload took {load:.1} s; store {:.0} MiB\n",
+            r.rps(),
+            r.q(0.99),
+            *bytes as f64 / 1048576.0
+        ));
+    }
+    if preload_rows.len() == 2 {
+        md.push_str(&format!(
+            "- write throughput at {} stored / at {} stored: {:.2}×\n",
+            preload_rows[1].0,
+            preload_rows[0].0,
+            preload_rows[1].1.rps() / preload_rows[0].1.rps()
+        ));
+    }
+    print!("{md}");
+    if let Some(p) = out {
+        if let Some(parent) = p.parent() {
+            std::fs::create_dir_all(parent).unwrap();
+        }
+        std::fs::write(&p, md).unwrap();
+        eprintln!("wrote {}", p.display());
+    }
+}

@@ -1,0 +1,713 @@
+//! The PostgreSQL store: any number of proxies, one truth (SPEC §13).
+//!
+//! Every change is one transaction that locks the action's row (`SELECT … FOR UPDATE`, after an
+//! `INSERT … ON CONFLICT DO NOTHING` that creates it atomically), decides with the same pure
+//! transitions as the embedded store, writes the record, and appends its write-log entries under
+//! the chain's head row, locked last. So two proxies can never both claim an action, the log has
+//! one chain across instances, and a state change and its log entry commit together. Commits are
+//! durable (`synchronous_commit = on` on every connection). An `in_flight` claim carries its owner
+//! and a lease that the owner renews while the attempt runs; any instance that finds the lease
+//! expired records the action `unknown`.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::types::ToSql;
+use tokio_postgres::Transaction;
+
+use super::{
+    claim_events, recover_event, resolve_event, settle_event, BoxFuture, Filter, SettleRequest,
+    Store, StoreError, StoreOptions,
+};
+use crate::action::{
+    apply_resolve, apply_settle, decide_claim, now_millis, recover_in_flight, BodyRef, Claim,
+    ClaimRequest, Millis, Record, Resolve, State,
+};
+use crate::log::{self, Actor, Chain, Entry, Event, LogEvent, Verification};
+
+/// Serialises schema migrations across proxies starting at once.
+const MIGRATION_LOCK: i64 = 0x6f6e_6365_6761_7465; // "oncegate"
+
+const MIGRATIONS: &[&str] = &[r#"
+CREATE TABLE oncegate_actions (
+    id          text PRIMARY KEY,
+    state       text NOT NULL,
+    upstream    text NOT NULL,
+    principal   text NOT NULL,
+    task        text,
+    owner       text,
+    lease_until bigint,
+    created_at  bigint NOT NULL,
+    expires_at  bigint NOT NULL,
+    record      text NOT NULL,
+    body        bytea
+);
+CREATE INDEX oncegate_actions_state ON oncegate_actions (state);
+CREATE INDEX oncegate_actions_task ON oncegate_actions (task);
+CREATE INDEX oncegate_actions_expires ON oncegate_actions (expires_at);
+CREATE TABLE oncegate_log (
+    seq   bigint PRIMARY KEY,
+    ts    text NOT NULL,
+    entry text NOT NULL
+);
+CREATE TABLE oncegate_log_head (
+    id   int PRIMARY KEY CHECK (id = 1),
+    seq  bigint NOT NULL,
+    hash text NOT NULL,
+    anchor_seq bigint,
+    anchor_prev text
+);
+INSERT INTO oncegate_log_head (id, seq, hash) VALUES (1, 0, '0000000000000000000000000000000000000000000000000000000000000000');
+"#];
+
+pub struct PostgresStore {
+    pool: Pool,
+    chain: Chain,
+    log_retention: Option<Duration>,
+    flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
+}
+
+fn unavailable(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Unavailable(e.to_string())
+}
+
+/// A database error, with its cause (tokio-postgres' own message is only "db error").
+fn db(e: tokio_postgres::Error) -> StoreError {
+    match e.as_db_error() {
+        Some(d) => StoreError::Unavailable(format!("database: {}", d.message())),
+        None => StoreError::Unavailable(format!("database: {e}")),
+    }
+}
+
+fn pool_err(e: deadpool_postgres::PoolError) -> StoreError {
+    StoreError::Unavailable(format!("database: {e}"))
+}
+
+fn decode(id: &str, text: &str, lease: Option<i64>) -> Result<Record, StoreError> {
+    let mut r: Record = serde_json::from_str(text).map_err(|e| StoreError::Corrupt {
+        id: id.to_string(),
+        reason: e.to_string(),
+    })?;
+    // The lease column is authoritative: renewals update only it.
+    r.lease_until = lease.map(|l| l as Millis);
+    Ok(r)
+}
+
+fn encode(r: &Record) -> String {
+    serde_json::to_string(r).expect("records always serialize")
+}
+
+impl PostgresStore {
+    /// Connects (TLS through rustls when the URL asks for it) and migrates the schema.
+    pub async fn open(url: &str, options: StoreOptions) -> Result<PostgresStore, StoreError> {
+        let mut cfg = tokio_postgres::Config::from_str(url)
+            .map_err(|e| unavailable(format!("store.url_env: the URL does not parse: {e}")))?;
+        // Durable commits, whatever the server's default.
+        cfg.options("-c synchronous_commit=on");
+        cfg.connect_timeout(Duration::from_secs(5));
+        let mgr_cfg = ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        // TLS when the URL asks for it (`sslmode=require`), verified against the web PKI roots.
+        // `prefer` (libpq's default) would accept any certificate, so it means plain here.
+        let mgr = match cfg.get_ssl_mode() {
+            tokio_postgres::config::SslMode::Require => {
+                let mut roots = rustls::RootCertStore::empty();
+                roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+                let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+                    rustls::crypto::ring::default_provider(),
+                ))
+                .with_safe_default_protocol_versions()
+                .map_err(unavailable)?
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+                Manager::from_config(
+                    cfg,
+                    tokio_postgres_rustls::MakeRustlsConnect::new(tls),
+                    mgr_cfg,
+                )
+            }
+            _ => Manager::from_config(cfg, tokio_postgres::NoTls, mgr_cfg),
+        };
+        let pool = Pool::builder(mgr)
+            .max_size(16)
+            .wait_timeout(Some(Duration::from_secs(5)))
+            .create_timeout(Some(Duration::from_secs(5)))
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .build()
+            .map_err(unavailable)?;
+        let store = PostgresStore {
+            pool,
+            chain: options.chain,
+            log_retention: options.log_retention,
+            flush_latency: options.flush_latency,
+        };
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// Versioned migrations under an advisory lock, so that proxies starting together agree.
+    async fn migrate(&self) -> Result<(), StoreError> {
+        let mut c = self.pool.get().await.map_err(pool_err)?;
+        c.execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
+            .await
+            .map_err(db)?;
+        let result = async {
+            c.batch_execute(
+                "CREATE TABLE IF NOT EXISTS oncegate_migrations (version int PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())",
+            )
+            .await
+            .map_err(db)?;
+            let done: i32 = c
+                .query_one("SELECT COALESCE(MAX(version), 0) FROM oncegate_migrations", &[])
+                .await
+                .map_err(db)?
+                .get(0);
+            for (i, m) in MIGRATIONS.iter().enumerate().skip(done as usize) {
+                let tx = c.transaction().await.map_err(db)?;
+                tx.batch_execute(m).await.map_err(db)?;
+                tx.execute("INSERT INTO oncegate_migrations (version) VALUES ($1)", &[&(i as i32 + 1)])
+                    .await
+                    .map_err(db)?;
+                tx.commit().await.map_err(db)?;
+            }
+            Ok::<_, StoreError>(())
+        }
+        .await;
+        let _ = c
+            .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
+            .await;
+        result
+    }
+
+    /// Runs `f` in a transaction and commits; the commit is durable.
+    async fn tx<T, F>(&self, f: F) -> Result<T, StoreError>
+    where
+        F: for<'a> FnOnce(&'a Transaction<'a>) -> BoxFuture<'a, Result<T, StoreError>>,
+    {
+        let started = std::time::Instant::now();
+        let mut c = self.pool.get().await.map_err(pool_err)?;
+        let tx = c.transaction().await.map_err(db)?;
+        let out = f(&tx).await?;
+        tx.commit().await.map_err(db)?;
+        if let Some(h) = &self.flush_latency {
+            h.observe(started.elapsed().as_secs_f64());
+        }
+        Ok(out)
+    }
+}
+
+/// Reads and locks one record.
+async fn lock(tx: &Transaction<'_>, id: &str) -> Result<Option<Record>, StoreError> {
+    let row = tx
+        .query_opt(
+            "SELECT record, lease_until FROM oncegate_actions WHERE id = $1 FOR UPDATE",
+            &[&id],
+        )
+        .await
+        .map_err(db)?;
+    row.map(|r| decode(id, r.get(0), r.get(1))).transpose()
+}
+
+async fn write(tx: &Transaction<'_>, r: &Record, body: Option<&Bytes>) -> Result<(), StoreError> {
+    let lease = r.lease_until.map(|l| l as i64);
+    let body: Option<&[u8]> = body.map(|b| b.as_ref());
+    let params: [&(dyn ToSql + Sync); 11] = [
+        &r.id,
+        &r.state.as_str(),
+        &r.upstream,
+        &r.principal,
+        &r.task,
+        &r.owner,
+        &lease,
+        &(r.created_at as i64),
+        &(r.expires_at as i64),
+        &encode(r),
+        &body,
+    ];
+    tx.execute(
+        "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, body)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+         ON CONFLICT (id) DO UPDATE SET state = $2, task = $5, owner = $6, lease_until = $7,
+             created_at = $8, expires_at = $9, record = $10,
+             body = CASE WHEN $11::bytea IS NULL THEN oncegate_actions.body ELSE $11 END",
+        &params,
+    )
+    .await
+    .map_err(db)?;
+    Ok(())
+}
+
+/// Appends events to the one chain: the head row is locked last, so appends serialise.
+async fn append(
+    tx: &Transaction<'_>,
+    chain: &Chain,
+    events: Vec<LogEvent>,
+) -> Result<(), StoreError> {
+    if events.is_empty() {
+        return Ok(());
+    }
+    let head = tx
+        .query_one(
+            "SELECT seq, hash FROM oncegate_log_head WHERE id = 1 FOR UPDATE",
+            &[],
+        )
+        .await
+        .map_err(db)?;
+    let (mut seq, mut hash): (i64, String) = (head.get(0), head.get(1));
+    for ev in events {
+        let e = chain.seal(ev, (seq as u64, &hash), now_millis());
+        tx.execute(
+            "INSERT INTO oncegate_log (seq, ts, entry) VALUES ($1, $2, $3)",
+            &[
+                &(e.seq as i64),
+                &e.ts,
+                &serde_json::to_string(&e).expect("entries serialize"),
+            ],
+        )
+        .await
+        .map_err(db)?;
+        seq = e.seq as i64;
+        hash = e.hash;
+    }
+    tx.execute(
+        "UPDATE oncegate_log_head SET seq = $1, hash = $2 WHERE id = 1",
+        &[&seq, &hash],
+    )
+    .await
+    .map_err(db)?;
+    Ok(())
+}
+
+impl Store for PostgresStore {
+    fn claim(&self, req: ClaimRequest) -> BoxFuture<'_, Result<Claim, StoreError>> {
+        let chain = self.chain.clone();
+        Box::pin(self.tx(move |tx| {
+            Box::pin(async move {
+                // A new action is inserted atomically; a race loses to the row that exists.
+                let (fresh_claim, fresh_write) = decide_claim(None, &req);
+                let fresh = fresh_write.expect("a new action is always written");
+                let lease = fresh.lease_until.map(|l| l as i64);
+                let inserted = tx
+                    .execute(
+                        "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record)
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (id) DO NOTHING",
+                        &[
+                            &fresh.id,
+                            &fresh.state.as_str(),
+                            &fresh.upstream,
+                            &fresh.principal,
+                            &fresh.task,
+                            &fresh.owner,
+                            &lease,
+                            &(fresh.created_at as i64),
+                            &(fresh.expires_at as i64),
+                            &encode(&fresh),
+                        ],
+                    )
+                    .await
+                    .map_err(db)?;
+                if inserted == 1 {
+                    append(tx, &chain, claim_events(&fresh_claim, &fresh)).await?;
+                    return Ok(fresh_claim);
+                }
+                let current = lock(tx, &req.fresh.id).await?;
+                let expired = current.as_ref().filter(|c| c.is_expired(req.now)).cloned();
+                let (claim, w) = decide_claim(current, &req);
+                if let Some(w) = &w {
+                    let mut events = Vec::new();
+                    if let Some(o) = expired {
+                        // The expired record and its stored body give way to the new action.
+                        tx.execute("UPDATE oncegate_actions SET body = NULL WHERE id = $1", &[&o.id])
+                            .await
+                            .map_err(db)?;
+                        events.push(LogEvent::for_record(Event::Expired, &o, Actor::Proxy));
+                    }
+                    write(tx, w, None).await?;
+                    events.extend(claim_events(&claim, w));
+                    append(tx, &chain, events).await?;
+                }
+                Ok(claim)
+            })
+        }))
+    }
+
+    fn settle(&self, req: SettleRequest) -> BoxFuture<'_, Result<Record, StoreError>> {
+        let chain = self.chain.clone();
+        Box::pin(self.tx(move |tx| {
+            Box::pin(async move {
+                let SettleRequest {
+                    id,
+                    attempt,
+                    mut settlement,
+                    body,
+                } = req;
+                if let Some(resp) = settlement.response.as_mut() {
+                    resp.body = if body.is_some() {
+                        BodyRef::Inline
+                    } else {
+                        resp.body.clone()
+                    };
+                }
+                let current = lock(tx, &id).await?;
+                let new = apply_settle(current, &id, attempt, settlement)?;
+                write(tx, &new, body.as_ref()).await?;
+                append(tx, &chain, vec![settle_event(&new)]).await?;
+                Ok(new)
+            })
+        }))
+    }
+
+    fn resolve(
+        &self,
+        id: String,
+        mut res: Resolve,
+        event: Event,
+    ) -> BoxFuture<'_, Result<Record, StoreError>> {
+        let chain = self.chain.clone();
+        Box::pin(self.tx(move |tx| {
+            Box::pin(async move {
+                let body = res.body.take();
+                if let (Some(resp), true) = (res.response.as_mut(), body.is_some()) {
+                    resp.body = BodyRef::Inline;
+                }
+                let actor = if event == Event::Lookup {
+                    Actor::Lookup
+                } else {
+                    Actor::Admin
+                };
+                let reason = res.reason.clone();
+                let current = lock(tx, &id).await?;
+                let new = apply_resolve(current, &id, res)?;
+                write(tx, &new, body.as_ref()).await?;
+                append(tx, &chain, vec![resolve_event(event, &new, actor, reason)]).await?;
+                Ok(new)
+            })
+        }))
+    }
+
+    fn renew(
+        &self,
+        id: &str,
+        owner: &str,
+        until: Millis,
+    ) -> BoxFuture<'_, Result<bool, StoreError>> {
+        let (id, owner) = (id.to_string(), owner.to_string());
+        Box::pin(async move {
+            let c = self.pool.get().await.map_err(pool_err)?;
+            let n = c
+                .execute(
+                    "UPDATE oncegate_actions SET lease_until = $3 WHERE id = $1 AND owner = $2 AND state = 'in_flight'",
+                    &[&id, &owner, &(until as i64)],
+                )
+                .await
+                .map_err(db)?;
+            Ok(n == 1)
+        })
+    }
+
+    fn note(&self, event: LogEvent) {
+        // Audit entries for events that change no record: appended in their own small
+        // transaction, off the request path.
+        let pool = self.pool.clone();
+        let chain = self.chain.clone();
+        tokio::spawn(async move {
+            let result = async {
+                let mut c = pool.get().await.map_err(pool_err)?;
+                let tx = c.transaction().await.map_err(db)?;
+                append(&tx, &chain, vec![event]).await?;
+                tx.commit().await.map_err(db)
+            }
+            .await;
+            if let Err(e) = result {
+                tracing::warn!(error = %e, "could not append a write-log entry");
+            }
+        });
+    }
+
+    fn log(&self, after: u64, limit: usize) -> BoxFuture<'_, Result<Vec<Entry>, StoreError>> {
+        Box::pin(async move {
+            let c = self.pool.get().await.map_err(pool_err)?;
+            let rows = c
+                .query(
+                    "SELECT entry FROM oncegate_log WHERE seq > $1 ORDER BY seq LIMIT $2",
+                    &[&(after as i64), &(limit as i64)],
+                )
+                .await
+                .map_err(db)?;
+            rows.iter()
+                .map(|r| {
+                    serde_json::from_str(r.get(0)).map_err(|e| StoreError::Corrupt {
+                        id: "write log entry".into(),
+                        reason: e.to_string(),
+                    })
+                })
+                .collect()
+        })
+    }
+
+    fn verify_log(&self) -> BoxFuture<'_, Result<Verification, StoreError>> {
+        Box::pin(async move {
+            let c = self.pool.get().await.map_err(pool_err)?;
+            let head = c
+                .query_one(
+                    "SELECT anchor_seq, anchor_prev FROM oncegate_log_head WHERE id = 1",
+                    &[],
+                )
+                .await
+                .map_err(db)?;
+            let anchor = match (
+                head.get::<_, Option<i64>>(0),
+                head.get::<_, Option<String>>(1),
+            ) {
+                (Some(s), Some(p)) => Some((s as u64, p)),
+                _ => None,
+            };
+            let rows = c
+                .query("SELECT seq, entry FROM oncegate_log ORDER BY seq", &[])
+                .await
+                .map_err(db)?;
+            let entries = rows.iter().map(|r| {
+                let seq: i64 = r.get(0);
+                serde_json::from_str::<Entry>(r.get(1)).map_err(|_| seq as u64)
+            });
+            Ok(log::verify(&self.chain, entries, anchor))
+        })
+    }
+
+    fn log_head(&self) -> BoxFuture<'_, Result<(u64, String), StoreError>> {
+        Box::pin(async move {
+            let c = self.pool.get().await.map_err(pool_err)?;
+            let r = c
+                .query_one("SELECT seq, hash FROM oncegate_log_head WHERE id = 1", &[])
+                .await
+                .map_err(db)?;
+            Ok((r.get::<_, i64>(0) as u64, r.get(1)))
+        })
+    }
+
+    fn counts(&self) -> BoxFuture<'_, Result<Vec<(State, u64)>, StoreError>> {
+        Box::pin(async move {
+            let c = self.pool.get().await.map_err(pool_err)?;
+            let rows = c
+                .query(
+                    "SELECT state, count(*) FROM oncegate_actions GROUP BY state",
+                    &[],
+                )
+                .await
+                .map_err(db)?;
+            let mut out: Vec<(State, u64)> = [
+                State::InFlight,
+                State::Succeeded,
+                State::Failed,
+                State::Unknown,
+            ]
+            .into_iter()
+            .map(|s| (s, 0))
+            .collect();
+            for r in rows {
+                if let Some(s) = State::parse(r.get(0)) {
+                    if let Some(slot) = out.iter_mut().find(|(st, _)| *st == s) {
+                        slot.1 = r.get::<_, i64>(1) as u64;
+                    }
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    fn get<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        Box::pin(async move {
+            let c = self.pool.get().await.map_err(pool_err)?;
+            let row = c
+                .query_opt(
+                    "SELECT record, lease_until FROM oncegate_actions WHERE id = $1",
+                    &[&id],
+                )
+                .await
+                .map_err(db)?;
+            row.map(|r| decode(id, r.get(0), r.get(1))).transpose()
+        })
+    }
+
+    fn body<'a>(&'a self, record: &'a Record) -> BoxFuture<'a, Result<Option<Bytes>, StoreError>> {
+        Box::pin(async move {
+            if !matches!(
+                record.response.as_ref().map(|r| &r.body),
+                Some(BodyRef::Inline)
+            ) {
+                return Ok(None);
+            }
+            let c = self.pool.get().await.map_err(pool_err)?;
+            let row = c
+                .query_opt(
+                    "SELECT body FROM oncegate_actions WHERE id = $1",
+                    &[&record.id],
+                )
+                .await
+                .map_err(db)?;
+            Ok(row
+                .and_then(|r| r.get::<_, Option<Vec<u8>>>(0))
+                .map(Bytes::from))
+        })
+    }
+
+    fn scan(&self, filter: Filter, limit: usize) -> BoxFuture<'_, Result<Vec<Record>, StoreError>> {
+        Box::pin(async move {
+            let c = self.pool.get().await.map_err(pool_err)?;
+            let state = filter.state.map(|s| s.as_str().to_string());
+            let rows = c
+                .query(
+                    "SELECT id, record, lease_until FROM oncegate_actions
+                     WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR upstream = $2)
+                       AND ($3::text IS NULL OR principal = $3) AND ($4::text IS NULL OR task = $4)
+                     ORDER BY created_at, id LIMIT $5",
+                    &[
+                        &state,
+                        &filter.upstream,
+                        &filter.principal,
+                        &filter.task,
+                        &(limit.min(i64::MAX as usize) as i64),
+                    ],
+                )
+                .await
+                .map_err(db)?;
+            rows.iter()
+                .map(|r| decode(r.get(0), r.get(1), r.get(2)))
+                .collect()
+        })
+    }
+
+    fn recover(
+        &self,
+        owner: Option<String>,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<usize, StoreError>> {
+        Box::pin(async move {
+            // Shared store: a proxy recovers its own attempts (at its drain deadline) or anyone's
+            // whose lease expired (at start and from the sweeper); never a live proxy's.
+            let c = self.pool.get().await.map_err(pool_err)?;
+            let ids: Vec<String> = match &owner {
+                Some(o) => c
+                    .query("SELECT id FROM oncegate_actions WHERE state = 'in_flight' AND owner = $1", &[o])
+                    .await,
+                None => c
+                    .query(
+                        "SELECT id FROM oncegate_actions WHERE state = 'in_flight' AND lease_until < $1",
+                        &[&(now as i64)],
+                    )
+                    .await,
+            }
+            .map_err(db)?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+            drop(c);
+            let mut n = 0;
+            for id in ids {
+                let chain = self.chain.clone();
+                let owner = owner.clone();
+                let changed = self
+                    .tx(move |tx| {
+                        Box::pin(async move {
+                            let Some(r) = lock(tx, &id).await? else { return Ok(false) };
+                            let due = match &owner {
+                                Some(o) => r.owner.as_ref() == Some(o),
+                                None => r.lease_until.is_some_and(|l| l < now),
+                            };
+                            if !due {
+                                return Ok(false);
+                            }
+                            let reason = if owner.is_some() {
+                                "the proxy stopped (drain_timeout) during this attempt; the request may have reached the upstream".to_string()
+                            } else {
+                                format!(
+                                    "the lease of proxy {} expired during this attempt; the request may have reached the upstream",
+                                    r.owner.as_deref().unwrap_or("?")
+                                )
+                            };
+                            let Some(u) = recover_in_flight(r, &reason, now) else { return Ok(false) };
+                            write(tx, &u, None).await?;
+                            append(tx, &chain, vec![recover_event(&u, &reason)]).await?;
+                            Ok(true)
+                        })
+                    })
+                    .await?;
+                n += usize::from(changed);
+            }
+            Ok(n)
+        })
+    }
+
+    fn expire(&self, now: Millis) -> BoxFuture<'_, Result<usize, StoreError>> {
+        Box::pin(async move {
+            // Leases are swept here too: any instance turns a dead proxy's attempts unknown.
+            self.recover(None, now).await?;
+            let chain = self.chain.clone();
+            let retention = self.log_retention;
+            self.tx(move |tx| {
+                Box::pin(async move {
+                    let rows = tx
+                        .query(
+                            "DELETE FROM oncegate_actions WHERE expires_at <= $1 AND state <> 'in_flight' RETURNING id, record",
+                            &[&(now as i64)],
+                        )
+                        .await
+                        .map_err(db)?;
+                    let mut events = Vec::new();
+                    for r in &rows {
+                        let rec = decode(r.get(0), r.get(1), None)?;
+                        events.push(LogEvent::for_record(Event::Expired, &rec, Actor::Proxy));
+                    }
+                    append(tx, &chain, events).await?;
+                    if let Some(keep) = retention {
+                        let cutoff = crate::action::rfc3339(now.saturating_sub(keep.as_millis() as u64));
+                        let head: i64 = tx
+                            .query_one("SELECT seq FROM oncegate_log_head WHERE id = 1 FOR UPDATE", &[])
+                            .await
+                            .map_err(db)?
+                            .get(0);
+                        let first_kept = tx
+                            .query_opt(
+                                "SELECT entry FROM oncegate_log WHERE ts >= $1 OR seq = $2 ORDER BY seq LIMIT 1",
+                                &[&cutoff, &head],
+                            )
+                            .await
+                            .map_err(db)?;
+                        if let Some(row) = first_kept {
+                            let e: Entry = serde_json::from_str(row.get(0)).map_err(|e| StoreError::Corrupt {
+                                id: "write log entry".into(),
+                                reason: e.to_string(),
+                            })?;
+                            let dropped = tx
+                                .execute("DELETE FROM oncegate_log WHERE seq < $1", &[&(e.seq as i64)])
+                                .await
+                                .map_err(db)?;
+                            if dropped > 0 {
+                                tx.execute(
+                                    "UPDATE oncegate_log_head SET anchor_seq = $1, anchor_prev = $2 WHERE id = 1",
+                                    &[&(e.seq as i64), &e.prev],
+                                )
+                                .await
+                                .map_err(db)?;
+                            }
+                        }
+                    }
+                    Ok(rows.len())
+                })
+            })
+            .await
+        })
+    }
+
+    fn close(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            // Every change was committed before it returned; nothing is buffered here.
+            self.pool.close();
+            Ok(())
+        })
+    }
+}

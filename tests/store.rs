@@ -1,0 +1,390 @@
+//! Store conformance: one suite, two backends. Every test runs against the embedded sled store
+//! and against PostgreSQL (when `ONCEGATE_TEST_POSTGRES` names a server; CI always sets it).
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use oncegate::action::*;
+use oncegate::log::Event;
+use oncegate::store::{Filter, SettleRequest, Store};
+
+type S = Arc<dyn Store>;
+
+fn record(id: &str, fp: &str, task: Option<&str>) -> Record {
+    Record {
+        v: RECORD_VERSION,
+        id: id.into(),
+        upstream: "pay".into(),
+        principal: "p1".into(),
+        key: format!("key-{id}"),
+        fingerprint: fp.into(),
+        method: "POST".into(),
+        path: "/v1/charges".into(),
+        task: task.map(String::from),
+        step: task.map(|_| format!("step-{id}")),
+        state: State::InFlight,
+        attempts: 0,
+        owner: None,
+        lease_until: None,
+        created_at: 0,
+        updated_at: 0,
+        retention_ms: 3_600_000,
+        expires_at: 0,
+        external_id: None,
+        needs_decision: false,
+        request: RequestInfo::default(),
+        evidence: vec![],
+        response: None,
+        resolution: None,
+    }
+}
+
+fn claim_req(r: Record, now: Millis, lease: Millis) -> ClaimRequest {
+    ClaimRequest {
+        fresh: r,
+        max_attempts: 2,
+        owner: "proxy-a".into(),
+        lease,
+        now,
+    }
+}
+
+fn settled(state: State, now: Millis, body: Option<&'static str>) -> (Settlement, Option<Bytes>) {
+    let response = (state == State::Succeeded).then(|| StoredResponse {
+        status: 201,
+        headers: vec![("content-type".into(), "application/json".into())],
+        size: body.map_or(0, |b| b.len() as u64),
+        body: BodyRef::Inline,
+        source: Source::Upstream,
+    });
+    (
+        Settlement {
+            state,
+            tries: vec![Try {
+                at: now,
+                status: Some(if state == State::Succeeded { 201 } else { 400 }),
+                ..Default::default()
+            }],
+            response,
+            external_id: None,
+            needs_decision: false,
+            now,
+        },
+        body.map(|b| Bytes::from_static(b.as_bytes())),
+    )
+}
+
+async fn settle(
+    s: &S,
+    id: &str,
+    attempt: u32,
+    state: State,
+    now: Millis,
+    body: Option<&'static str>,
+) -> Record {
+    let (settlement, body) = settled(state, now, body);
+    s.settle(SettleRequest {
+        id: id.into(),
+        attempt,
+        settlement,
+        body,
+    })
+    .await
+    .unwrap()
+}
+
+const T0: Millis = 1_800_000_000_000;
+
+async fn claims_settles_and_replays(s: S) {
+    let c = s
+        .claim(claim_req(record("a1", "f", None), T0, 10_000))
+        .await
+        .unwrap();
+    assert!(matches!(c, Claim::Claimed(ref r) if r.attempts == 1 && r.state == State::InFlight));
+    let c = s
+        .claim(claim_req(record("a1", "f", None), T0 + 1, 10_000))
+        .await
+        .unwrap();
+    assert!(matches!(c, Claim::Existing(ref r) if r.state == State::InFlight));
+    let r = settle(&s, "a1", 1, State::Succeeded, T0 + 2, Some(r#"{"id":"x"}"#)).await;
+    assert_eq!(r.state, State::Succeeded);
+    let Claim::Existing(r) = s
+        .claim(claim_req(record("a1", "f", None), T0 + 3, 10_000))
+        .await
+        .unwrap()
+    else {
+        panic!("a succeeded action is not claimable")
+    };
+    assert_eq!(s.body(&r).await.unwrap().unwrap(), r#"{"id":"x"}"#);
+    assert_eq!(s.get("a1").await.unwrap().unwrap().state, State::Succeeded);
+    assert!(s.get("nope").await.unwrap().is_none());
+    // A stale settlement is refused.
+    let (settlement, _) = settled(State::Failed, T0 + 4, None);
+    let stale = s
+        .settle(SettleRequest {
+            id: "a1".into(),
+            attempt: 1,
+            settlement,
+            body: None,
+        })
+        .await;
+    assert!(stale.is_err());
+}
+
+async fn refuses_reused_keys_and_exhausts_attempts(s: S) {
+    s.claim(claim_req(record("b1", "f", None), T0, 10_000))
+        .await
+        .unwrap();
+    let c = s
+        .claim(claim_req(record("b1", "other", None), T0, 10_000))
+        .await
+        .unwrap();
+    assert!(matches!(c, Claim::KeyReused(_)));
+    settle(&s, "b1", 1, State::Failed, T0 + 1, None).await;
+    let c = s
+        .claim(claim_req(record("b1", "f", None), T0 + 2, 10_000))
+        .await
+        .unwrap();
+    assert!(matches!(c, Claim::Claimed(ref r) if r.attempts == 2));
+    settle(&s, "b1", 2, State::Failed, T0 + 3, None).await;
+    let c = s
+        .claim(claim_req(record("b1", "f", None), T0 + 4, 10_000))
+        .await
+        .unwrap();
+    assert!(matches!(c, Claim::Exhausted(_)));
+}
+
+async fn one_of_fifty_concurrent_claims_wins(s: S) {
+    let mut tasks = Vec::new();
+    for i in 0..50 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            s.claim(claim_req(record("c1", "f", None), T0 + i, 10_000))
+                .await
+                .unwrap()
+        }));
+    }
+    let mut won = 0;
+    for t in tasks {
+        if matches!(t.await.unwrap(), Claim::Claimed(_)) {
+            won += 1;
+        }
+    }
+    assert_eq!(won, 1);
+}
+
+async fn an_expired_lease_makes_the_action_unknown(s: S) {
+    s.claim(claim_req(record("d1", "f", None), T0, 1_000))
+        .await
+        .unwrap();
+    // Renewed: still in flight after the first lease.
+    assert!(s.renew("d1", "proxy-a", T0 + 5_000).await.unwrap());
+    assert!(
+        !s.renew("d1", "proxy-b", T0 + 9_000).await.unwrap(),
+        "only the owner renews"
+    );
+    let c = s
+        .claim(claim_req(record("d1", "f", None), T0 + 2_000, 1_000))
+        .await
+        .unwrap();
+    assert!(matches!(c, Claim::Existing(ref r) if r.state == State::InFlight));
+    // Past the renewed lease, whoever looks records it unknown.
+    let c = s
+        .claim(claim_req(record("d1", "f", None), T0 + 6_000, 1_000))
+        .await
+        .unwrap();
+    let Claim::Existing(r) = c else {
+        panic!("not claimable")
+    };
+    assert_eq!(r.state, State::Unknown);
+    let why = r.evidence[0].tries.last().unwrap().error.clone().unwrap();
+    assert!(why.contains("proxy-a"), "{why}");
+    // A proxy that recovers at start turns expired leases unknown too.
+    s.claim(claim_req(record("d2", "f", None), T0, 1_000))
+        .await
+        .unwrap();
+    assert_eq!(s.recover(None, T0 + 2_000).await.unwrap(), 1);
+    assert_eq!(s.get("d2").await.unwrap().unwrap().state, State::Unknown);
+}
+
+async fn resolves_only_unknown_actions(s: S) {
+    s.claim(claim_req(record("e1", "f", None), T0, 10_000))
+        .await
+        .unwrap();
+    settle(&s, "e1", 1, State::Unknown, T0 + 1, None).await;
+    let res = |applied| Resolve {
+        applied,
+        external_id: Some("ext_1".into()),
+        response: None,
+        body: None,
+        actor: "admin".into(),
+        reason: "checked".into(),
+        now: T0 + 2,
+    };
+    let r = s
+        .resolve("e1".into(), res(true), Event::Resolved)
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.state, r.external_id.as_deref()),
+        (State::Succeeded, Some("ext_1"))
+    );
+    assert!(s
+        .resolve("e1".into(), res(false), Event::Resolved)
+        .await
+        .is_err());
+    assert!(s
+        .resolve("missing".into(), res(false), Event::Resolved)
+        .await
+        .is_err());
+}
+
+async fn logs_every_change_in_one_verifiable_chain(s: S) {
+    s.claim(claim_req(record("f1", "f", None), T0, 10_000))
+        .await
+        .unwrap();
+    settle(&s, "f1", 1, State::Succeeded, T0 + 1, Some("{}")).await;
+    let entries = s.log(0, 100).await.unwrap();
+    let events: Vec<Event> = entries.iter().map(|e| e.event).collect();
+    assert_eq!(events, [Event::Intent, Event::Sent, Event::Outcome]);
+    assert_eq!(entries.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3]);
+    let v = s.verify_log().await.unwrap();
+    assert!(v.ok && v.entries == 3);
+    assert_eq!(s.log_head().await.unwrap(), (3, entries[2].hash.clone()));
+    assert_eq!(s.log(2, 100).await.unwrap().len(), 1);
+}
+
+async fn scans_by_state_and_task_and_counts(s: S) {
+    for (id, task) in [("g1", Some("t")), ("g2", Some("t")), ("g3", None)] {
+        s.claim(claim_req(record(id, "f", task), T0, 10_000))
+            .await
+            .unwrap();
+    }
+    settle(&s, "g1", 1, State::Succeeded, T0 + 1, Some("{}")).await;
+    let t = s
+        .scan(
+            Filter {
+                task: Some("t".into()),
+                ..Default::default()
+            },
+            10,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        t.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        ["g1", "g2"]
+    );
+    let f = s
+        .scan(
+            Filter {
+                state: Some(State::InFlight),
+                ..Default::default()
+            },
+            10,
+        )
+        .await
+        .unwrap();
+    assert_eq!(f.len(), 2);
+    let counts = s.counts().await.unwrap();
+    assert!(counts.contains(&(State::InFlight, 2)) && counts.contains(&(State::Succeeded, 1)));
+}
+
+async fn expires_records_but_never_an_attempt_in_flight(s: S) {
+    s.claim(claim_req(record("h1", "f", None), T0, 10 * 3_600_000))
+        .await
+        .unwrap();
+    settle(&s, "h1", 1, State::Succeeded, T0 + 1, Some("{}")).await;
+    s.claim(claim_req(record("h2", "f", None), T0, 10 * 3_600_000))
+        .await
+        .unwrap();
+    assert_eq!(s.expire(T0 + 1 + 3_600_000 - 1).await.unwrap(), 0);
+    assert_eq!(s.expire(T0 + 1 + 3_600_000).await.unwrap(), 1);
+    assert!(s.get("h1").await.unwrap().is_none());
+    assert!(s.get("h2").await.unwrap().is_some());
+    let events: Vec<Event> = s
+        .log(0, 100)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| e.event)
+        .collect();
+    assert!(events.contains(&Event::Expired));
+    assert!(s.verify_log().await.unwrap().ok);
+}
+
+async fn sled_store() -> (S, tempfile::TempDir) {
+    let tmp = tempfile::tempdir().unwrap();
+    let s =
+        oncegate::store::sled::SledStore::open(&tmp.path().join("s"), Default::default()).unwrap();
+    (Arc::new(s), tmp)
+}
+
+async fn postgres_store(test: &str) -> Option<S> {
+    let base = support::postgres_base(test)?;
+    let url = support::fresh_database(&base).await;
+    let s = oncegate::store::postgres::PostgresStore::open(&url, Default::default())
+        .await
+        .unwrap();
+    Some(Arc::new(s))
+}
+
+macro_rules! conformance {
+    ($($name:ident),* $(,)?) => {
+        mod sled {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let (s, _tmp) = super::sled_store().await;
+                    super::$name(s.clone()).await;
+                    s.close().await.unwrap();
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    if let Some(s) = super::postgres_store(stringify!($name)).await {
+                        super::$name(s.clone()).await;
+                        s.close().await.unwrap();
+                    }
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    claims_settles_and_replays,
+    refuses_reused_keys_and_exhausts_attempts,
+    one_of_fifty_concurrent_claims_wins,
+    an_expired_lease_makes_the_action_unknown,
+    resolves_only_unknown_actions,
+    logs_every_change_in_one_verifiable_chain,
+    scans_by_state_and_task_and_counts,
+    expires_records_but_never_an_attempt_in_flight,
+);
+
+#[tokio::test]
+async fn postgres_migrations_are_safe_when_proxies_start_together() {
+    let Some(base) =
+        support::postgres_base("postgres_migrations_are_safe_when_proxies_start_together")
+    else {
+        return;
+    };
+    let url = support::fresh_database(&base).await;
+    let mut opens = Vec::new();
+    for _ in 0..4 {
+        let url = url.clone();
+        opens.push(tokio::spawn(async move {
+            oncegate::store::postgres::PostgresStore::open(&url, Default::default()).await
+        }));
+    }
+    for o in opens {
+        assert!(o.await.unwrap().is_ok());
+    }
+}
