@@ -42,6 +42,9 @@ enum Command {
     Run,
     /// Validate the config and print the routing table.
     Check,
+    /// Run the guide's scenario on loopback, narrated: a charge that times out after it was
+    /// accepted, the retry that does not charge twice, the lookup that settles it.
+    Demo,
     /// Find, inspect and settle actions through the admin API.
     Actions {
         #[command(flatten)]
@@ -138,10 +141,15 @@ enum LogCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The demo narrates on stdout; its proxy only speaks up for trouble.
+    let default_filter = match cli.command {
+        Some(Command::Demo) => "warn",
+        _ => "info",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -158,6 +166,7 @@ fn main() -> ExitCode {
             Ok(config) => run(config),
             Err(code) => code,
         },
+        Command::Demo => demo(),
         Command::Actions { admin, command } => operate(admin, |c| async move {
             match command {
                 ActionsCommand::List {
@@ -221,6 +230,27 @@ fn main() -> ExitCode {
                 LogCommand::Verify { file: None, .. } => cli::log_verify_remote(&c).await,
             }
         }),
+    }
+}
+
+fn demo() -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("oncegate: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let color = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    match rt.block_on(oncegate::demo::run(color)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("oncegate demo: {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 

@@ -774,10 +774,22 @@ impl Proxy {
         answer
     }
 
-    /// Phase `settle`: the outcome is durable before the client hears it.
+    /// Phase `settle`: the outcome is durable before the client hears it. The outcome is known
+    /// here, so a store that blinks (a database connection cut) is given a few more tries
+    /// before the action is left for recovery as unknown.
     async fn settle(&self, req: SettleRequest, claimed: &Record) -> Result<Record, ProxyError> {
         let id = req.id.clone();
-        let result = self.store.settle(req).await;
+        let mut result = self.store.settle(req.clone()).await;
+        for wait in [100, 400, 1000] {
+            match &result {
+                Err(StoreError::Unavailable(e)) => {
+                    tracing::warn!(error = %e, "recording the outcome failed; trying again");
+                    tokio::time::sleep(Duration::from_millis(wait)).await;
+                    result = self.store.settle(req.clone()).await;
+                }
+                _ => break,
+            }
+        }
         self.waiters.wake(&id);
         match result {
             Ok(rec) => Ok(rec),

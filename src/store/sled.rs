@@ -47,6 +47,8 @@ const MAX_BATCH: usize = 1024;
 /// them) inside the log that we fdatasync.
 const SEGMENT_SIZE: usize = 8 << 20;
 const ANCHOR_KEY: &[u8] = b"m/log_anchor";
+/// Audit-only log entries and lease renewals are made durable within this.
+const LAZY_FLUSH: std::time::Duration = std::time::Duration::from_millis(100);
 
 type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
 
@@ -537,11 +539,31 @@ struct Pending {
     batch: sled::Batch,
     records: HashMap<String, Option<Record>>,
     writes: usize,
+    /// Someone waits for this batch to be durable.
+    durable: bool,
 }
 
 impl Writer {
     fn run(mut self, rx: mpsc::Receiver<Op>) {
-        while let Ok(first) = rx.recv() {
+        // Applied but not yet flushed: audit-only entries (notes) and lease renewals, which no
+        // caller waits for. The next durable batch, or this timer, flushes them.
+        let mut dirty = false;
+        loop {
+            let first = match rx.recv_timeout(LAZY_FLUSH) {
+                Ok(op) => op,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if dirty && self.commit(sled::Batch::default(), true).is_ok() {
+                        dirty = false;
+                    }
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    if dirty {
+                        let _ = self.commit(sled::Batch::default(), true);
+                    }
+                    return;
+                }
+            };
             let mut ops = vec![first];
             while ops.len() < MAX_BATCH {
                 match rx.try_recv() {
@@ -559,11 +581,21 @@ impl Writer {
                 }
                 answers.push(self.apply(op, &mut pending));
             }
-            let commit = if pending.writes > 0 || force_sync {
-                self.commit(pending.batch)
+            // A batch that only read (replays, conflicts) has nothing to make durable: what it
+            // read was flushed by the batch that wrote it.
+            let flush = (pending.durable && pending.writes > 0) || force_sync;
+            let commit = if pending.writes > 0 || flush {
+                self.commit(pending.batch, flush)
             } else {
                 Ok(())
             };
+            if commit.is_ok() {
+                dirty = if flush {
+                    false
+                } else {
+                    dirty || pending.writes > 0
+                };
+            }
             if let Err(e) = &commit {
                 tracing::error!(error = %e, "store commit failed");
                 // Nothing of the batch is durable: the chain goes on from the last durable entry.
@@ -575,11 +607,14 @@ impl Writer {
         }
     }
 
-    fn commit(&self, batch: sled::Batch) -> Result<(), String> {
+    fn commit(&self, batch: sled::Batch, flush: bool) -> Result<(), String> {
         let started = std::time::Instant::now();
         self.db
             .apply_batch(batch)
             .map_err(|e| format!("apply: {e}"))?;
+        if !flush {
+            return Ok(());
+        }
         self.db.flush().map_err(|e| format!("flush: {e}"))?;
         self.log
             .sync_data()
@@ -646,6 +681,9 @@ impl Writer {
     }
 
     fn apply(&mut self, op: Op, pending: &mut Pending) -> Answer {
+        if !matches!(op, Op::Note(_) | Op::Renew(..)) {
+            pending.durable = true;
+        }
         match op {
             Op::Claim(req, tx) => match self.read(pending, &req.fresh.id) {
                 Err(e) => Answer::failed(tx, e),

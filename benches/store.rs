@@ -1,0 +1,139 @@
+//! The store alone: durable writes (claim + settle, as the proxy makes them) per second at 1 and
+//! 64 concurrent writers, flushes per write, and flush latency. `cargo bench --bench store`.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use oncegate::action::*;
+use oncegate::store::{SettleRequest, Store, StoreOptions};
+use prometheus_client::metrics::histogram::Histogram;
+
+static N: AtomicU64 = AtomicU64::new(0);
+
+fn fresh() -> Record {
+    let i = N.fetch_add(1, Ordering::Relaxed);
+    Record {
+        v: RECORD_VERSION,
+        id: format!("{:032x}", u128::from(i) * 0x9E37_79B9_7F4A_7C15),
+        upstream: "pay".into(),
+        principal: "anonymous".into(),
+        key: format!("k-{i}"),
+        fingerprint: "f".repeat(64),
+        method: "POST".into(),
+        path: "/v1/charges".into(),
+        task: None,
+        step: None,
+        state: State::InFlight,
+        attempts: 0,
+        owner: None,
+        lease_until: None,
+        created_at: 0,
+        updated_at: 0,
+        retention_ms: 86_400_000,
+        expires_at: 0,
+        external_id: None,
+        needs_decision: false,
+        request: RequestInfo::default(),
+        evidence: vec![],
+        response: None,
+        resolution: None,
+    }
+}
+
+async fn one_write(s: &dyn Store) {
+    let r = fresh();
+    let id = r.id.clone();
+    let now = now_millis();
+    s.claim(ClaimRequest {
+        fresh: r,
+        max_attempts: 5,
+        owner: "b".into(),
+        lease: 60_000,
+        now,
+    })
+    .await
+    .unwrap();
+    s.settle(SettleRequest {
+        id,
+        attempt: 1,
+        settlement: Settlement {
+            state: State::Succeeded,
+            tries: vec![Try {
+                at: now,
+                status: Some(201),
+                ..Default::default()
+            }],
+            response: Some(StoredResponse {
+                status: 201,
+                headers: vec![("content-type".into(), "application/json".into())],
+                size: 60,
+                body: BodyRef::Inline,
+                source: Source::Upstream,
+            }),
+            external_id: None,
+            needs_decision: false,
+            now,
+        },
+        body: Some(Bytes::from_static(
+            br#"{"id":"obj_123","object":"charge","amount":500,"ok":true}"#,
+        )),
+    })
+    .await
+    .unwrap();
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        for conc in [1usize, 8, 64] {
+            let tmp = tempfile::tempdir().unwrap();
+            let hist = Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(0.00005, 2.0, 16));
+            let store = Arc::new(
+                oncegate::store::sled::SledStore::open(
+                    &tmp.path().join("s"),
+                    StoreOptions { flush_latency: Some(hist.clone()), ..Default::default() },
+                )
+                .unwrap(),
+            );
+            let deadline = Instant::now() + Duration::from_secs(3);
+            let done = Arc::new(AtomicU64::new(0));
+            let started = Instant::now();
+            let tasks: Vec<_> = (0..conc)
+                .map(|_| {
+                    let (s, done) = (store.clone(), done.clone());
+                    tokio::spawn(async move {
+                        while Instant::now() < deadline {
+                            one_write(s.as_ref()).await;
+                            done.fetch_add(1, Ordering::Relaxed);
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.unwrap();
+            }
+            let secs = started.elapsed().as_secs_f64();
+            let writes = done.load(Ordering::Relaxed);
+            let flushes = store.flush_count();
+            let mut text = String::new();
+            let mut reg = prometheus_client::registry::Registry::default();
+            reg.register("flush", "", hist);
+            prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
+            let sum: f64 = text.lines().find(|l| l.starts_with("flush_sum")).and_then(|l| l.split(' ').nth(1)).unwrap().parse().unwrap();
+            println!(
+                "store: {conc:>2} writers: {:.0} durable writes/s, {:.2} flushes per write, mean flush {:.0} µs",
+                writes as f64 / secs,
+                flushes as f64 / writes.max(1) as f64,
+                sum / flushes.max(1) as f64 * 1e6
+            );
+            store.close().await.unwrap();
+        }
+    });
+}

@@ -1,0 +1,462 @@
+//! `oncegate demo`: the guide's scenario, narrated with real requests on loopback. A small
+//! payments service (which can stall after accepting a charge), the proxy on a temporary store,
+//! and an agent that times out, retries, resumes and audits. Exits 0 only if every expectation
+//! held.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::{json, Value};
+
+/// The payments-like service.
+#[derive(Default)]
+struct Payments {
+    /// Charges by the idempotency key they were created with.
+    charges: Mutex<HashMap<String, String>>,
+    receipts: AtomicU64,
+    next: AtomicU64,
+    /// The next charge is accepted, then its answer never comes.
+    stall_next_charge: AtomicBool,
+    /// How many receipt saves fail before one succeeds.
+    failing_saves: AtomicU64,
+}
+
+type Resp = http::Response<Full<Bytes>>;
+
+fn reply(status: u16, v: Value) -> Resp {
+    let mut r = http::Response::new(Full::new(Bytes::from(v.to_string())));
+    *r.status_mut() = http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::OK);
+    r.headers_mut().insert(
+        "content-type",
+        http::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+async fn serve_payments(
+    p: Arc<Payments>,
+    req: http::Request<hyper::body::Incoming>,
+) -> Result<Resp, hyper::Error> {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let query = req.uri().query().unwrap_or("").to_string();
+    let key = req
+        .headers()
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let _ = req.into_body().collect().await?;
+    Ok(match (method.as_str(), path.as_str()) {
+        ("POST", "/v1/charges") => {
+            let key = key.unwrap_or_default();
+            let existing = p
+                .charges
+                .lock()
+                .map(|c| c.get(&key).cloned())
+                .ok()
+                .flatten();
+            let id = match existing {
+                Some(id) => id,
+                None => {
+                    let id = format!("ch_{}", 1000 + p.next.fetch_add(1, Ordering::SeqCst));
+                    if let Ok(mut c) = p.charges.lock() {
+                        c.insert(key, id.clone());
+                    }
+                    id
+                }
+            };
+            if p.stall_next_charge.swap(false, Ordering::SeqCst) {
+                // Accepted and stored; the answer is lost.
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+            }
+            reply(
+                201,
+                json!({"id": id, "object": "charge", "amount": 4200, "currency": "eur"}),
+            )
+        }
+        ("GET", "/v1/charges") => {
+            let key = form_urlencoded::parse(query.as_bytes())
+                .find(|(k, _)| k == "idempotency_key")
+                .map(|(_, v)| v.into_owned())
+                .unwrap_or_default();
+            let found = p.charges.lock().ok().and_then(|c| c.get(&key).cloned());
+            let data: Vec<Value> = found
+                .into_iter()
+                .map(|id| json!({"id": id, "object": "charge", "amount": 4200, "currency": "eur"}))
+                .collect();
+            reply(200, json!({"data": data}))
+        }
+        ("POST", "/v1/receipts") => {
+            if p.failing_saves
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+            {
+                reply(503, json!({"error": "receipts store is restarting"}))
+            } else {
+                let n = p.receipts.fetch_add(1, Ordering::SeqCst) + 1;
+                reply(201, json!({"id": format!("rcpt_{n}"), "object": "receipt"}))
+            }
+        }
+        _ => reply(404, json!({"error": "no such endpoint"})),
+    })
+}
+
+async fn start_payments(p: Arc<Payments>) -> Result<SocketAddr, String> {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = l.local_addr().map_err(|e| e.to_string())?;
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            let p = p.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req| serve_payments(p.clone(), req));
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    Ok(addr)
+}
+
+/// Narration, coloured on a terminal.
+struct Say {
+    color: bool,
+    failures: Vec<String>,
+}
+
+impl Say {
+    fn paint(&self, code: &str, s: &str) -> String {
+        if self.color {
+            format!("\x1b[{code}m{s}\x1b[0m")
+        } else {
+            s.to_string()
+        }
+    }
+    fn step(&self, n: u32, title: &str) {
+        println!("\n{}", self.paint("1", &format!("{n}. {title}")));
+    }
+    fn agent(&self, s: &str) {
+        println!("   {} {s}", self.paint("36", "agent →"));
+    }
+    fn proxy(&self, s: &str) {
+        println!("   {} {s}", self.paint("35", "oncegate ←"));
+    }
+    fn fact(&self, s: &str) {
+        println!("   {} {s}", self.paint("2", "·"));
+    }
+    fn expect(&mut self, ok: bool, what: &str) {
+        if ok {
+            println!("   {} {what}", self.paint("32", "✓"));
+        } else {
+            println!("   {} {what}", self.paint("31", "✗"));
+            self.failures.push(what.to_string());
+        }
+    }
+}
+
+struct Agent {
+    client: hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        Full<Bytes>,
+    >,
+    proxy: SocketAddr,
+}
+
+struct Answer {
+    status: u16,
+    headers: http::HeaderMap,
+    body: Value,
+}
+
+impl Answer {
+    fn header(&self, n: &str) -> &str {
+        self.headers
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("-")
+    }
+}
+
+impl Agent {
+    async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> Result<Answer, String> {
+        let mut req = http::Request::builder()
+            .method(method)
+            .uri(format!("http://{}{path}", self.proxy))
+            .header("authorization", "Bearer sk_demo_agent_7")
+            .header("content-type", "application/x-www-form-urlencoded");
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req
+            .body(Full::new(Bytes::from(body.to_string())))
+            .map_err(|e| e.to_string())?;
+        let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
+        let (parts, body) = resp.into_parts();
+        let bytes = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+        Ok(Answer {
+            status: parts.status.as_u16(),
+            headers: parts.headers,
+            body: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        })
+    }
+}
+
+/// Runs the scenario. `Err` lists the expectations that did not hold.
+pub async fn run(color: bool) -> Result<(), String> {
+    let tmp = std::env::temp_dir().join(format!("oncegate-demo-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let payments = Arc::new(Payments::default());
+    let up = start_payments(payments.clone()).await?;
+    let config = crate::config::Config::parse(&format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+[admin]
+listen = "127.0.0.1:0"
+[store]
+path = {:?}
+[defaults]
+timeout = "800ms"
+[[upstreams]]
+name = "payments"
+prefix = "/payments"
+url = "http://{up}"
+external_id = "/id"
+lookup = {{ method = "GET", path = "/v1/charges?idempotency_key={{key}}", found = "/data/0/id" }}
+  [[upstreams.routes]]
+  methods = ["POST"]
+  path = "/v1/receipts"
+  retries = 0
+"#,
+        tmp.join("store").display().to_string()
+    ))
+    .map_err(|e| e.to_string())?;
+    let metrics = Arc::new(crate::metrics::Metrics::new());
+    let options = crate::store_options(&config, &metrics)?;
+    let store = crate::open_store(&config, options)
+        .await
+        .map_err(|e| e.to_string())?;
+    let proxy_l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let admin_l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let (proxy, admin) = (
+        proxy_l.local_addr().map_err(|e| e.to_string())?,
+        admin_l.local_addr().map_err(|e| e.to_string())?,
+    );
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(crate::run(
+        config,
+        crate::Listeners {
+            proxy: proxy_l,
+            admin: Some(admin_l),
+        },
+        crate::Services::new(store, metrics, None),
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    let agent = Agent {
+        client: hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build_http(),
+        proxy,
+    };
+    let mut say = Say {
+        color,
+        failures: Vec::new(),
+    };
+    let charges = || payments.charges.lock().map(|c| c.len()).unwrap_or(0);
+    let task = [
+        ("oncegate-task", "onboard-acme"),
+        ("oncegate-step", "charge-setup-fee"),
+    ];
+
+    println!(
+        "oncegate demo: an agent charges a setup fee, then saves a receipt, through oncegate."
+    );
+    println!("The payments service runs on {up}; oncegate on {proxy} (admin {admin}).");
+
+    say.step(1, "The charge times out after the service accepted it");
+    payments.stall_next_charge.store(true, Ordering::SeqCst);
+    say.agent("POST /payments/v1/charges amount=4200 (task onboard-acme, step charge-setup-fee)");
+    let a = agent
+        .call(
+            "POST",
+            "/payments/v1/charges",
+            &task,
+            "amount=4200&currency=eur",
+        )
+        .await?;
+    say.proxy(&format!(
+        "{} {} · duplicate_risk: {} · evidence: {}",
+        a.status,
+        a.body["type"]
+            .as_str()
+            .unwrap_or("-")
+            .trim_start_matches("urn:oncegate:problem:"),
+        a.body["duplicate_risk"],
+        a.body["evidence"][0]["tries"][0]["error"]
+            .as_str()
+            .unwrap_or("-")
+    ));
+    say.fact(&format!("the service holds {} charge(s)", charges()));
+    say.expect(
+        a.status == 504 && a.body["outcome"] == "unknown",
+        "the agent is told the outcome is unknown, not that it failed",
+    );
+    say.expect(charges() == 1, "the charge did happen at the service");
+
+    say.step(
+        2,
+        "The agent retries; oncegate asks the service instead of charging again",
+    );
+    say.agent("the same POST again (the SDK's automatic retry)");
+    let a = agent
+        .call(
+            "POST",
+            "/payments/v1/charges",
+            &task,
+            "amount=4200&currency=eur",
+        )
+        .await?;
+    say.proxy(&format!(
+        "{} · Oncegate-Outcome: {} · Oncegate-Replay-Source: {} · charge {}",
+        a.status,
+        a.header("oncegate-outcome"),
+        a.header("oncegate-replay-source"),
+        a.body["data"][0]["id"].as_str().unwrap_or("-")
+    ));
+    say.fact(&format!("the service holds {} charge(s)", charges()));
+    say.expect(
+        a.status == 200 && a.header("oncegate-outcome") == "replayed",
+        "the status lookup settled it as applied",
+    );
+    say.expect(charges() == 1, "no second charge");
+
+    say.step(
+        3,
+        "Saving the receipt fails, and is retried without redoing the charge",
+    );
+    payments.failing_saves.store(1, Ordering::SeqCst);
+    let save = [
+        ("oncegate-task", "onboard-acme"),
+        ("oncegate-step", "save-receipt"),
+    ];
+    say.agent("POST /payments/v1/receipts (step save-receipt)");
+    let a = agent
+        .call("POST", "/payments/v1/receipts", &save, "charge=ch_1000")
+        .await?;
+    say.proxy(&format!(
+        "{} · Oncegate-Outcome: {}",
+        a.status,
+        a.header("oncegate-outcome")
+    ));
+    say.expect(
+        a.status == 503 && a.header("oncegate-outcome") == "not-applied",
+        "a failure that may recover, reported as not applied",
+    );
+    say.agent("retries only the unfinished step");
+    let a = agent
+        .call("POST", "/payments/v1/receipts", &save, "charge=ch_1000")
+        .await?;
+    say.proxy(&format!(
+        "{} · Oncegate-Outcome: {} · receipt {}",
+        a.status,
+        a.header("oncegate-outcome"),
+        a.body["id"].as_str().unwrap_or("-")
+    ));
+    say.fact(&format!(
+        "the service holds {} charge(s) and {} receipt(s)",
+        charges(),
+        payments.receipts.load(Ordering::SeqCst)
+    ));
+    say.expect(a.status == 201, "the receipt is saved");
+    say.expect(charges() == 1, "the charge was not redone");
+
+    say.step(4, "A resumed worker asks what its task already did");
+    say.agent("GET /_oncegate/tasks/onboard-acme");
+    let a = agent
+        .call("GET", "/_oncegate/tasks/onboard-acme", &[], "")
+        .await?;
+    let steps: Vec<String> = a.body["actions"]
+        .as_array()
+        .map(|v| v.as_slice())
+        .unwrap_or_default()
+        .iter()
+        .map(|x| {
+            format!(
+                "{} {} ({})",
+                x["step"].as_str().unwrap_or("-"),
+                x["state"].as_str().unwrap_or("-"),
+                x["external_id"].as_str().unwrap_or("-")
+            )
+        })
+        .collect();
+    say.proxy(&steps.join(", "));
+    say.expect(
+        steps.len() == 2 && steps.iter().all(|s| s.contains("succeeded")),
+        "both steps are done; nothing is left to send",
+    );
+
+    say.step(5, "A security reviewer verifies the write log");
+    let v = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .build_http::<Full<Bytes>>()
+        .get(
+            format!("http://{admin}/v1/log/verify")
+                .parse()
+                .map_err(|e: http::uri::InvalidUri| e.to_string())?,
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    let v: Value = serde_json::from_slice(
+        &v.into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes(),
+    )
+    .unwrap_or(Value::Null);
+    say.proxy(&format!(
+        "ok: {} · entries: {} · head: {}…",
+        v["ok"],
+        v["entries"],
+        v["head"].as_str().unwrap_or("").get(..16).unwrap_or("")
+    ));
+    say.expect(
+        v["ok"] == true,
+        "the hash chain verifies, with no credential in it",
+    );
+
+    let _ = stop_tx.send(());
+    let _ = running.await;
+    let _ = std::fs::remove_dir_all(&tmp);
+    println!();
+    if say.failures.is_empty() {
+        println!(
+            "{}",
+            say.paint(
+                "32;1",
+                "Every expectation held: one charge, one receipt, nothing sent twice."
+            )
+        );
+        Ok(())
+    } else {
+        Err(format!("expectations failed: {}", say.failures.join("; ")))
+    }
+}

@@ -1,0 +1,320 @@
+//! Many proxies, one truth: two proxy processes on one PostgreSQL database (SPEC §13). These run
+//! when `ONCEGATE_TEST_POSTGRES` names a server (CI always sets it).
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::{config, Behavior, ChildProxy, FakeUpstream, TestClient};
+use tokio::sync::Notify;
+
+const KEY: &str = "idempotency-key";
+
+struct Fleet {
+    base: String,
+    url: String,
+    cfg: PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+async fn fleet(test: &str, up: &FakeUpstream, extra: &str) -> Option<Fleet> {
+    let base = support::postgres_base(test)?;
+    let url = support::fresh_database(&base).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("oncegate.toml");
+    let text = config(&up.url(), extra).replace(
+        "[defaults]",
+        "[store]\nbackend = \"postgres\"\nurl_env = \"ONCEGATE_TEST_DB\"\n\n[defaults]",
+    );
+    std::fs::write(&cfg, text).unwrap();
+    Some(Fleet {
+        base,
+        url,
+        cfg,
+        _tmp: tmp,
+    })
+}
+
+impl Fleet {
+    async fn proxy(&self) -> ChildProxy {
+        let (cfg, url) = (self.cfg.clone(), self.url.clone());
+        tokio::task::spawn_blocking(move || {
+            ChildProxy::spawn_with(&cfg, &[("ONCEGATE_TEST_DB", &url)])
+        })
+        .await
+        .unwrap()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_concurrent_writes_split_across_two_proxies_reach_the_upstream_once() {
+    let up = FakeUpstream::start().await;
+    let Some(f) = fleet("fifty_concurrent_writes_split_across_two_proxies", &up, "").await else {
+        return;
+    };
+    let (a, b) = (f.proxy().await, f.proxy().await);
+    up.set_default(Behavior::Delay(
+        Duration::from_millis(300),
+        Box::new(Behavior::json(201, r#"{"id":"ch_fleet"}"#)),
+    ));
+    let mut tasks = Vec::new();
+    for i in 0..50 {
+        let url = if i % 2 == 0 {
+            a.url("/pay/v1/charges")
+        } else {
+            b.url("/pay/v1/charges")
+        };
+        tasks.push(tokio::spawn(async move {
+            TestClient::default()
+                .post(&url, &[(KEY, "fleet-key")], "amount=5")
+                .await
+        }));
+    }
+    for t in tasks {
+        let r = t.await.unwrap();
+        match (r.status.as_u16(), r.header("oncegate-outcome")) {
+            (201, Some("sent" | "replayed")) | (409, Some("in-flight")) => {}
+            other => panic!("unexpected {other:?}: {r:?}"),
+        }
+    }
+    assert_eq!(up.count(), 1);
+    // Both proxies replay the one result.
+    for p in [&a, &b] {
+        let r = TestClient::default()
+            .post(&p.url("/pay/v1/charges"), &[(KEY, "fleet-key")], "amount=5")
+            .await;
+        assert_eq!(r.header("oncegate-outcome"), Some("replayed"));
+        assert_eq!(r.body, r#"{"id":"ch_fleet"}"#);
+    }
+    // One chain across both instances.
+    let v = TestClient::default()
+        .get(&format!("http://{}/v1/log/verify", b.admin))
+        .await
+        .json();
+    assert_eq!(v["ok"], true, "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_in_flight_on_one_proxy_is_in_flight_on_the_other() {
+    let up = FakeUpstream::start().await;
+    let Some(f) = fleet(
+        "a_write_in_flight_on_one_proxy_is_in_flight_on_the_other",
+        &up,
+        "",
+    )
+    .await
+    else {
+        return;
+    };
+    let (a, b) = (f.proxy().await, f.proxy().await);
+    let gate = Arc::new(Notify::new());
+    up.push(Behavior::Gate(
+        gate.clone(),
+        Box::new(Behavior::json(201, "{}")),
+    ));
+    let url = a.url("/pay/v1/charges");
+    let first = tokio::spawn(async move {
+        TestClient::default()
+            .post(&url, &[(KEY, "k-ab")], "x")
+            .await
+    });
+    up.wait_for(1).await;
+    let r = TestClient::default()
+        .post(&b.url("/pay/v1/charges"), &[(KEY, "k-ab")], "x")
+        .await;
+    assert_eq!(r.status, 409);
+    assert_eq!(r.problem(), "in-flight");
+    assert!(r.header("retry-after").is_some());
+    gate.notify_one();
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(up.count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_killed_mid_attempt_is_unknown_on_the_other_after_its_lease() {
+    let up = FakeUpstream::start().await;
+    let extra = "timeout = \"500ms\"\nretries = 0";
+    let Some(f) = fleet(
+        "a_proxy_killed_mid_attempt_is_unknown_on_the_other",
+        &up,
+        extra,
+    )
+    .await
+    else {
+        return;
+    };
+    let (a, b) = (f.proxy().await, f.proxy().await);
+    up.set_default(Behavior::Hang);
+    let url = a.url("/pay/v1/charges");
+    let _pending = tokio::spawn(async move {
+        let req = http::Request::post(url)
+            .header(KEY, "k-dead")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"x")))
+            .unwrap();
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http()
+            .request(req)
+            .await
+    });
+    up.wait_for(1).await;
+    a.kill();
+    let c = TestClient::default();
+    let burl = b.url("/pay/v1/charges");
+    // While A's lease runs, B cannot know A is dead: in flight.
+    let r = c.post(&burl, &[(KEY, "k-dead")], "x").await;
+    assert_eq!(r.problem(), "in-flight");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    let r = loop {
+        let r = c.post(&burl, &[(KEY, "k-dead")], "x").await;
+        if r.problem() != "in-flight" {
+            break r;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the lease never expired"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(r.status, 409);
+    assert_eq!(r.problem(), "outcome-unknown");
+    let ev = r.json()["evidence"].to_string();
+    assert!(ev.contains("lease of proxy"), "{ev}");
+    assert_eq!(up.count(), 1, "B never sent it again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_the_database_is_down_writes_get_503_reads_flow_and_the_proxy_recovers() {
+    let up = FakeUpstream::start().await;
+    let Some(f) = fleet("when_the_database_is_down", &up, "").await else {
+        return;
+    };
+    let a = f.proxy().await;
+    let c = TestClient::default();
+    assert_eq!(
+        c.post(&a.url("/pay/v1/c"), &[(KEY, "before")], "x")
+            .await
+            .status,
+        200
+    );
+    let db = f.url.rsplit('/').next().unwrap().to_string();
+    let admin = |sql: String| {
+        let base = f.base.clone();
+        async move {
+            let (client, conn) = tokio_postgres::connect(&base, tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            tokio::spawn(conn);
+            client.batch_execute(&sql).await.unwrap();
+        }
+    };
+    admin(format!("ALTER DATABASE {db} ALLOW_CONNECTIONS false")).await;
+    support::terminate_connections(&f.base, &f.url).await;
+    let r = c.post(&a.url("/pay/v1/c"), &[(KEY, "during")], "x").await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.problem(), "store-unavailable");
+    assert_eq!(
+        up.count_key(KEY, "during"),
+        0,
+        "nothing is sent without its claim"
+    );
+    assert_eq!(
+        c.get(&a.url("/pay/v1/c")).await.status,
+        200,
+        "reads keep flowing"
+    );
+    admin(format!("ALTER DATABASE {db} ALLOW_CONNECTIONS true")).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let r = c.post(&a.url("/pay/v1/c"), &[(KEY, "during")], "x").await;
+        if r.status == 200 {
+            break;
+        }
+        assert_eq!(r.problem(), "store-unavailable");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the proxy did not recover"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let r = c.post(&a.url("/pay/v1/c"), &[(KEY, "before")], "x").await;
+    assert_eq!(r.header("oncegate-outcome"), Some("replayed"));
+    assert_eq!(up.count_key(KEY, "during"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_restarts_mid_load_lose_nothing_and_duplicate_nothing() {
+    let up = FakeUpstream::start().await;
+    let Some(f) = fleet("database_restarts_mid_load", &up, "").await else {
+        return;
+    };
+    let (a, b) = (f.proxy().await, f.proxy().await);
+    let urls = [a.url("/pay/v1/c"), b.url("/pay/v1/c")];
+    let mut workers = Vec::new();
+    for w in 0..6 {
+        let url = urls[w % 2].clone();
+        workers.push(tokio::spawn(async move {
+            let c = TestClient::default();
+            let (mut done, mut unknown) = (Vec::new(), Vec::new());
+            for i in 0..40 {
+                let key = format!("r{w}-{i}");
+                // Retry each write until it has a definite answer.
+                loop {
+                    let r = c.post(&url, &[(KEY, &key)], "x").await;
+                    let problem = r
+                        .header("content-type")
+                        .filter(|t| *t == "application/problem+json")
+                        .map(|_| r.problem());
+                    match (r.status.as_u16(), problem.as_deref()) {
+                        (200, None) => {
+                            done.push((key.clone(), r.body));
+                            break;
+                        }
+                        (_, Some("outcome-unknown")) => {
+                            unknown.push(key.clone());
+                            break;
+                        }
+                        (409, Some("in-flight")) | (503, Some("store-unavailable")) => {
+                            tokio::time::sleep(Duration::from_millis(20)).await
+                        }
+                        (s, p) => panic!("{key}: {s} {p:?} {:?}", r.body),
+                    }
+                }
+            }
+            (done, unknown)
+        }));
+    }
+    let mut terminated = 0;
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        terminated += support::terminate_connections(&f.base, &f.url).await;
+    }
+    let (mut completed, mut unknown) = (Vec::new(), Vec::new());
+    for w in workers {
+        let (d, u) = w.await.unwrap();
+        completed.extend(d);
+        unknown.extend(u);
+    }
+    assert!(terminated > 0, "no connection was ever cut");
+    assert_eq!(completed.len() + unknown.len(), 240);
+    assert!(completed.len() > 200, "{} completed", completed.len());
+    for key in &unknown {
+        assert!(up.count_key(KEY, key) <= 1, "{key} applied twice");
+        let r = TestClient::default()
+            .post(&urls[1], &[(KEY, key)], "x")
+            .await;
+        assert_eq!(r.problem(), "outcome-unknown", "{key}");
+    }
+    let c = TestClient::default();
+    for (key, body) in &completed {
+        assert!(up.count_key(KEY, key) <= 1, "{key} applied twice");
+        let r = c.post(&urls[0], &[(KEY, key)], "x").await;
+        // Applied, or unknown if a cut connection hid the outcome: never sent again.
+        match r.header("oncegate-outcome") {
+            Some("replayed") => assert_eq!(&r.body, body),
+            other => panic!("{key}: completed, then {other:?}"),
+        }
+    }
+}
