@@ -451,6 +451,8 @@ pub struct Route {
 #[derive(Debug, Clone)]
 pub struct Upstream {
     pub name: String,
+    /// The name as a metric label (interned once, so that counting allocates nothing).
+    pub label: &'static str,
     pub prefix: String,
     /// The upstream base URL as written (scheme, authority and an optional base path).
     pub url: Uri,
@@ -757,6 +759,7 @@ fn resolve_upstream(
     }
     Ok(Upstream {
         name: u.name.clone(),
+        label: crate::metrics::intern(&u.name),
         prefix: prefix.to_string(),
         url,
         ca_file: u.ca_file.clone(),

@@ -8,16 +8,31 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+/// Label values are `&'static str` so that counting a request allocates nothing: classes and
+/// outcomes are constants, and upstream names are interned once (see [`intern`]).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
-    pub upstream: String,
-    pub class: String,
-    pub outcome: String,
+    pub upstream: &'static str,
+    pub class: &'static str,
+    pub outcome: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct UpstreamLabels {
-    pub upstream: String,
+    pub upstream: &'static str,
+}
+
+/// A `'static` copy of an upstream name, made once per name for the life of the process (the
+/// set of upstreams is fixed by the config).
+pub fn intern(name: &str) -> &'static str {
+    static NAMES: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(n) = names.iter().find(|n| **n == name) {
+        return n;
+    }
+    let leaked: &'static str = Box::leak(name.to_string().into_boxed_str());
+    names.push(leaked);
+    leaked
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -94,12 +109,12 @@ impl Metrics {
         }
     }
 
-    pub fn request(&self, upstream: &str, class: &str, outcome: &str) {
+    pub fn request(&self, upstream: &'static str, class: &'static str, outcome: &'static str) {
         self.requests
             .get_or_create(&RequestLabels {
-                upstream: upstream.to_string(),
-                class: class.to_string(),
-                outcome: outcome.to_string(),
+                upstream,
+                class,
+                outcome,
             })
             .inc();
     }
@@ -112,11 +127,9 @@ impl Metrics {
             .inc();
     }
 
-    pub fn upstream_latency(&self, upstream: &str, seconds: f64) {
+    pub fn upstream_latency(&self, upstream: &'static str, seconds: f64) {
         self.upstream_latency
-            .get_or_create(&UpstreamLabels {
-                upstream: upstream.to_string(),
-            })
+            .get_or_create(&UpstreamLabels { upstream })
             .observe(seconds);
     }
 

@@ -200,7 +200,8 @@ impl Proxy {
 
     /// Serves one request. Errors are logged here, once, and answered as problems.
     pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<ProxyBody> {
-        let span = tracing::info_span!(
+        // A debug span: free unless asked for (RUST_LOG=oncegate=debug).
+        let span = tracing::debug_span!(
             "request",
             method = %req.method(),
             path = %self.redactor.path(req.uri().path(), req.uri().query()),
@@ -209,23 +210,28 @@ impl Proxy {
             action = tracing::field::Empty,
         );
         async move {
-            let mut labels = ("-".to_string(), "-");
-            let resp = match self.call(req, &mut labels).await {
+            let mut labels: (&'static str, &'static str) = ("-", "-");
+            let (resp, outcome) = match self.call(req, &mut labels).await {
                 Ok(resp) => {
                     tracing::debug!(status = resp.status().as_u16(), "answered");
-                    resp
+                    let outcome = match resp.headers().get("oncegate-outcome").map(|v| v.as_bytes())
+                    {
+                        None => "forwarded",
+                        Some(b"sent") => Outcome::Sent.as_str(),
+                        Some(b"replayed") => Outcome::Replayed.as_str(),
+                        Some(b"unknown") => Outcome::Unknown.as_str(),
+                        Some(b"not-applied") => Outcome::NotApplied.as_str(),
+                        Some(_) => "other",
+                    };
+                    (resp, outcome)
                 }
                 Err(err) => {
-                    tracing::info!(error = %err, "problem");
-                    err.into_response()
+                    tracing::info!(error = %err, upstream = labels.0, "problem");
+                    let outcome = err.outcome().as_str();
+                    (err.into_response(), outcome)
                 }
             };
-            let outcome = resp
-                .headers()
-                .get("oncegate-outcome")
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("forwarded");
-            self.metrics.request(&labels.0, labels.1, outcome);
+            self.metrics.request(labels.0, labels.1, outcome);
             resp
         }
         .instrument(span)
@@ -236,7 +242,7 @@ impl Proxy {
     async fn call(
         self: &Arc<Self>,
         req: Request<Incoming>,
-        labels: &mut (String, &'static str),
+        labels: &mut (&'static str, &'static str),
     ) -> Result<Response<ProxyBody>, ProxyError> {
         check_framing(req.headers())?;
         let path = req.uri().path().to_string();
@@ -245,7 +251,7 @@ impl Proxy {
         }
         let target = route(&self.config, req.method(), &path)
             .ok_or_else(|| ProxyError::NoRoute(path.clone()))?;
-        *labels = (target.upstream.name.clone(), target.class.as_str());
+        *labels = (target.upstream.label, target.class.as_str());
         let span = tracing::Span::current();
         span.record("upstream", target.upstream.name.as_str());
         span.record("class", target.class.as_str());
@@ -316,10 +322,10 @@ impl Proxy {
         req: Request<Incoming>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let (parts, body) = req.into_parts();
-        let out = Outgoing::new(
+        let out = Outgoing::from_owned(
             t.upstream,
             &parts.method,
-            &parts.headers,
+            parts.headers,
             t.rest,
             parts.uri.query(),
             None,
@@ -331,7 +337,7 @@ impl Proxy {
             .forward_read(t.upstream, t.policy, &out, body)
             .await;
         self.metrics
-            .upstream_latency(&t.upstream.name, started.elapsed().as_secs_f64());
+            .upstream_latency(t.upstream.label, started.elapsed().as_secs_f64());
         match answer {
             Ok(resp) => {
                 let (mut head, body) = resp.into_parts();
@@ -676,7 +682,7 @@ impl Proxy {
                     )
                     .await;
                 self.metrics
-                    .upstream_latency(&job.upstream.name, started.elapsed().as_secs_f64());
+                    .upstream_latency(job.upstream.label, started.elapsed().as_secs_f64());
                 r
             }
             // Nothing can be sent: treated as a try that did not reach the upstream.

@@ -161,7 +161,18 @@ impl Outgoing {
         query: Option<&str>,
         key: Option<(&HeaderName, &str)>,
     ) -> Result<Outgoing, http::Error> {
-        let mut headers = client_headers.clone();
+        Self::from_owned(up, method, client_headers.clone(), rest, query, key)
+    }
+
+    /// Like [`Outgoing::new`], taking the client's headers (a read has no further use for them).
+    pub fn from_owned(
+        up: &Upstream,
+        method: &Method,
+        mut headers: HeaderMap,
+        rest: &str,
+        query: Option<&str>,
+        key: Option<(&HeaderName, &str)>,
+    ) -> Result<Outgoing, http::Error> {
         strip_hop_by_hop(&mut headers);
         headers.remove(header::HOST);
         let ours: Vec<HeaderName> = headers

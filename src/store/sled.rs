@@ -16,7 +16,7 @@
 //! `t/{task}\0{id}` task index, `l/{seq:be64}` log entry, `m/log_anchor` where a pruned log starts.
 //! Bodies over 64 KiB live in `bodies/{sha256}` beside the database.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -108,6 +108,8 @@ pub struct SledStore {
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Flushes performed, for metrics and the "flushes per write" figure.
     flushes: Arc<AtomicU64>,
+    /// Ids whose newest version is applied but not yet durable (see [`SledStore::settled`]).
+    dirty: Arc<Mutex<HashSet<String>>>,
 }
 
 fn unavailable(e: impl std::fmt::Display) -> StoreError {
@@ -207,7 +209,9 @@ impl SledStore {
         let head = log_head(&db).map_err(|e| fail("read write log", &e))?;
         let (tx, rx) = mpsc::channel();
         let flushes = Arc::new(AtomicU64::new(0));
+        let dirty = Arc::new(Mutex::new(HashSet::new()));
         let writer = Writer {
+            dirty: dirty.clone(),
             db: db.clone(),
             log,
             flushes: flushes.clone(),
@@ -227,12 +231,44 @@ impl SledStore {
             tx: Mutex::new(Some(tx)),
             writer: Mutex::new(Some(handle)),
             flushes,
+            dirty,
         })
     }
 
     /// How many flush+fdatasync rounds the store has made.
     pub fn flush_count(&self) -> u64 {
         self.flushes.load(Ordering::Relaxed)
+    }
+
+    /// The fast path of a claim: a record that exists, is durable, and cannot be claimed
+    /// (`succeeded`, `unknown`, in flight under a live lease, or a reused key) is answered from
+    /// a plain read, off the writer thread, so that replays and conflicts scale with cores.
+    /// Anything else, or a record whose last change is not yet flushed, goes to the writer.
+    fn settled(&self, req: &ClaimRequest) -> Option<Claim> {
+        let db = self.db().ok()?;
+        let key = rec_key(&req.fresh.id);
+        let r = decode(&key, &db.get(&key).ok()??).ok()?;
+        if r.is_expired(req.now) {
+            return None;
+        }
+        let claim = if r.fingerprint != req.fresh.fingerprint {
+            Claim::KeyReused(r)
+        } else {
+            match r.state {
+                State::Succeeded | State::Unknown => Claim::Existing(r),
+                State::InFlight if r.lease_until.is_some_and(|l| l >= req.now) => {
+                    Claim::Existing(r)
+                }
+                _ => return None,
+            }
+        };
+        // Read after the record: the writer marks an id dirty before applying its change and
+        // clears it after the flush, so a record seen here while not durable is caught.
+        let id = &req.fresh.id;
+        if self.dirty.lock().map(|d| d.contains(id)).unwrap_or(true) {
+            return None;
+        }
+        Some(claim)
     }
 
     fn db(&self) -> Result<sled::Db, StoreError> {
@@ -309,6 +345,9 @@ impl SledStore {
 
 impl Store for SledStore {
     fn claim(&self, req: ClaimRequest) -> BoxFuture<'_, Result<Claim, StoreError>> {
+        if let Some(claim) = self.settled(&req) {
+            return Box::pin(async move { Ok(claim) });
+        }
         Box::pin(self.call(|tx| Op::Claim(Box::new(req), tx)))
     }
 
@@ -523,6 +562,7 @@ fn scan(db: &sled::Db, filter: &Filter, limit: usize) -> Result<Vec<Record>, Sto
 
 /// The single thread that changes the store.
 struct Writer {
+    dirty: Arc<Mutex<HashSet<String>>>,
     db: sled::Db,
     log: File,
     flushes: Arc<AtomicU64>,
@@ -584,11 +624,24 @@ impl Writer {
             // A batch that only read (replays, conflicts) has nothing to make durable: what it
             // read was flushed by the batch that wrote it.
             let flush = (pending.durable && pending.writes > 0) || force_sync;
+            let changed: Vec<String> = if flush {
+                pending.records.keys().cloned().collect()
+            } else {
+                Vec::new()
+            };
+            if let Ok(mut d) = self.dirty.lock() {
+                d.extend(changed.iter().cloned());
+            }
             let commit = if pending.writes > 0 || flush {
                 self.commit(pending.batch, flush)
             } else {
                 Ok(())
             };
+            if let Ok(mut d) = self.dirty.lock() {
+                for id in &changed {
+                    d.remove(id);
+                }
+            }
             if commit.is_ok() {
                 dirty = if flush {
                     false
