@@ -219,26 +219,48 @@ impl Chain {
     }
 
     pub fn hash(&self, e: &Entry) -> String {
-        let body = Self::canonical(e);
+        self.hash_canonical(&e.prev, &Self::canonical(e))
+    }
+
+    fn hash_canonical(&self, prev: &str, body: &[u8]) -> String {
         match &self.key {
             None => {
                 let mut h = Sha256::new();
-                h.update(e.prev.as_bytes());
-                h.update(&body);
+                h.update(prev.as_bytes());
+                h.update(body);
                 hex::encode(h.finalize())
             }
             Some(k) => {
                 let mut m = Hmac::<Sha256>::new_from_slice(k).expect("HMAC takes keys of any size");
-                m.update(e.prev.as_bytes());
-                m.update(&body);
+                m.update(prev.as_bytes());
+                m.update(body);
                 hex::encode(m.finalize().into_bytes())
             }
         }
     }
 
+    /// Chains an event and returns it with its stored form: the canonical JSON with `hash`
+    /// appended (one serialization for both hashing and storing).
+    pub fn seal_line(&self, ev: LogEvent, head: (u64, &str), now: Millis) -> (Entry, Vec<u8>) {
+        let mut e = self.unsealed(ev, head, now);
+        let mut line = Self::canonical(&e);
+        e.hash = self.hash_canonical(&e.prev, &line);
+        line.pop(); // the closing brace
+        line.extend_from_slice(b",\"hash\":\"");
+        line.extend_from_slice(e.hash.as_bytes());
+        line.extend_from_slice(b"\"}");
+        (e, line)
+    }
+
     /// Chains an event after `(seq, hash)` of the current head.
     pub fn seal(&self, ev: LogEvent, head: (u64, &str), now: Millis) -> Entry {
-        let mut e = Entry {
+        let mut e = self.unsealed(ev, head, now);
+        e.hash = self.hash(&e);
+        e
+    }
+
+    fn unsealed(&self, ev: LogEvent, head: (u64, &str), now: Millis) -> Entry {
+        let e = Entry {
             seq: head.0 + 1,
             ts: rfc3339(now),
             event: ev.event,
@@ -260,7 +282,6 @@ impl Chain {
             prev: head.1.to_string(),
             hash: String::new(),
         };
-        e.hash = self.hash(&e);
         e
     }
 }
@@ -397,6 +418,15 @@ mod tests {
             Chain::canonical(&e),
             serde_json::to_vec(&v).expect("serializes")
         );
+    }
+
+    #[test]
+    fn a_sealed_line_is_the_entry() {
+        let c = Chain::new(Some(b"k".to_vec()));
+        let (e, line) = c.seal_line(LogEvent::bare(Event::Conflict, Actor::Proxy), (4, "ab"), 9);
+        let back: Entry = serde_json::from_slice(&line).expect("one JSON object");
+        assert_eq!(back, e);
+        assert_eq!(c.hash(&back), e.hash);
     }
 
     #[test]

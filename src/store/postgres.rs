@@ -259,14 +259,11 @@ async fn append(
         .map_err(db)?;
     let (mut seq, mut hash): (i64, String) = (head.get(0), head.get(1));
     for ev in events {
-        let e = chain.seal(ev, (seq as u64, &hash), now_millis());
+        let (e, line) = chain.seal_line(ev, (seq as u64, &hash), now_millis());
+        let line = String::from_utf8(line).expect("JSON is UTF-8");
         tx.execute(
             "INSERT INTO oncegate_log (seq, ts, entry) VALUES ($1, $2, $3)",
-            &[
-                &(e.seq as i64),
-                &e.ts,
-                &serde_json::to_string(&e).expect("entries serialize"),
-            ],
+            &[&(e.seq as i64), &e.ts, &line],
         )
         .await
         .map_err(db)?;

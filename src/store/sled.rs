@@ -56,7 +56,8 @@ enum Op {
     Claim(Box<ClaimRequest>, Reply<Claim>),
     Settle(Box<SettleRequest>, Reply<Record>),
     Resolve(String, Box<Resolve>, Event, Reply<Record>),
-    Note(Box<LogEvent>),
+    /// Notes are waiting in the shared buffer.
+    Notes,
     Recover(Option<String>, Millis, Reply<usize>),
     Expire(Millis, Reply<usize>),
     Sync(Reply<()>),
@@ -110,6 +111,8 @@ pub struct SledStore {
     flushes: Arc<AtomicU64>,
     /// Ids whose newest version is applied but not yet durable (see [`SledStore::settled`]).
     dirty: Arc<Mutex<HashSet<String>>>,
+    /// Audit-only log events waiting for the writer.
+    notes: Arc<Mutex<Vec<LogEvent>>>,
 }
 
 fn unavailable(e: impl std::fmt::Display) -> StoreError {
@@ -210,8 +213,10 @@ impl SledStore {
         let (tx, rx) = mpsc::channel();
         let flushes = Arc::new(AtomicU64::new(0));
         let dirty = Arc::new(Mutex::new(HashSet::new()));
+        let notes = Arc::new(Mutex::new(Vec::new()));
         let writer = Writer {
             dirty: dirty.clone(),
+            notes: notes.clone(),
             db: db.clone(),
             log,
             flushes: flushes.clone(),
@@ -232,6 +237,7 @@ impl SledStore {
             writer: Mutex::new(Some(handle)),
             flushes,
             dirty,
+            notes,
         })
     }
 
@@ -377,8 +383,19 @@ impl Store for SledStore {
     }
 
     fn note(&self, event: LogEvent) {
-        if let Err(e) = self.send(Op::Note(Box::new(event))) {
-            tracing::warn!(error = %e, "could not append a write-log entry");
+        // Buffered, and the writer woken only when the buffer was empty: under load many
+        // notes share one wake-up and one batch.
+        let first = match self.notes.lock() {
+            Ok(mut n) => {
+                n.push(event);
+                n.len() == 1
+            }
+            Err(_) => return,
+        };
+        if first {
+            if let Err(e) = self.send(Op::Notes) {
+                tracing::warn!(error = %e, "could not append a write-log entry");
+            }
         }
     }
 
@@ -563,6 +580,7 @@ fn scan(db: &sled::Db, filter: &Filter, limit: usize) -> Result<Vec<Record>, Sto
 /// The single thread that changes the store.
 struct Writer {
     dirty: Arc<Mutex<HashSet<String>>>,
+    notes: Arc<Mutex<Vec<LogEvent>>>,
     db: sled::Db,
     log: File,
     flushes: Arc<AtomicU64>,
@@ -692,13 +710,10 @@ impl Writer {
 
     /// Chains an event into the batch.
     fn append(&mut self, pending: &mut Pending, ev: LogEvent) {
-        let e = self
+        let (e, line) = self
             .chain
-            .seal(ev, (self.head.0, &self.head.1), now_millis());
-        pending.batch.insert(
-            log_key(e.seq),
-            serde_json::to_vec(&e).expect("entries always serialize"),
-        );
+            .seal_line(ev, (self.head.0, &self.head.1), now_millis());
+        pending.batch.insert(log_key(e.seq), line);
         self.head = (e.seq, e.hash);
         pending.writes += 1;
     }
@@ -734,7 +749,7 @@ impl Writer {
     }
 
     fn apply(&mut self, op: Op, pending: &mut Pending) -> Answer {
-        if !matches!(op, Op::Note(_) | Op::Renew(..)) {
+        if !matches!(op, Op::Notes | Op::Renew(..)) {
             pending.durable = true;
         }
         match op {
@@ -813,8 +828,15 @@ impl Writer {
                     }
                 }
             }
-            Op::Note(ev) => {
-                self.append(pending, *ev);
+            Op::Notes => {
+                let notes = self
+                    .notes
+                    .lock()
+                    .map(|mut n| std::mem::take(&mut *n))
+                    .unwrap_or_default();
+                for ev in notes {
+                    self.append(pending, ev);
+                }
                 Answer::None
             }
             Op::Recover(owner, now, tx) => {
