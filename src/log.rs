@@ -260,7 +260,7 @@ impl Chain {
     }
 
     fn unsealed(&self, ev: LogEvent, head: (u64, &str), now: Millis) -> Entry {
-        let e = Entry {
+        Entry {
             seq: head.0 + 1,
             ts: rfc3339(now),
             event: ev.event,
@@ -281,8 +281,7 @@ impl Chain {
             detail: ev.detail,
             prev: head.1.to_string(),
             hash: String::new(),
-        };
-        e
+        }
     }
 }
 
