@@ -98,3 +98,44 @@ fn check_prints_the_routing_table() {
         .lines()
         .any(|l| l.contains("/v1/chat/completions") && l.ends_with("read")));
 }
+
+/// The keys a section accepts, read from the parser's own "expected one of" list.
+fn accepted_keys(toml_with_bogus_key: &str) -> Vec<String> {
+    let err = Config::parse(toml_with_bogus_key).unwrap_err().to_string();
+    let list = err
+        .split("expected one of ")
+        .nth(1)
+        .or_else(|| err.split("expected ").nth(1))
+        .unwrap_or_else(|| panic!("no key list in {err}"));
+    let list = list.lines().next().unwrap_or_default().replace(" or ", ",");
+    list.split(',')
+        .map(|k| k.trim().trim_matches('`').trim().to_string())
+        .filter(|k| !k.is_empty())
+        .collect()
+}
+
+#[test]
+fn every_config_key_is_in_the_reference() {
+    let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/configuration.md")).unwrap();
+    let up = "[[upstreams]]\nname='a'\nprefix='/a'\nurl='http://127.0.0.1:1'\n";
+    let sections = [
+        "bogus_key = 1\n[server]\n".to_string(),
+        "[server]\nbogus_key = 1\n".to_string(),
+        "[server]\n[admin]\nbogus_key = 1\n".to_string(),
+        "[server]\n[store]\nbogus_key = 1\n".to_string(),
+        "[server]\n[log]\nbogus_key = 1\n".to_string(),
+        "[server]\n[defaults]\nbogus_key = 1\n".to_string(),
+        format!("[server]\n{up}bogus_key = 1\n"),
+        format!("[server]\n{up}[[upstreams.routes]]\nbogus_key = 1\n"),
+        format!("[server]\n{up}lookup = {{ path = '/x', found = '/id', bogus_key = 1 }}\n"),
+        "[server]\ntls = { cert = 'a', key = 'b', bogus_key = 1 }\n".to_string(),
+    ];
+    let mut checked = 0;
+    for s in &sections {
+        for key in accepted_keys(&format!("{s}{}", if s.contains("[[upstreams]]") { "" } else { up })) {
+            assert!(doc.contains(&format!("`{key}`")), "docs/configuration.md does not describe `{key}`");
+            checked += 1;
+        }
+    }
+    assert!(checked > 40, "only {checked} keys found");
+}
