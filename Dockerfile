@@ -4,6 +4,7 @@ FROM rust:1.95-slim-bookworm AS build
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src ./src
+COPY benches ./benches
 RUN cargo build --release --locked --bin oncegate
 
 FROM debian:bookworm-slim

@@ -116,7 +116,10 @@ fn accepted_keys(toml_with_bogus_key: &str) -> Vec<String> {
 
 #[test]
 fn every_config_key_is_in_the_reference() {
-    let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/configuration.md")).unwrap();
+    let doc = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/configuration.md"),
+    )
+    .unwrap();
     let up = "[[upstreams]]\nname='a'\nprefix='/a'\nurl='http://127.0.0.1:1'\n";
     let sections = [
         "bogus_key = 1\n[server]\n".to_string(),
@@ -132,8 +135,14 @@ fn every_config_key_is_in_the_reference() {
     ];
     let mut checked = 0;
     for s in &sections {
-        for key in accepted_keys(&format!("{s}{}", if s.contains("[[upstreams]]") { "" } else { up })) {
-            assert!(doc.contains(&format!("`{key}`")), "docs/configuration.md does not describe `{key}`");
+        for key in accepted_keys(&format!(
+            "{s}{}",
+            if s.contains("[[upstreams]]") { "" } else { up }
+        )) {
+            assert!(
+                doc.contains(&format!("`{key}`")),
+                "docs/configuration.md does not describe `{key}`"
+            );
             checked += 1;
         }
     }

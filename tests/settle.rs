@@ -120,8 +120,20 @@ async fn a_lookup_that_fails_or_stalls_leaves_the_action_unknown() {
 #[tokio::test]
 async fn background_lookups_settle_unknown_actions() {
     let extra = format!("{LOOKUP}\nlookup_interval = \"100ms\"");
-    let (up, proxy, id) = unknown_write(&extra, "ch-key-4").await;
+    let up = FakeUpstream::start().await;
+    // The lookup endpoint answers before the first background tick can ask it.
     up.on("/v1/lookup/", Behavior::json(200, r#"{"id":"ch_bg"}"#));
+    let proxy = TestProxy::start(&config(&up.url(), &extra)).await;
+    up.push(Behavior::Hang);
+    let r = TestClient::default()
+        .post(
+            &proxy.url("/pay/v1/charges"),
+            &[(KEY, "ch-key-4")],
+            "amount=5",
+        )
+        .await;
+    assert_eq!(r.problem(), "outcome-unknown");
+    let id = r.header("oncegate-action").unwrap().to_string();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         let a = proxy

@@ -113,6 +113,46 @@ pub struct SledStore {
     dirty: Arc<Mutex<HashSet<String>>>,
     /// Audit-only log events waiting for the writer.
     notes: Arc<Mutex<Vec<LogEvent>>>,
+    /// The last durable version of recently settled records, with small bodies.
+    cache: Arc<Mutex<Cache>>,
+}
+
+/// Recently settled records (`succeeded`, `unknown`) as last made durable, for replays and
+/// conflicts that need no sled read. Bounded; the oldest entries go first.
+#[derive(Default)]
+struct Cache {
+    map: HashMap<String, (Record, Option<Bytes>)>,
+    order: std::collections::VecDeque<String>,
+}
+
+const CACHE_ENTRIES: usize = 16_384;
+
+impl Cache {
+    /// Takes the durable outcome of a batch: settled records in, anything else out.
+    fn update(&mut self, id: &str, r: Option<&Record>, body: Option<&Bytes>) {
+        match r {
+            Some(r) if matches!(r.state, State::Succeeded | State::Unknown) => {
+                let keep = body
+                    .filter(|b| b.len() <= 16 * 1024)
+                    .cloned()
+                    .or_else(|| self.map.get(id).and_then(|(_, b)| b.clone()));
+                if self.map.insert(id.to_string(), (r.clone(), keep)).is_none() {
+                    self.order.push_back(id.to_string());
+                }
+                while self.map.len() > CACHE_ENTRIES {
+                    match self.order.pop_front() {
+                        Some(old) => {
+                            self.map.remove(&old);
+                        }
+                        None => break,
+                    }
+                }
+            }
+            _ => {
+                self.map.remove(id);
+            }
+        }
+    }
 }
 
 fn unavailable(e: impl std::fmt::Display) -> StoreError {
@@ -214,7 +254,9 @@ impl SledStore {
         let flushes = Arc::new(AtomicU64::new(0));
         let dirty = Arc::new(Mutex::new(HashSet::new()));
         let notes = Arc::new(Mutex::new(Vec::new()));
+        let cache = Arc::new(Mutex::new(Cache::default()));
         let writer = Writer {
+            cache: cache.clone(),
             dirty: dirty.clone(),
             notes: notes.clone(),
             db: db.clone(),
@@ -238,6 +280,7 @@ impl SledStore {
             flushes,
             dirty,
             notes,
+            cache,
         })
     }
 
@@ -251,9 +294,21 @@ impl SledStore {
     /// a plain read, off the writer thread, so that replays and conflicts scale with cores.
     /// Anything else, or a record whose last change is not yet flushed, goes to the writer.
     fn settled(&self, req: &ClaimRequest) -> Option<Claim> {
-        let db = self.db().ok()?;
-        let key = rec_key(&req.fresh.id);
-        let r = decode(&key, &db.get(&key).ok()??).ok()?;
+        // Settled records are served from memory first: sled takes a global lock on every read
+        // once batches are in use, and a batch being applied blocks them all.
+        let cached = self
+            .cache
+            .lock()
+            .ok()
+            .and_then(|c| c.map.get(&req.fresh.id).map(|(r, _)| r.clone()));
+        let r = match cached {
+            Some(r) => r,
+            None => {
+                let db = self.db().ok()?;
+                let key = rec_key(&req.fresh.id);
+                decode(&key, &db.get(&key).ok()??).ok()?
+            }
+        };
         if r.is_expired(req.now) {
             return None;
         }
@@ -489,6 +544,14 @@ impl Store for SledStore {
 
     fn body<'a>(&'a self, record: &'a Record) -> BoxFuture<'a, Result<Option<Bytes>, StoreError>> {
         Box::pin(async move {
+            let cached = self
+                .cache
+                .lock()
+                .ok()
+                .and_then(|c| c.map.get(&record.id).and_then(|(_, b)| b.clone()));
+            if cached.is_some() {
+                return Ok(cached);
+            }
             match record.response.as_ref().map(|r| &r.body) {
                 Some(BodyRef::Inline) => Ok(self
                     .db()?
@@ -579,6 +642,7 @@ fn scan(db: &sled::Db, filter: &Filter, limit: usize) -> Result<Vec<Record>, Sto
 
 /// The single thread that changes the store.
 struct Writer {
+    cache: Arc<Mutex<Cache>>,
     dirty: Arc<Mutex<HashSet<String>>>,
     notes: Arc<Mutex<Vec<LogEvent>>>,
     db: sled::Db,
@@ -596,6 +660,8 @@ struct Writer {
 struct Pending {
     batch: sled::Batch,
     records: HashMap<String, Option<Record>>,
+    /// Response bodies stored in this batch, by action id.
+    bodies: HashMap<String, Bytes>,
     writes: usize,
     /// Someone waits for this batch to be durable.
     durable: bool,
@@ -655,6 +721,18 @@ impl Writer {
             } else {
                 Ok(())
             };
+            if commit.is_ok() && flush {
+                if let Ok(mut c) = self.cache.lock() {
+                    for id in &changed {
+                        let r = pending.records.get(id).and_then(Option::as_ref);
+                        c.update(id, r, pending.bodies.get(id));
+                    }
+                }
+            } else if let Ok(mut c) = self.cache.lock() {
+                for id in &changed {
+                    c.map.remove(id);
+                }
+            }
             if let Ok(mut d) = self.dirty.lock() {
                 for id in &changed {
                     d.remove(id);
@@ -798,6 +876,7 @@ impl Writer {
                     Ok((old, new)) => {
                         if let Some(body) = &body {
                             pending.batch.insert(body_key(&new.id), body.as_ref());
+                            pending.bodies.insert(new.id.clone(), body.clone());
                         }
                         self.stage(pending, old.as_ref(), &new);
                         self.append(pending, settle_event(&new));
@@ -821,6 +900,7 @@ impl Writer {
                     Ok((old, new)) => {
                         if let Some(body) = body {
                             pending.batch.insert(body_key(&new.id), body.as_ref());
+                            pending.bodies.insert(new.id.clone(), body.clone());
                         }
                         self.stage(pending, old.as_ref(), &new);
                         self.append(pending, resolve_event(event, &new, actor, reason));
