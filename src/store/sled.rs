@@ -46,6 +46,8 @@ const MAX_BATCH: usize = 1024;
 /// fsync. Large segments keep every value we store (records, bodies ≤ 64 KiB, and pages of 16 of
 /// them) inside the log that we fdatasync.
 const SEGMENT_SIZE: usize = 8 << 20;
+/// sled's page cache (its default is 1 GiB): the proxy's memory is mostly this.
+const SLED_CACHE: u64 = 16 << 20;
 const ANCHOR_KEY: &[u8] = b"m/log_anchor";
 /// Audit-only log entries and lease renewals are made durable within this.
 const LAZY_FLUSH: std::time::Duration = std::time::Duration::from_millis(100);
@@ -125,7 +127,7 @@ struct Cache {
     order: std::collections::VecDeque<String>,
 }
 
-const CACHE_ENTRIES: usize = 16_384;
+const CACHE_ENTRIES: usize = 4_096;
 
 impl Cache {
     /// Takes the durable outcome of a batch: settled records in, anything else out.
@@ -245,6 +247,7 @@ impl SledStore {
         let db = sled::Config::new()
             .path(dir)
             .segment_size(SEGMENT_SIZE)
+            .cache_capacity(SLED_CACHE)
             .flush_every_ms(None)
             .open()
             .map_err(|e| fail("sled", &e))?;
