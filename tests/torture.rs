@@ -148,6 +148,12 @@ struct Options {
     broken_client: bool,
     /// Without kills: how many writes each client makes.
     writes_per_client: usize,
+    /// Proxies sharing the store (more than one needs PostgreSQL).
+    proxies: usize,
+    /// A PostgreSQL database URL: the fleet's store instead of sled.
+    postgres: Option<String>,
+    /// Milliseconds between kills, drawn from this range.
+    kill_gap: (u64, u64),
 }
 
 #[derive(Debug, Default)]
@@ -223,7 +229,7 @@ async fn run_client(
     id: usize,
     opts: Arc<Options>,
     book: Arc<Book>,
-    proxy: Arc<RwLock<Option<SocketAddr>>>,
+    proxy: Arc<RwLock<Vec<Option<SocketAddr>>>>,
     stop: Arc<AtomicBool>,
 ) {
     let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
@@ -244,7 +250,15 @@ async fn run_client(
             if stop.load(Ordering::SeqCst) {
                 break;
             }
-            let Some(addr) = *proxy.read().unwrap() else {
+            // This client's proxy, or any other that is up.
+            let up = {
+                let p = proxy.read().unwrap();
+                p.get(id % p.len())
+                    .copied()
+                    .flatten()
+                    .or_else(|| p.iter().flatten().next().copied())
+            };
+            let Some(addr) = up else {
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;
             };
@@ -312,9 +326,13 @@ async fn run_client(
     }
 }
 
-fn proxy_config(dir: &std::path::Path, upstream: SocketAddr) -> std::path::PathBuf {
+fn proxy_config(dir: &std::path::Path, upstream: SocketAddr, postgres: bool) -> std::path::PathBuf {
     let path = dir.join("oncegate.toml");
-    let store = dir.join("store");
+    let store = if postgres {
+        "backend = \"postgres\"\nurl_env = \"ONCEGATE_TEST_DB\"".to_string()
+    } else {
+        format!("path = {:?}", dir.join("store").display().to_string())
+    };
     std::fs::write(
         &path,
         format!(
@@ -325,7 +343,7 @@ drain_timeout = "1s"
 [admin]
 listen = "127.0.0.1:0"
 [store]
-path = {store:?}
+{store}
 [defaults]
 timeout = "150ms"
 connect_timeout = "500ms"
@@ -355,20 +373,32 @@ async fn harness(opts: Options) -> Report {
     let tmp = tempfile::tempdir().unwrap();
     let ledger = Arc::new(Ledger::default());
     let upstream = start_upstream(ledger.clone(), opts.faults).await;
-    let cfg = proxy_config(tmp.path(), upstream);
+    let cfg = proxy_config(tmp.path(), upstream, opts.postgres.is_some());
     let opts = Arc::new(opts);
     let book = Arc::new(Book::default());
-    let proxy_addr = Arc::new(RwLock::new(None));
+    let proxy_addr = Arc::new(RwLock::new(Vec::new()));
     let stop = Arc::new(AtomicBool::new(false));
     let mut report = Report::default();
 
-    let mut child = {
-        let cfg = cfg.clone();
-        tokio::task::spawn_blocking(move || ChildProxy::spawn(&cfg))
-            .await
-            .unwrap()
+    let envs: Vec<(String, String)> = opts
+        .postgres
+        .iter()
+        .map(|u| ("ONCEGATE_TEST_DB".to_string(), u.clone()))
+        .collect();
+    let spawn = |cfg: std::path::PathBuf, envs: Vec<(String, String)>| async move {
+        tokio::task::spawn_blocking(move || {
+            let e: Vec<(&str, &str)> = envs.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            ChildProxy::spawn_with(&cfg, &e)
+        })
+        .await
+        .unwrap()
     };
-    *proxy_addr.write().unwrap() = Some(child.addr);
+    let mut children = Vec::new();
+    for _ in 0..opts.proxies {
+        let c = spawn(cfg.clone(), envs.clone()).await;
+        proxy_addr.write().unwrap().push(Some(c.addr));
+        children.push(c);
+    }
     let clients: Vec<_> = (0..opts.clients)
         .map(|i| {
             tokio::spawn(run_client(
@@ -382,19 +412,21 @@ async fn harness(opts: Options) -> Report {
         .collect();
 
     for k in 0..opts.kills {
-        let wait = rand::rng().random_range(30..250);
+        let wait = rand::rng().random_range(opts.kill_gap.0..opts.kill_gap.1);
         tokio::time::sleep(Duration::from_millis(wait)).await;
-        *proxy_addr.write().unwrap() = None;
-        child.kill();
+        let slot = rand::rng().random_range(0..children.len());
+        proxy_addr.write().unwrap()[slot] = None;
+        children.remove(slot).kill();
         report.kills += 1;
         if k % 4 == 3 {
             // Killed again while starting up and recovering.
-            let cfg = cfg.clone();
+            let (cfg, envs) = (cfg.clone(), envs.clone());
             let early = rand::rng().random_range(0..40);
             tokio::task::spawn_blocking(move || {
                 let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_oncegate"))
                     .args(["run", "--config"])
                     .arg(&cfg)
+                    .envs(envs)
                     .stderr(std::process::Stdio::null())
                     .spawn()
                     .unwrap();
@@ -406,17 +438,13 @@ async fn harness(opts: Options) -> Report {
             .unwrap();
             report.kills += 1;
         }
-        child = {
-            let cfg = cfg.clone();
-            tokio::task::spawn_blocking(move || ChildProxy::spawn(&cfg))
-                .await
-                .unwrap()
-        };
+        let child = spawn(cfg.clone(), envs.clone()).await;
         report.log_checks += 1;
         if !verify_log(&child).await {
             report.log_failures += 1;
         }
-        *proxy_addr.write().unwrap() = Some(child.addr);
+        proxy_addr.write().unwrap()[slot] = Some(child.addr);
+        children.insert(slot, child);
     }
     if opts.kills > 0 {
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -442,7 +470,7 @@ async fn harness(opts: Options) -> Report {
         let n: usize = write.rsplit('-').next().unwrap().parse().unwrap();
         if let Some((status, body)) = &seen.success {
             let (h, b) = request(*mode, *client_id, n, write, seen.suffix);
-            match send(&client, child.addr, &h, &b).await {
+            match send(&client, children[0].addr, &h, &b).await {
                 Ok((s, Some(o), again)) if s == *status && again == *body && o == "replayed" => {}
                 other => {
                     report.lost_completed += 1;
@@ -454,7 +482,7 @@ async fn harness(opts: Options) -> Report {
             report.completed += 1;
         } else if seen.unknown_at.is_some() && !(opts.broken_client && *mode == Mode::Key) {
             let (h, b) = request(*mode, *client_id, n, write, 0);
-            let r = send(&client, child.addr, &h, &b).await;
+            let r = send(&client, children[0].addr, &h, &b).await;
             if !matches!(&r, Ok((409, Some(o), _)) if o == "unknown") {
                 let mut msg = format!("{write}: was unknown, then {r:?}");
                 msg.truncate(300);
@@ -467,7 +495,7 @@ async fn harness(opts: Options) -> Report {
         }
     }
     report.log_checks += 1;
-    if !verify_log(&child).await {
+    if !verify_log(&children[0]).await {
         report.log_failures += 1;
     }
     let receipts = ledger.receipts.lock().unwrap().clone();
@@ -532,6 +560,9 @@ async fn sigkills_under_load_never_duplicate_lose_or_resend_a_write() {
         },
         broken_client: false,
         writes_per_client: 0,
+        proxies: 1,
+        postgres: None,
+        kill_gap: (30, 250),
     })
     .await;
     assert!(
@@ -560,10 +591,45 @@ async fn the_harness_catches_a_client_that_ignores_idempotency() {
         },
         broken_client: true,
         writes_per_client: 30,
+        proxies: 1,
+        postgres: None,
+        kill_gap: (30, 250),
     })
     .await;
     assert!(
         report.duplicates > 0,
         "the checker missed real duplicates: {report:?}"
     );
+}
+
+/// Two proxies on one PostgreSQL database, killed at random: the fleet keeps the promise too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_proxies_on_postgres_survive_sigkills_without_duplicates() {
+    let Some(base) = support::postgres_base("two_proxies_on_postgres_survive_sigkills") else {
+        return;
+    };
+    let url = support::fresh_database(&base).await;
+    let report = harness(Options {
+        kills: env_or("ONCEGATE_TORTURE_PG_KILLS", 10),
+        clients: 6,
+        faults: Faults {
+            stall: 0.05,
+            drop: 0.05,
+            unavailable: 0.05,
+        },
+        broken_client: false,
+        writes_per_client: 0,
+        proxies: 2,
+        postgres: Some(url),
+        // A dead proxy's attempts wait out their lease (about 2.3 s here) before they are
+        // unknown: kills further apart let the fleet make progress in between.
+        kill_gap: (300, 900),
+    })
+    .await;
+    assert!(report.writes > report.kills, "{report:?}");
+    assert_eq!(report.duplicates, 0, "{report:?}");
+    assert_eq!(report.lost_completed, 0, "{report:?}");
+    assert_eq!(report.resends, 0, "{report:?}");
+    assert_eq!(report.log_failures, 0, "{report:?}");
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
 }
