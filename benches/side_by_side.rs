@@ -486,30 +486,12 @@ async fn preload(dir: &Path, n: usize) {
             while i < n {
                 let id = format!("{:032x}", i as u128 * 0x9E3779B97F4A7C15);
                 let fresh = Record {
-                    v: RECORD_VERSION,
-                    id: id.clone(),
                     upstream: "pay".into(),
                     principal: "anonymous".into(),
                     key: format!("preload-{i}"),
-                    fingerprint: "f".repeat(64),
                     method: "POST".into(),
                     path: "/v1/charges".into(),
-                    task: None,
-                    step: None,
-                    state: State::InFlight,
-                    attempts: 0,
-                    owner: None,
-                    lease_until: None,
-                    created_at: 0,
-                    updated_at: 0,
-                    retention_ms: 86_400_000,
-                    expires_at: 0,
-                    external_id: None,
-                    needs_decision: false,
-                    request: RequestInfo::default(),
-                    evidence: vec![],
-                    response: None,
-                    resolution: None,
+                    ..Record::new(id.clone(), "f".repeat(64))
                 };
                 let now = now_millis();
                 store

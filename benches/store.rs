@@ -16,30 +16,15 @@ static N: AtomicU64 = AtomicU64::new(0);
 fn fresh() -> Record {
     let i = N.fetch_add(1, Ordering::Relaxed);
     Record {
-        v: RECORD_VERSION,
-        id: format!("{:032x}", u128::from(i) * 0x9E37_79B9_7F4A_7C15),
         upstream: "pay".into(),
         principal: "anonymous".into(),
         key: format!("k-{i}"),
-        fingerprint: "f".repeat(64),
         method: "POST".into(),
         path: "/v1/charges".into(),
-        task: None,
-        step: None,
-        state: State::InFlight,
-        attempts: 0,
-        owner: None,
-        lease_until: None,
-        created_at: 0,
-        updated_at: 0,
-        retention_ms: 86_400_000,
-        expires_at: 0,
-        external_id: None,
-        needs_decision: false,
-        request: RequestInfo::default(),
-        evidence: vec![],
-        response: None,
-        resolution: None,
+        ..Record::new(
+            format!("{:032x}", u128::from(i) * 0x9E37_79B9_7F4A_7C15),
+            "f".repeat(64),
+        )
     }
 }
 

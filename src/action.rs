@@ -264,6 +264,37 @@ pub fn apply_resolve(
 }
 
 impl Record {
+    /// A record for a new action, not yet claimed: the identity is given, every other field
+    /// starts empty (callers add the rest with struct update syntax).
+    pub fn new(id: impl Into<String>, fingerprint: impl Into<String>) -> Record {
+        Record {
+            v: RECORD_VERSION,
+            id: id.into(),
+            upstream: String::new(),
+            principal: String::new(),
+            key: String::new(),
+            fingerprint: fingerprint.into(),
+            method: String::new(),
+            path: String::new(),
+            task: None,
+            step: None,
+            state: State::InFlight,
+            attempts: 0,
+            owner: None,
+            lease_until: None,
+            created_at: 0,
+            updated_at: 0,
+            retention_ms: 24 * 3_600_000,
+            expires_at: 0,
+            external_id: None,
+            needs_decision: false,
+            request: RequestInfo::default(),
+            evidence: Vec::new(),
+            response: None,
+            resolution: None,
+        }
+    }
+
     fn touch(&mut self, now: Millis) {
         self.updated_at = now;
         self.expires_at = now.saturating_add(self.retention_ms);
@@ -443,30 +474,13 @@ pub(crate) mod tests {
 
     pub fn fresh(fp: &str) -> Record {
         Record {
-            v: RECORD_VERSION,
-            id: "id1".into(),
             upstream: "u".into(),
             principal: "anonymous".into(),
             key: "k".into(),
-            fingerprint: fp.into(),
             method: "POST".into(),
             path: "/c".into(),
-            task: None,
-            step: None,
-            state: State::InFlight,
-            attempts: 0,
-            owner: None,
-            lease_until: None,
-            created_at: 0,
-            updated_at: 0,
             retention_ms: 1000,
-            expires_at: 0,
-            external_id: None,
-            needs_decision: false,
-            request: RequestInfo::default(),
-            evidence: vec![],
-            response: None,
-            resolution: None,
+            ..Record::new("id1", fp)
         }
     }
 

@@ -27,7 +27,7 @@ use tracing::Instrument;
 
 use crate::action::{
     BodyRef, Claim, ClaimRequest, Clock, Millis, Record, RequestInfo, Settlement, Source, State,
-    StoredResponse, Try, RECORD_VERSION,
+    StoredResponse, Try,
 };
 use crate::config::{Config, Policy, Upstream};
 use crate::error::{action_json, ActionCtx, Completed, Outcome, ProxyError};
@@ -411,34 +411,20 @@ impl Proxy {
     fn fresh_record(&self, job: &WriteJob) -> Record {
         let id = &job.identity;
         Record {
-            v: RECORD_VERSION,
-            id: id.action_id.clone(),
             upstream: job.upstream.name.clone(),
             principal: id.principal.clone(),
             key: id.key.clone(),
-            fingerprint: id.fingerprint.clone(),
             method: job.method.to_string(),
             path: self.redactor.path(&job.rest, job.query.as_deref()),
             task: id.task.clone(),
             step: id.step.clone(),
-            state: State::InFlight,
-            attempts: 0,
-            owner: None,
-            lease_until: None,
-            created_at: 0,
-            updated_at: 0,
             retention_ms: job.policy.retention.as_millis() as u64,
-            expires_at: 0,
-            external_id: None,
-            needs_decision: false,
             request: RequestInfo {
                 headers: self.redactor.headers(&job.headers),
                 body_size: job.body.len() as u64,
                 body_sha256: hex::encode(Sha256::digest(&job.body)),
             },
-            evidence: Vec::new(),
-            response: None,
-            resolution: None,
+            ..Record::new(id.action_id.clone(), id.fingerprint.clone())
         }
     }
 

@@ -15,30 +15,15 @@ type S = Arc<dyn Store>;
 
 fn record(id: &str, fp: &str, task: Option<&str>) -> Record {
     Record {
-        v: RECORD_VERSION,
-        id: id.into(),
         upstream: "pay".into(),
         principal: "p1".into(),
         key: format!("key-{id}"),
-        fingerprint: fp.into(),
         method: "POST".into(),
         path: "/v1/charges".into(),
         task: task.map(String::from),
         step: task.map(|_| format!("step-{id}")),
-        state: State::InFlight,
-        attempts: 0,
-        owner: None,
-        lease_until: None,
-        created_at: 0,
-        updated_at: 0,
         retention_ms: 3_600_000,
-        expires_at: 0,
-        external_id: None,
-        needs_decision: false,
-        request: RequestInfo::default(),
-        evidence: vec![],
-        response: None,
-        resolution: None,
+        ..Record::new(id, fp)
     }
 }
 
