@@ -240,6 +240,10 @@ async fn logs_every_change_in_one_verifiable_chain(s: S) {
     assert!(v.ok && v.entries == 3);
     assert_eq!(s.log_head().await.unwrap(), (3, entries[2].hash.clone()));
     assert_eq!(s.log(2, 100).await.unwrap().len(), 1);
+    // From the middle of what one batch wrote, and with a limit.
+    let seqs = |v: Vec<oncegate::log::Entry>| v.iter().map(|e| e.seq).collect::<Vec<_>>();
+    assert_eq!(seqs(s.log(1, 100).await.unwrap()), [2, 3]);
+    assert_eq!(seqs(s.log(0, 2).await.unwrap()), [1, 2]);
 }
 
 async fn scans_by_state_and_task_and_counts(s: S) {

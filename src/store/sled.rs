@@ -192,21 +192,40 @@ fn fsync_dir(dir: &Path) -> std::io::Result<()> {
 
 /// The last log entry's `(seq, hash)`, or the anchor of a pruned log, or the genesis.
 fn log_head(db: &sled::Db) -> Result<(u64, String), StoreError> {
-    if let Some((_, v)) = db
+    if let Some((k, v)) = db
         .scan_prefix(b"l/")
         .next_back()
         .transpose()
         .map_err(unavailable)?
     {
-        let e: Entry = serde_json::from_slice(&v).map_err(|e| StoreError::Corrupt {
-            id: "write log head".into(),
-            reason: e.to_string(),
-        })?;
+        let last = block_entries(&k, &v).pop();
+        let e = last
+            .and_then(Result::ok)
+            .ok_or_else(|| StoreError::Corrupt {
+                id: "write log head".into(),
+                reason: "the last log block does not parse".into(),
+            })?;
         return Ok((e.seq, e.hash));
     }
     Ok(anchor(db)?
         .map(|(seq, prev)| (seq - 1, prev))
         .unwrap_or((0, GENESIS.to_string())))
+}
+
+/// The entries of one log block: the entries one batch appended, as NDJSON, keyed by the first
+/// one's sequence number. An entry that does not parse is reported by its sequence number.
+fn block_entries(key: &[u8], value: &[u8]) -> Vec<Result<Entry, u64>> {
+    let first = key
+        .get(2..10)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map(u64::from_be_bytes)
+        .unwrap_or(0);
+    value
+        .split(|b| *b == b'\n')
+        .filter(|l| !l.is_empty())
+        .enumerate()
+        .map(|(i, l)| serde_json::from_slice::<Entry>(l).map_err(|_| first + i as u64))
+        .collect()
 }
 
 /// Where a pruned log starts: the first kept entry's `(seq, prev)`.
@@ -461,16 +480,29 @@ impl Store for SledStore {
         Box::pin(async move {
             let db = self.db()?;
             tokio::task::spawn_blocking(move || {
-                db.range(log_key(after.saturating_add(1))..log_key(u64::MAX))
-                    .take(limit)
-                    .map(|kv| {
-                        let (_, v) = kv.map_err(unavailable)?;
-                        serde_json::from_slice(&v).map_err(|e| StoreError::Corrupt {
-                            id: "write log entry".into(),
-                            reason: e.to_string(),
-                        })
-                    })
-                    .collect()
+                let start = after.saturating_add(1);
+                // The block holding `start` begins at the last key at or before it.
+                let from = match db.range(log_key(0)..=log_key(start)).next_back() {
+                    Some(kv) => kv.map_err(unavailable)?.0.to_vec(),
+                    None => log_key(0),
+                };
+                let mut out = Vec::new();
+                for kv in db.range(from..log_key(u64::MAX)) {
+                    let (k, v) = kv.map_err(unavailable)?;
+                    for e in block_entries(&k, &v) {
+                        let e = e.map_err(|seq| StoreError::Corrupt {
+                            id: format!("write log entry {seq}"),
+                            reason: "does not parse".into(),
+                        })?;
+                        if e.seq >= start {
+                            out.push(e);
+                        }
+                        if out.len() >= limit {
+                            return Ok(out);
+                        }
+                    }
+                }
+                Ok(out)
             })
             .await
             .map_err(unavailable)?
@@ -483,14 +515,9 @@ impl Store for SledStore {
             let chain = self.chain.clone();
             tokio::task::spawn_blocking(move || {
                 let anchor = anchor(&db)?;
-                let entries = db.scan_prefix(b"l/").map(|kv| {
-                    let (k, v) = kv.map_err(|_| 0u64)?;
-                    let seq = k
-                        .get(2..10)
-                        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-                        .map(u64::from_be_bytes)
-                        .unwrap_or(0);
-                    serde_json::from_slice::<Entry>(&v).map_err(|_| seq)
+                let entries = db.scan_prefix(b"l/").flat_map(|kv| match kv {
+                    Ok((k, v)) => block_entries(&k, &v),
+                    Err(_) => vec![Err(0u64)],
                 });
                 Ok(log::verify(&chain, entries, anchor))
             })
@@ -665,6 +692,9 @@ struct Pending {
     records: HashMap<String, Option<Record>>,
     /// Response bodies stored in this batch, by action id.
     bodies: HashMap<String, Bytes>,
+    /// The log entries of this batch (NDJSON) and the first one's sequence number.
+    log_block: Vec<u8>,
+    log_first: Option<u64>,
     writes: usize,
     /// Someone waits for this batch to be durable.
     durable: bool,
@@ -710,6 +740,10 @@ impl Writer {
             }
             // A batch that only read (replays, conflicts) has nothing to make durable: what it
             // read was flushed by the batch that wrote it.
+            if let Some(first) = pending.log_first {
+                let block = std::mem::take(&mut pending.log_block);
+                pending.batch.insert(log_key(first), block);
+            }
             let flush = (pending.durable && pending.writes > 0) || force_sync;
             let changed: Vec<String> = if flush {
                 pending.records.keys().cloned().collect()
@@ -794,7 +828,11 @@ impl Writer {
         let (e, line) = self
             .chain
             .seal_line(ev, (self.head.0, &self.head.1), now_millis());
-        pending.batch.insert(log_key(e.seq), line);
+        // The batch's entries go into one block (one sled value): one insert per batch, not
+        // per entry.
+        pending.log_first.get_or_insert(e.seq);
+        pending.log_block.extend_from_slice(&line);
+        pending.log_block.push(b'\n');
         self.head = (e.seq, e.hash);
         pending.writes += 1;
     }
@@ -1004,13 +1042,20 @@ impl Writer {
         let mut dropped = 0;
         for kv in self.db.scan_prefix(b"l/") {
             let (k, v) = kv.map_err(unavailable)?;
-            let e: Entry = serde_json::from_slice(&v).map_err(|e| StoreError::Corrupt {
-                id: "write log entry".into(),
-                reason: e.to_string(),
-            })?;
-            // RFC 3339 UTC timestamps of one format order as strings.
-            if e.ts >= cutoff || e.seq == self.head.0 {
-                first_kept = Some(e);
+            let entries: Vec<Entry> = block_entries(&k, &v)
+                .into_iter()
+                .collect::<Result<_, _>>()
+                .map_err(|seq| StoreError::Corrupt {
+                    id: format!("write log entry {seq}"),
+                    reason: "does not parse".into(),
+                })?;
+            let (Some(first), Some(last)) = (entries.first(), entries.last()) else {
+                continue;
+            };
+            // A block goes only when all of it is old. RFC 3339 UTC timestamps of one format
+            // order as strings.
+            if last.ts >= cutoff || last.seq == self.head.0 {
+                first_kept = Some(first.clone());
                 break;
             }
             pending.batch.remove(k);
