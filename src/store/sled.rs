@@ -42,10 +42,10 @@ use crate::log::{self, Actor, Chain, Entry, Event, LogEvent, Verification, GENES
 pub const INLINE_BODY_MAX: usize = 64 * 1024;
 /// Most operations one flush covers.
 const MAX_BATCH: usize = 1024;
-/// sled keeps values over segment_size / 4 as separate blob files, which its flush does not
-/// fsync. Large segments keep every value we store (records, bodies ≤ 64 KiB, and pages of 16 of
-/// them) inside the log that we fdatasync.
-const SEGMENT_SIZE: usize = 8 << 20;
+/// sled's log segment, and the size of each of its IO buffers: the proxy's memory and the cost of
+/// every flush grow with it. (Values over a quarter of it become blob files, which
+/// `sync_new_blobs` fsyncs.)
+const SEGMENT_SIZE: usize = 2 << 20;
 /// sled's page cache (its default is 1 GiB): the proxy's memory is mostly this.
 const SLED_CACHE: u64 = 16 << 20;
 const ANCHOR_KEY: &[u8] = b"m/log_anchor";
@@ -278,6 +278,8 @@ impl SledStore {
         let notes = Arc::new(Mutex::new(Vec::new()));
         let cache = Arc::new(Mutex::new(Cache::default()));
         let writer = Writer {
+            dir: dir.to_owned(),
+            blobs: HashSet::new(),
             cache: cache.clone(),
             dirty: dirty.clone(),
             notes: notes.clone(),
@@ -672,6 +674,9 @@ fn scan(db: &sled::Db, filter: &Filter, limit: usize) -> Result<Vec<Record>, Sto
 
 /// The single thread that changes the store.
 struct Writer {
+    /// The store's folder, and the sled blob files already fsynced.
+    dir: PathBuf,
+    blobs: HashSet<std::ffi::OsString>,
     cache: Arc<Mutex<Cache>>,
     dirty: Arc<Mutex<HashSet<String>>>,
     notes: Arc<Mutex<Vec<LogEvent>>>,
@@ -793,7 +798,34 @@ impl Writer {
         }
     }
 
-    fn commit(&self, batch: sled::Batch, flush: bool) -> Result<(), String> {
+    /// sled writes a value too large for its log into a separate blob file, and its flush does
+    /// not fsync those. Every blob file not seen before is fsynced (with the folder) after the
+    /// flush and before the log's fdatasync, so the log never points at a blob a power loss
+    /// could take. Normally there are none: this is one `readdir` per flush.
+    fn sync_new_blobs(&mut self) -> std::io::Result<()> {
+        let dir = self.dir.join("blobs");
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return Ok(());
+        };
+        let mut present = HashSet::new();
+        let mut new = false;
+        for e in entries {
+            let e = e?;
+            let name = e.file_name();
+            if !self.blobs.contains(&name) {
+                File::open(e.path())?.sync_all()?;
+                new = true;
+            }
+            present.insert(name);
+        }
+        self.blobs = present;
+        if new {
+            fsync_dir(&dir)?;
+        }
+        Ok(())
+    }
+
+    fn commit(&mut self, batch: sled::Batch, flush: bool) -> Result<(), String> {
         let started = std::time::Instant::now();
         self.db
             .apply_batch(batch)
@@ -802,6 +834,8 @@ impl Writer {
             return Ok(());
         }
         self.db.flush().map_err(|e| format!("flush: {e}"))?;
+        self.sync_new_blobs()
+            .map_err(|e| format!("fsync blobs: {e}"))?;
         self.log
             .sync_data()
             .map_err(|e| format!("fdatasync: {e}"))?;
