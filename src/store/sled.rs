@@ -10,11 +10,14 @@
 //! - a state change and its log entry are in one atomic batch: neither exists without the other;
 //! - claims are atomic without locks (one thread decides), and the log has one chain;
 //! - many concurrent writes share one flush, and a claim that finds an existing record never
-//!   waits for a flush it does not need.
+//!   waits for a flush it does not need;
+//! - claims of settled records (replays, conflicts) are answered off the writer, from a cache of
+//!   the last durable versions or a direct read, never from a change not yet flushed.
 //!
 //! Keys (one tree): `a/{id}` record (JSON), `b/{id}` small stored body, `s/{state}/{id}` state index,
-//! `t/{task}\0{id}` task index, `l/{seq:be64}` log entry, `m/log_anchor` where a pruned log starts.
-//! Bodies over 64 KiB live in `bodies/{sha256}` beside the database.
+//! `t/{task}\0{id}` task index, `l/{first seq:be64}` a block of log entries (the NDJSON lines one
+//! batch appended), `m/log_anchor` where a pruned log starts. Bodies over 64 KiB live in
+//! `bodies/{sha256}` beside the database; sled's own blob files are fsynced after each flush.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
