@@ -213,3 +213,44 @@ async fn a_store_that_fails_after_sending_never_answers_success_and_the_action_i
     assert_eq!(r.problem(), "outcome-unknown");
     assert_eq!(up.count(), 1);
 }
+
+#[tokio::test]
+async fn the_sweeper_deletes_large_bodies_no_record_keeps() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let store = sled(&dir);
+    let now = Arc::new(AtomicU64::new(1_800_000_000_000));
+    let clock: oncegate::action::Clock = {
+        let now = now.clone();
+        Arc::new(move || now.load(Ordering::SeqCst))
+    };
+    let proxy = TestProxy::start_with_clock(
+        &config(&up.url(), "retention = \"2h\""),
+        store.clone(),
+        tmp.path(),
+        clock,
+    )
+    .await;
+    // Two actions whose (large) answers are the same bytes: one content-addressed file.
+    let big = "b".repeat(100_000);
+    up.set_default(Behavior::json(201, &big));
+    let c = TestClient::default();
+    c.post(&proxy.url("/pay/v1/exports"), &[(KEY, "first")], "a")
+        .await;
+    now.fetch_add(HOUR, Ordering::SeqCst);
+    c.post(&proxy.url("/pay/v1/exports"), &[(KEY, "second")], "b")
+        .await;
+    let files = || std::fs::read_dir(dir.join("bodies")).unwrap().count();
+    assert_eq!(files(), 1);
+    // The first expires; the second still keeps the file.
+    assert_eq!(store.expire(1_800_000_000_000 + 2 * HOUR).await.unwrap(), 1);
+    assert_eq!(files(), 1);
+    let r = c
+        .post(&proxy.url("/pay/v1/exports"), &[(KEY, "second")], "b")
+        .await;
+    assert_eq!(r.body, big);
+    // Then the second: nothing keeps it any more.
+    assert_eq!(store.expire(1_800_000_000_000 + 3 * HOUR).await.unwrap(), 1);
+    assert_eq!(files(), 0);
+}

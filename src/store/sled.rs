@@ -120,6 +120,8 @@ pub struct SledStore {
     notes: Arc<Mutex<Vec<LogEvent>>>,
     /// The last durable version of recently settled records, with small bodies.
     cache: Arc<Mutex<Cache>>,
+    /// Body files being placed by settlements not yet committed, by hash.
+    placing: Arc<Mutex<HashMap<String, i64>>>,
 }
 
 /// Recently settled records (`succeeded`, `unknown`) as last made durable, for replays and
@@ -280,7 +282,9 @@ impl SledStore {
         let dirty = Arc::new(Mutex::new(HashSet::new()));
         let notes = Arc::new(Mutex::new(Vec::new()));
         let cache = Arc::new(Mutex::new(Cache::default()));
+        let placing = Arc::new(Mutex::new(HashMap::new()));
         let writer = Writer {
+            placing: placing.clone(),
             dir: dir.to_owned(),
             blobs: HashSet::new(),
             cache: cache.clone(),
@@ -308,6 +312,7 @@ impl SledStore {
             dirty,
             notes,
             cache,
+            placing,
         })
     }
 
@@ -357,6 +362,17 @@ impl SledStore {
             return None;
         }
         Some(claim)
+    }
+
+    /// Counts settlements writing (`+1`) or done with (`-1`) a body file.
+    fn placing(&self, sha: &str, delta: i64) {
+        if let Ok(mut p) = self.placing.lock() {
+            let n = p.entry(sha.to_string()).or_insert(0);
+            *n += delta;
+            if *n <= 0 {
+                p.remove(sha);
+            }
+        }
     }
 
     fn db(&self) -> Result<sled::Db, StoreError> {
@@ -417,11 +433,19 @@ impl SledStore {
             return Ok(());
         };
         if b.len() > INLINE_BODY_MAX {
-            let (dir, b) = (self.dir.clone(), b.clone());
-            let sha = tokio::task::spawn_blocking(move || Self::write_body_file(dir, b))
+            // Announced before the file is written and until its record is committed, so that
+            // the sweeper never removes a body file a settlement is about to point at.
+            let sha = hex::encode(Sha256::digest(b));
+            self.placing(&sha, 1);
+            let (dir, bytes) = (self.dir.clone(), b.clone());
+            let written = tokio::task::spawn_blocking(move || Self::write_body_file(dir, bytes))
                 .await
-                .map_err(unavailable)?
-                .map_err(unavailable)?;
+                .map_err(unavailable)
+                .and_then(|r| r.map_err(unavailable));
+            if let Err(e) = written {
+                self.placing(&sha, -1);
+                return Err(e);
+            }
             *r = BodyRef::File { sha256: sha };
             *body = None;
         } else {
@@ -444,7 +468,15 @@ impl Store for SledStore {
             if let Some(resp) = req.settlement.response.as_mut() {
                 self.place_body(&mut req.body, &mut resp.body).await?;
             }
-            self.call(|tx| Op::Settle(Box::new(req), tx)).await
+            let file = match req.settlement.response.as_ref().map(|r| &r.body) {
+                Some(BodyRef::File { sha256 }) => Some(sha256.clone()),
+                _ => None,
+            };
+            let result = self.call(|tx| Op::Settle(Box::new(req), tx)).await;
+            if let Some(sha) = file {
+                self.placing(&sha, -1);
+            }
+            result
         })
     }
 
@@ -677,6 +709,7 @@ fn scan(db: &sled::Db, filter: &Filter, limit: usize) -> Result<Vec<Record>, Sto
 
 /// The single thread that changes the store.
 struct Writer {
+    placing: Arc<Mutex<HashMap<String, i64>>>,
     /// The store's folder, and the sled blob files already fsynced.
     dir: PathBuf,
     blobs: HashSet<std::ffi::OsString>,
@@ -1034,6 +1067,11 @@ impl Writer {
                 Err(e) => Answer::failed(tx, e),
                 Ok(records) => {
                     let mut n = 0;
+                    let file = |r: &Record| match r.response.as_ref().map(|s| &s.body) {
+                        Some(BodyRef::File { sha256 }) => Some(sha256.clone()),
+                        _ => None,
+                    };
+                    let (mut kept_files, mut freed) = (HashSet::new(), Vec::new());
                     for r in records {
                         let Ok(Some(r)) = self.read(pending, &r.id) else {
                             continue;
@@ -1045,7 +1083,18 @@ impl Writer {
                                 pending,
                                 LogEvent::for_record(Event::Expired, &r, Actor::Proxy),
                             );
+                            freed.extend(file(&r));
                             n += 1;
+                        } else {
+                            kept_files.extend(file(&r));
+                        }
+                    }
+                    // Body files are shared by content: one goes when no record keeps it and no
+                    // settlement is placing it.
+                    let placing = self.placing.lock().map(|p| p.clone()).unwrap_or_default();
+                    for sha in freed {
+                        if !kept_files.contains(&sha) && !placing.contains_key(&sha) {
+                            let _ = std::fs::remove_file(self.dir.join("bodies").join(&sha));
                         }
                     }
                     if let Err(e) = self.prune_log(pending, now) {
