@@ -45,10 +45,13 @@ use crate::log::{self, Actor, Chain, Entry, Event, LogEvent, Verification, GENES
 pub const INLINE_BODY_MAX: usize = 64 * 1024;
 /// Most operations one flush covers.
 const MAX_BATCH: usize = 1024;
-/// sled's log segment, and the size of each of its IO buffers: the proxy's memory and the cost of
-/// every flush grow with it. (Values over a quarter of it become blob files, which
-/// `sync_new_blobs` fsyncs.)
-const SEGMENT_SIZE: usize = 2 << 20;
+/// sled writes a value (or a consolidated page) larger than a quarter of a segment as a separate
+/// blob file, and blob files do not survive a SIGKILL reliably in sled 0.34 (seen in the torture
+/// harness with 2 MiB segments: the store no longer opened). With 8 MiB segments every page we
+/// store stays in the log: records, bodies ≤ 64 KiB and log blocks ≤ 64 KiB, 16 to a page.
+const SEGMENT_SIZE: usize = 8 << 20;
+/// A log block is closed at this size and the next entries start a new one.
+const LOG_BLOCK_MAX: usize = 64 * 1024;
 /// sled's page cache (its default is 1 GiB): the proxy's memory is mostly this.
 const SLED_CACHE: u64 = 16 << 20;
 const ANCHOR_KEY: &[u8] = b"m/log_anchor";
@@ -898,8 +901,14 @@ impl Writer {
         let (e, line) = self
             .chain
             .seal_line(ev, (self.head.0, &self.head.1), now_millis());
-        // The batch's entries go into one block (one sled value): one insert per batch, not
-        // per entry.
+        // The batch's entries go into blocks (one sled value each, at most LOG_BLOCK_MAX): one
+        // insert per block, not per entry.
+        if pending.log_block.len() + line.len() > LOG_BLOCK_MAX {
+            if let Some(first) = pending.log_first.take() {
+                let block = std::mem::take(&mut pending.log_block);
+                pending.batch.insert(log_key(first), block);
+            }
+        }
         pending.log_first.get_or_insert(e.seq);
         pending.log_block.extend_from_slice(&line);
         pending.log_block.push(b'\n');
