@@ -241,11 +241,13 @@ pub struct WriteRequest<'a> {
     pub query: &'a str,
     pub headers: &'a HeaderMap,
     pub body: &'a [u8],
+    /// The caller, as [`principal`] computed it for this route.
+    pub principal: &'a str,
 }
 
 /// Derives the identity of a write (SPEC §4.1).
 pub fn identify(req: &WriteRequest<'_>, policy: &Policy) -> Result<Identity, KeyError> {
-    let principal = principal(req.headers, policy);
+    let principal = req.principal.to_string();
     let fingerprint = fingerprint(
         req.method,
         req.rest,
@@ -412,6 +414,7 @@ mod tests {
                     query: "",
                     headers: h,
                     body: b"{}",
+                    principal: &principal(h, &p),
                 },
                 &p,
             )
@@ -448,6 +451,7 @@ mod tests {
                 query: "",
                 headers: &HeaderMap::new(),
                 body: b"",
+                principal: ANONYMOUS,
             },
             &strict,
         );

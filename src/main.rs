@@ -233,16 +233,23 @@ fn main() -> ExitCode {
     }
 }
 
+/// The tokio runtime: multi-threaded for the proxy, one thread for an operator command.
+fn runtime(multi_thread: bool) -> Result<tokio::runtime::Runtime, ExitCode> {
+    let mut b = if multi_thread {
+        tokio::runtime::Builder::new_multi_thread()
+    } else {
+        tokio::runtime::Builder::new_current_thread()
+    };
+    b.enable_all().build().map_err(|e| {
+        eprintln!("oncegate: cannot start the runtime: {e}");
+        ExitCode::FAILURE
+    })
+}
+
 fn demo() -> ExitCode {
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let rt = match runtime(true) {
         Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("oncegate: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+        Err(code) => return code,
     };
     let color = std::io::IsTerminal::is_terminal(&std::io::stdout());
     match rt.block_on(oncegate::demo::run(color)) {
@@ -273,15 +280,9 @@ where
             .ok()
             .filter(|t| !t.is_empty()),
     };
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    let rt = match runtime(false) {
         Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("oncegate: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+        Err(code) => return code,
     };
     match rt.block_on(f(client)) {
         Ok((good, text)) => {
@@ -325,15 +326,9 @@ fn routing_table(c: &Config) -> String {
 }
 
 fn run(config: Config) -> ExitCode {
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let rt = match runtime(true) {
         Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("oncegate: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+        Err(code) => return code,
     };
     let metrics = Arc::new(Metrics::new());
     let options = match oncegate::store_options(&config, &metrics) {

@@ -190,10 +190,6 @@ impl Proxy {
         })
     }
 
-    pub fn store(&self) -> &Arc<dyn Store> {
-        &self.store
-    }
-
     pub fn attempts(&self) -> &TaskTracker {
         &self.attempts
     }
@@ -258,19 +254,21 @@ impl Proxy {
         if target.class == Class::Read {
             return self.read(target, req).await;
         }
-        // Writes and denied requests are audited: keep what the write log needs.
+        // Writes and denied requests are audited: keep what the write log needs (the principal
+        // is computed once, for the action's identity and for the log).
         let method = req.method().clone();
-        let shown = self.redactor.path(target.rest, req.uri().query());
+        let query = req.uri().query().map(str::to_string);
         let principal = identity::principal(req.headers(), target.policy);
         let result = match target.class {
             Class::Deny => Err(ProxyError::RouteDenied {
                 method: method.to_string(),
                 path: self.redactor.path(&path, req.uri().query()),
             }),
-            _ => self.write(target, req).await,
+            _ => self.write(target, req, &principal).await,
         };
         if let Err(e) = &result {
-            self.note_problem(e, target.upstream, &method, &shown, &principal);
+            let shown = || self.redactor.path(target.rest, query.as_deref());
+            self.note_problem(e, target.upstream, &method, shown, &principal);
         }
         result
     }
@@ -282,7 +280,7 @@ impl Proxy {
         e: &ProxyError,
         up: &Upstream,
         method: &Method,
-        path: &str,
+        path: impl FnOnce() -> String,
         principal: &str,
     ) {
         let event = match e {
@@ -306,7 +304,7 @@ impl Proxy {
                 let mut ev = LogEvent::bare(event, Actor::Proxy);
                 ev.upstream = Some(up.name.clone());
                 ev.method = Some(method.to_string());
-                ev.path = Some(path.to_string());
+                ev.path = Some(path());
                 ev.principal = Some(identity::principal_short(principal).to_string());
                 ev
             }
@@ -360,6 +358,7 @@ impl Proxy {
         self: &Arc<Self>,
         t: Target<'_>,
         req: Request<Incoming>,
+        principal: &str,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let (parts, body) = req.into_parts();
         let max = self.config.server.max_body;
@@ -386,6 +385,7 @@ impl Proxy {
                 query: query.as_deref().unwrap_or(""),
                 headers: &parts.headers,
                 body: &body,
+                principal,
             },
             t.policy,
         )

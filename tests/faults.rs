@@ -18,16 +18,19 @@ fn sled(dir: &std::path::Path) -> Arc<dyn oncegate::store::Store> {
     Arc::new(oncegate::store::sled::SledStore::open(dir, Default::default()).unwrap())
 }
 
+/// A clock the test moves by hand, starting at T0 = 1_800_000_000_000 ms.
+fn controlled_clock() -> (Arc<AtomicU64>, oncegate::action::Clock) {
+    let now = Arc::new(AtomicU64::new(1_800_000_000_000));
+    let read = now.clone();
+    (now, Arc::new(move || read.load(Ordering::SeqCst)))
+}
+
 #[tokio::test]
 async fn records_expire_retention_after_their_last_change_and_the_key_becomes_new() {
     let up = FakeUpstream::start().await;
     let tmp = tempfile::tempdir().unwrap();
     let store = sled(&tmp.path().join("s"));
-    let now = Arc::new(AtomicU64::new(1_800_000_000_000));
-    let clock: oncegate::action::Clock = {
-        let now = now.clone();
-        Arc::new(move || now.load(Ordering::SeqCst))
-    };
+    let (now, clock) = controlled_clock();
     let proxy = TestProxy::start_with_clock(
         &config(&up.url(), "retention = \"2h\""),
         store.clone(),
@@ -69,11 +72,7 @@ async fn records_expire_retention_after_their_last_change_and_the_key_becomes_ne
 async fn an_expired_record_is_a_new_action_even_before_the_sweeper_runs() {
     let up = FakeUpstream::start().await;
     let tmp = tempfile::tempdir().unwrap();
-    let now = Arc::new(AtomicU64::new(1_800_000_000_000));
-    let clock: oncegate::action::Clock = {
-        let now = now.clone();
-        Arc::new(move || now.load(Ordering::SeqCst))
-    };
+    let (now, clock) = controlled_clock();
     let proxy = TestProxy::start_with_clock(
         &config(&up.url(), "retention = \"1h\"\nmax_attempts = 1"),
         sled(&tmp.path().join("s")),
@@ -220,11 +219,7 @@ async fn the_sweeper_deletes_large_bodies_no_record_keeps() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
     let store = sled(&dir);
-    let now = Arc::new(AtomicU64::new(1_800_000_000_000));
-    let clock: oncegate::action::Clock = {
-        let now = now.clone();
-        Arc::new(move || now.load(Ordering::SeqCst))
-    };
+    let (now, clock) = controlled_clock();
     let proxy = TestProxy::start_with_clock(
         &config(&up.url(), "retention = \"2h\""),
         store.clone(),
