@@ -107,9 +107,10 @@ http {{
   access_log off;
   client_body_temp_path {d}/cb; proxy_temp_path {d}/pt; fastcgi_temp_path {d}/ft;
   uwsgi_temp_path {d}/ut; scgi_temp_path {d}/st;
-  upstream up {{ server {upstream}; keepalive 256; }}
+  upstream up {{ server {upstream}; keepalive 256; keepalive_requests 1000000; }}
   server {{
     listen 127.0.0.1:{port};
+    keepalive_requests 1000000;
     location / {{
       proxy_pass http://up;
       proxy_http_version 1.1;

@@ -3,6 +3,7 @@
 
 pub mod postgres;
 pub mod sled;
+pub mod wal;
 
 use std::future::Future;
 use std::pin::Pin;

@@ -2,22 +2,22 @@
 //!
 //! Every change goes through a single writer thread. It takes a batch of operations off its queue,
 //! decides each against the current records (plus the changes earlier in the same batch), stages
-//! the records and their write-log entries, applies the batch atomically, then makes it durable
-//! once: sled's `flush()` followed by `fdatasync` on sled's log file (sled's flush alone ends in
-//! `sync_file_range`, which does not survive a power loss; SPEC §13). Only then does it answer.
-//! So:
+//! the records and their write-log entries, makes the batch durable once (one frame appended to
+//! the write-ahead log, one `fdatasync`: see [`super::wal`]), then applies it to sled atomically.
+//! Only then does it answer. sled's own `flush()` (which ends in `sync_file_range`, not enough for
+//! a power loss; SPEC §13) runs only at checkpoints, followed by an fsync of sled's files. So:
 //! - a claim is durable before its request leaves, an outcome before its client is answered;
 //! - a state change and its log entry are in one atomic batch: neither exists without the other;
 //! - claims are atomic without locks (one thread decides), and the log has one chain;
 //! - many concurrent writes share one flush, and a claim that finds an existing record never
 //!   waits for a flush it does not need;
 //! - claims of settled records (replays, conflicts) are answered off the writer, from a cache of
-//!   the last durable versions or a direct read, never from a change not yet flushed.
+//!   the last durable versions or a direct read of sled, which holds only durable batches.
 //!
 //! Keys (one tree): `a/{id}` record (JSON), `b/{id}` small stored body, `s/{state}/{id}` state index,
 //! `t/{task}\0{id}` task index, `l/{first seq:be64}` a block of log entries (the NDJSON lines one
 //! batch appended), `m/log_anchor` where a pruned log starts. Bodies over 64 KiB live in
-//! `bodies/{sha256}` beside the database; sled's own blob files are fsynced after each flush.
+//! `bodies/{sha256}` beside the database; sled's own blob files are fsynced at each checkpoint.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -31,6 +31,7 @@ use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 
+use super::wal::{self, Change, Wal};
 use super::{
     claim_events, recover_event, resolve_event, settle_event, BoxFuture, Filter, SettleRequest,
     Store, StoreError, StoreOptions,
@@ -117,8 +118,6 @@ pub struct SledStore {
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Flushes performed, for metrics and the "flushes per write" figure.
     flushes: Arc<AtomicU64>,
-    /// Ids whose newest version is applied but not yet durable (see [`SledStore::settled`]).
-    dirty: Arc<Mutex<HashSet<String>>>,
     /// Audit-only log events waiting for the writer.
     notes: Arc<Mutex<Vec<LogEvent>>>,
     /// The last durable version of recently settled records, with small bodies.
@@ -279,22 +278,36 @@ impl SledStore {
             .open()
             .map_err(|e| fail("sled", &e))?;
         let log = File::open(dir.join("db")).map_err(|e| fail("open sled log file", &e))?;
+        // Batches acknowledged since sled's last checkpoint are in the write-ahead log: replayed
+        // into sled, made durable there, and the log starts afresh.
+        let (mut wal, replayed) = Wal::open(&dir.join("wal"), |changes| {
+            db.apply_batch(to_batch(changes)).map_err(|e| e.to_string())
+        })
+        .map_err(|e| fail("replay the write-ahead log", &e))?;
+        let mut blobs = HashSet::new();
+        sled_durable(&db, dir, &mut blobs, &log)
+            .and_then(|()| wal.checkpointed())
+            .map_err(|e| fail("checkpoint", &e))?;
+        if replayed > 0 {
+            tracing::info!(frames = replayed, "store: replayed the write-ahead log");
+        }
         let head = log_head(&db).map_err(|e| fail("read write log", &e))?;
         let (tx, rx) = mpsc::channel();
         let flushes = Arc::new(AtomicU64::new(0));
-        let dirty = Arc::new(Mutex::new(HashSet::new()));
         let notes = Arc::new(Mutex::new(Vec::new()));
         let cache = Arc::new(Mutex::new(Cache::default()));
         let placing = Arc::new(Mutex::new(HashMap::new()));
         let writer = Writer {
             placing: placing.clone(),
             dir: dir.to_owned(),
-            blobs: HashSet::new(),
+            blobs,
             cache: cache.clone(),
-            dirty: dirty.clone(),
             notes: notes.clone(),
             db: db.clone(),
             log,
+            wal,
+            frame: Vec::new(),
+            broken: None,
             flushes: flushes.clone(),
             chain: options.chain.clone(),
             head,
@@ -312,7 +325,6 @@ impl SledStore {
             tx: Mutex::new(Some(tx)),
             writer: Mutex::new(Some(handle)),
             flushes,
-            dirty,
             notes,
             cache,
             placing,
@@ -358,12 +370,8 @@ impl SledStore {
                 _ => return None,
             }
         };
-        // Read after the record: the writer marks an id dirty before applying its change and
-        // clears it after the flush, so a record seen here while not durable is caught.
-        let id = &req.fresh.id;
-        if self.dirty.lock().map(|d| d.contains(id)).unwrap_or(true) {
-            return None;
-        }
+        // What sled holds is durable: the writer applies a batch only after its write-ahead log
+        // frame is (lease renewals aside, which only ever extend an attempt's lease).
         Some(claim)
     }
 
@@ -710,6 +718,55 @@ fn scan(db: &sled::Db, filter: &Filter, limit: usize) -> Result<Vec<Record>, Sto
     Ok(out)
 }
 
+fn to_batch(changes: Vec<Change>) -> sled::Batch {
+    let mut batch = sled::Batch::default();
+    for c in changes {
+        match c {
+            Change::Put(k, v) => batch.insert(k, v),
+            Change::Del(k) => batch.remove(k),
+        }
+    }
+    batch
+}
+
+/// sled's flush, then what its flush leaves out: its blob files and an fdatasync of its log file
+/// (sled's flush ends in `sync_file_range`, which does not survive a power loss; SPEC §13).
+///
+/// sled writes a value too large for its log into a separate blob file, and its flush does not
+/// fsync those. Every blob file not seen before is fsynced (with the folder) before the log's
+/// fdatasync, so the log never points at a blob a power loss could take. Normally there are
+/// none: this is one `readdir`.
+fn sled_durable(
+    db: &sled::Db,
+    dir: &Path,
+    seen: &mut HashSet<std::ffi::OsString>,
+    log: &File,
+) -> Result<(), String> {
+    db.flush().map_err(|e| format!("sled flush: {e}"))?;
+    let blobs = dir.join("blobs");
+    if let Ok(entries) = std::fs::read_dir(&blobs) {
+        let mut present = HashSet::new();
+        let mut new = false;
+        for e in entries {
+            let e = e.map_err(|e| format!("list sled blobs: {e}"))?;
+            let name = e.file_name();
+            if !seen.contains(&name) {
+                File::open(e.path())
+                    .and_then(|f| f.sync_all())
+                    .map_err(|e| format!("fsync sled blob: {e}"))?;
+                new = true;
+            }
+            present.insert(name);
+        }
+        *seen = present;
+        if new {
+            fsync_dir(&blobs).map_err(|e| format!("fsync sled blobs folder: {e}"))?;
+        }
+    }
+    log.sync_data()
+        .map_err(|e| format!("fdatasync sled log: {e}"))
+}
+
 /// The single thread that changes the store.
 struct Writer {
     placing: Arc<Mutex<HashMap<String, i64>>>,
@@ -717,10 +774,17 @@ struct Writer {
     dir: PathBuf,
     blobs: HashSet<std::ffi::OsString>,
     cache: Arc<Mutex<Cache>>,
-    dirty: Arc<Mutex<HashSet<String>>>,
     notes: Arc<Mutex<Vec<LogEvent>>>,
     db: sled::Db,
+    /// sled's own log file, fsynced at checkpoints.
     log: File,
+    wal: Wal,
+    /// The frame being written (reused).
+    frame: Vec<u8>,
+    /// Set when a change could not be made durable or applied: from then on every change fails
+    /// (the write-ahead log may end in a torn frame, and sled may lack a durable batch) until
+    /// the proxy restarts and replays the log.
+    broken: Option<String>,
     flushes: Arc<AtomicU64>,
     chain: Chain,
     /// `(seq, hash)` of the last log entry staged.
@@ -732,7 +796,7 @@ struct Writer {
 /// The changes of one batch, readable before they are applied.
 #[derive(Default)]
 struct Pending {
-    batch: sled::Batch,
+    changes: Vec<Change>,
     records: HashMap<String, Option<Record>>,
     /// Response bodies stored in this batch, by action id.
     bodies: HashMap<String, Bytes>,
@@ -744,23 +808,36 @@ struct Pending {
     durable: bool,
 }
 
+impl Pending {
+    fn put(&mut self, key: impl Into<Vec<u8>>, value: impl Into<Vec<u8>>) {
+        self.changes.push(Change::Put(key.into(), value.into()));
+    }
+    fn del(&mut self, key: impl Into<Vec<u8>>) {
+        self.changes.push(Change::Del(key.into()));
+    }
+}
+
 impl Writer {
     fn run(mut self, rx: mpsc::Receiver<Op>) {
-        // Applied but not yet flushed: audit-only entries (notes) and lease renewals, which no
-        // caller waits for. The next durable batch, or this timer, flushes them.
-        let mut dirty = false;
+        // Written but not yet fdatasynced: audit-only entries (notes) and lease renewals, which
+        // no caller waits for. The next durable batch, or this timer, makes them durable.
+        let mut lazy = false;
         loop {
             let first = match rx.recv_timeout(LAZY_FLUSH) {
                 Ok(op) => op,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if dirty && self.commit(sled::Batch::default(), true).is_ok() {
-                        dirty = false;
+                    if lazy && self.commit(Vec::new(), true).is_ok() {
+                        lazy = false;
                     }
                     continue;
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    if dirty {
-                        let _ = self.commit(sled::Batch::default(), true);
+                    // Closing: everything durable, and sled checkpointed so the next start
+                    // replays nothing.
+                    if self.commit(Vec::new(), true).is_ok() {
+                        if let Err(e) = self.checkpoint() {
+                            tracing::error!(error = %e, "store checkpoint at close failed");
+                        }
                     }
                     return;
                 }
@@ -782,107 +859,96 @@ impl Writer {
                 }
                 answers.push(self.apply(op, &mut pending));
             }
-            // A batch that only read (replays, conflicts) has nothing to make durable: what it
-            // read was flushed by the batch that wrote it.
             if let Some(first) = pending.log_first {
                 let block = std::mem::take(&mut pending.log_block);
-                pending.batch.insert(log_key(first), block);
+                pending.put(log_key(first), block);
             }
-            let flush = (pending.durable && pending.writes > 0) || force_sync;
-            let changed: Vec<String> = if flush {
-                pending.records.keys().cloned().collect()
-            } else {
-                Vec::new()
-            };
-            if let Ok(mut d) = self.dirty.lock() {
-                d.extend(changed.iter().cloned());
-            }
-            let commit = if pending.writes > 0 || flush {
-                self.commit(pending.batch, flush)
-            } else {
+            // A batch that only read (replays, conflicts) has nothing to make durable: what it
+            // read was made durable by the batch that wrote it.
+            let durable = (pending.durable && pending.writes > 0) || force_sync;
+            let changes = std::mem::take(&mut pending.changes);
+            let commit = if changes.is_empty() && !durable {
                 Ok(())
+            } else {
+                self.commit(changes, durable)
             };
-            if commit.is_ok() && flush {
-                if let Ok(mut c) = self.cache.lock() {
-                    for id in &changed {
-                        let r = pending.records.get(id).and_then(Option::as_ref);
-                        c.update(id, r, pending.bodies.get(id));
+            match &commit {
+                Ok(()) => {
+                    lazy = !durable && (lazy || pending.writes > 0);
+                    if let Ok(mut c) = self.cache.lock() {
+                        for (id, r) in &pending.records {
+                            c.update(id, r.as_ref(), pending.bodies.get(id));
+                        }
                     }
                 }
-            } else if let Ok(mut c) = self.cache.lock() {
-                for id in &changed {
-                    c.map.remove(id);
+                Err(e) => {
+                    tracing::error!(error = %e, "store commit failed");
+                    // Nothing of the batch is applied: the chain goes on from the last entry.
+                    self.head = head_before;
                 }
-            }
-            if let Ok(mut d) = self.dirty.lock() {
-                for id in &changed {
-                    d.remove(id);
-                }
-            }
-            if commit.is_ok() {
-                dirty = if flush {
-                    false
-                } else {
-                    dirty || pending.writes > 0
-                };
-            }
-            if let Err(e) = &commit {
-                tracing::error!(error = %e, "store commit failed");
-                // Nothing of the batch is durable: the chain goes on from the last durable entry.
-                self.head = head_before;
             }
             for a in answers {
                 a.send(&commit);
             }
-        }
-    }
-
-    /// sled writes a value too large for its log into a separate blob file, and its flush does
-    /// not fsync those. Every blob file not seen before is fsynced (with the folder) after the
-    /// flush and before the log's fdatasync, so the log never points at a blob a power loss
-    /// could take. Normally there are none: this is one `readdir` per flush.
-    fn sync_new_blobs(&mut self) -> std::io::Result<()> {
-        let dir = self.dir.join("blobs");
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            return Ok(());
-        };
-        let mut present = HashSet::new();
-        let mut new = false;
-        for e in entries {
-            let e = e?;
-            let name = e.file_name();
-            if !self.blobs.contains(&name) {
-                File::open(e.path())?.sync_all()?;
-                new = true;
+            if commit.is_ok() && self.wal.wants_checkpoint() {
+                if let Err(e) = self.checkpoint() {
+                    tracing::error!(error = %e, "store checkpoint failed");
+                    self.broken = Some(format!("checkpoint: {e}"));
+                }
             }
-            present.insert(name);
         }
-        self.blobs = present;
-        if new {
-            fsync_dir(&dir)?;
+    }
+
+    /// Writes a batch to the write-ahead log, makes it durable if asked (one fdatasync for the
+    /// whole batch), then applies it to sled. sled only ever holds what the log holds.
+    fn commit(&mut self, changes: Vec<Change>, durable: bool) -> Result<(), String> {
+        if let Some(e) = &self.broken {
+            return Err(format!(
+                "the store stopped taking changes after an earlier failure ({e}); restart the proxy"
+            ));
+        }
+        let started = std::time::Instant::now();
+        let result = self.commit_inner(changes, durable, started);
+        if let Err(e) = &result {
+            self.broken = Some(e.clone());
+        }
+        result
+    }
+
+    fn commit_inner(
+        &mut self,
+        changes: Vec<Change>,
+        durable: bool,
+        started: std::time::Instant,
+    ) -> Result<(), String> {
+        if !changes.is_empty() {
+            wal::encode(&changes, &mut self.frame);
+            self.wal
+                .append(&self.frame)
+                .map_err(|e| format!("write-ahead log write: {e}"))?;
+        }
+        if durable {
+            self.wal
+                .sync()
+                .map_err(|e| format!("write-ahead log fdatasync: {e}"))?;
+            self.flushes.fetch_add(1, Ordering::Relaxed);
+            if let Some(h) = &self.flush_latency {
+                h.observe(started.elapsed().as_secs_f64());
+            }
+        }
+        if !changes.is_empty() {
+            self.db
+                .apply_batch(to_batch(changes))
+                .map_err(|e| format!("apply: {e}"))?;
         }
         Ok(())
     }
 
-    fn commit(&mut self, batch: sled::Batch, flush: bool) -> Result<(), String> {
-        let started = std::time::Instant::now();
-        self.db
-            .apply_batch(batch)
-            .map_err(|e| format!("apply: {e}"))?;
-        if !flush {
-            return Ok(());
-        }
-        self.db.flush().map_err(|e| format!("flush: {e}"))?;
-        self.sync_new_blobs()
-            .map_err(|e| format!("fsync blobs: {e}"))?;
-        self.log
-            .sync_data()
-            .map_err(|e| format!("fdatasync: {e}"))?;
-        self.flushes.fetch_add(1, Ordering::Relaxed);
-        if let Some(h) = &self.flush_latency {
-            h.observe(started.elapsed().as_secs_f64());
-        }
-        Ok(())
+    /// Makes sled durable on its own (flush, fsync its blob files, fdatasync its log file), so
+    /// the write-ahead log can start afresh.
+    fn checkpoint(&mut self) -> Result<(), String> {
+        sled_durable(&self.db, &self.dir, &mut self.blobs, &self.log)?;
+        self.wal.rotate()
     }
 
     fn read(&self, pending: &Pending, id: &str) -> Result<Option<Record>, StoreError> {
@@ -906,7 +972,7 @@ impl Writer {
         if pending.log_block.len() + line.len() > LOG_BLOCK_MAX {
             if let Some(first) = pending.log_first.take() {
                 let block = std::mem::take(&mut pending.log_block);
-                pending.batch.insert(log_key(first), block);
+                pending.put(log_key(first), block);
             }
         }
         pending.log_first.get_or_insert(e.seq);
@@ -920,27 +986,27 @@ impl Writer {
     fn stage(&self, pending: &mut Pending, old: Option<&Record>, new: &Record) {
         if let Some(old) = old {
             if old.state != new.state {
-                pending.batch.remove(state_key(old.state, &old.id));
+                pending.del(state_key(old.state, &old.id));
             }
         }
-        pending.batch.insert(
+        pending.put(
             rec_key(&new.id),
             serde_json::to_vec(new).expect("records always serialize"),
         );
-        pending.batch.insert(state_key(new.state, &new.id), &[]);
+        pending.put(state_key(new.state, &new.id), &[]);
         if let Some(task) = &new.task {
-            pending.batch.insert(task_key(task, &new.id), &[]);
+            pending.put(task_key(task, &new.id), &[]);
         }
         pending.records.insert(new.id.clone(), Some(new.clone()));
         pending.writes += 1;
     }
 
     fn unstage(&self, pending: &mut Pending, old: &Record) {
-        pending.batch.remove(rec_key(&old.id));
-        pending.batch.remove(body_key(&old.id));
-        pending.batch.remove(state_key(old.state, &old.id));
+        pending.del(rec_key(&old.id));
+        pending.del(body_key(&old.id));
+        pending.del(state_key(old.state, &old.id));
         if let Some(task) = &old.task {
-            pending.batch.remove(task_key(task, &old.id));
+            pending.del(task_key(task, &old.id));
         }
         pending.records.insert(old.id.clone(), None);
         pending.writes += 1;
@@ -995,7 +1061,7 @@ impl Writer {
                     Err(e) => Answer::failed(tx, e),
                     Ok((old, new)) => {
                         if let Some(body) = &body {
-                            pending.batch.insert(body_key(&new.id), body.as_ref());
+                            pending.put(body_key(&new.id), body.as_ref());
                             pending.bodies.insert(new.id.clone(), body.clone());
                         }
                         self.stage(pending, old.as_ref(), &new);
@@ -1019,7 +1085,7 @@ impl Writer {
                     Err(e) => Answer::failed(tx, e),
                     Ok((old, new)) => {
                         if let Some(body) = body {
-                            pending.batch.insert(body_key(&new.id), body.as_ref());
+                            pending.put(body_key(&new.id), body.as_ref());
                             pending.bodies.insert(new.id.clone(), body.clone());
                         }
                         self.stage(pending, old.as_ref(), &new);
@@ -1153,12 +1219,12 @@ impl Writer {
                 first_kept = Some(first.clone());
                 break;
             }
-            pending.batch.remove(k);
+            pending.del(k.to_vec());
             dropped += 1;
         }
         if dropped > 0 {
             if let Some(e) = first_kept {
-                pending.batch.insert(
+                pending.put(
                     ANCHOR_KEY,
                     serde_json::to_vec(&(e.seq, e.prev)).expect("tuples serialize"),
                 );
