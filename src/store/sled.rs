@@ -993,9 +993,9 @@ impl Writer {
             rec_key(&new.id),
             serde_json::to_vec(new).expect("records always serialize"),
         );
-        pending.put(state_key(new.state, &new.id), &[]);
+        pending.put(state_key(new.state, &new.id), []);
         if let Some(task) = &new.task {
-            pending.put(task_key(task, &new.id), &[]);
+            pending.put(task_key(task, &new.id), []);
         }
         pending.records.insert(new.id.clone(), Some(new.clone()));
         pending.writes += 1;

@@ -315,51 +315,51 @@ mod tests {
 
     #[test]
     fn files_replay_in_order_until_checkpointed() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = tempfile::tempdir().expect("test step");
         let dir = tmp.path().join("wal");
-        let (mut wal, seen) = replay(&dir).unwrap();
+        let (mut wal, seen) = replay(&dir).expect("test step");
         assert!(seen.is_empty());
-        wal.append(&frame(&[put("k", "1")])).unwrap();
-        wal.rotate().unwrap();
-        wal.append(&frame(&[put("k", "2")])).unwrap();
-        wal.sync().unwrap();
+        wal.append(&frame(&[put("k", "1")])).expect("test step");
+        wal.rotate().expect("test step");
+        wal.append(&frame(&[put("k", "2")])).expect("test step");
+        wal.sync().expect("test step");
         drop(wal);
         // Reopened: only the file after the last rotation is replayed.
-        let (mut wal, seen) = replay(&dir).unwrap();
+        let (mut wal, seen) = replay(&dir).expect("test step");
         assert_eq!(seen, vec![vec![put("k", "2")]]);
         // Not yet checkpointed: a second crash replays it again, then the new file.
-        wal.append(&frame(&[put("k", "3")])).unwrap();
+        wal.append(&frame(&[put("k", "3")])).expect("test step");
         drop(wal);
-        let (mut wal, seen) = replay(&dir).unwrap();
+        let (mut wal, seen) = replay(&dir).expect("test step");
         assert_eq!(seen, vec![vec![put("k", "2")], vec![put("k", "3")]]);
-        wal.checkpointed().unwrap();
+        wal.checkpointed().expect("test step");
         drop(wal);
-        assert!(replay(&dir).unwrap().1.is_empty());
+        assert!(replay(&dir).expect("test step").1.is_empty());
     }
 
     #[test]
     fn a_torn_newest_file_is_cut_and_older_corruption_refuses_to_open() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = tempfile::tempdir().expect("test step");
         let dir = tmp.path().join("wal");
-        let (mut wal, _) = replay(&dir).unwrap();
-        wal.append(&frame(&[put("k", "1")])).unwrap();
-        wal.append(&[7, 0, 0, 0, 1, 2, 3, 4, 5]).unwrap();
+        let (mut wal, _) = replay(&dir).expect("test step");
+        wal.append(&frame(&[put("k", "1")])).expect("test step");
+        wal.append(&[7, 0, 0, 0, 1, 2, 3, 4, 5]).expect("test step");
         drop(wal);
         // The torn frame ends the newest file: accepted, and cut off.
-        let (wal, seen) = replay(&dir).unwrap();
+        let (wal, seen) = replay(&dir).expect("test step");
         assert_eq!(seen.len(), 1);
         drop(wal);
         // A crash before the checkpoint: the cut file is now an older one, and still opens.
-        let (wal, seen) = replay(&dir).unwrap();
+        let (wal, seen) = replay(&dir).expect("test step");
         assert_eq!(seen.len(), 1);
         drop(wal);
         // A bit flipped in an older file is corruption: refused, naming the file.
         let first = dir.join(file_name(1));
-        let mut bytes = std::fs::read(&first).unwrap();
+        let mut bytes = std::fs::read(&first).expect("test step");
         let last = bytes.len() - 1;
         bytes[last] ^= 1;
-        std::fs::write(&first, bytes).unwrap();
-        let err = replay(&dir).err().unwrap();
+        std::fs::write(&first, bytes).expect("test step");
+        let err = replay(&dir).err().expect("refused");
         assert!(err.contains("corrupt after 0 frames"), "{err}");
         assert!(err.contains(&file_name(1)), "{err}");
     }
