@@ -228,6 +228,8 @@ struct Result_ {
     seconds: f64,
     hist: Option<Histogram<u64>>,
     peak_rss_kib: u64,
+    /// CPU seconds the proxy used during the run.
+    cpu_secs: f64,
 }
 
 impl Result_ {
@@ -244,6 +246,7 @@ impl Result_ {
         self.errors += other.errors;
         self.seconds += other.seconds;
         self.peak_rss_kib = self.peak_rss_kib.max(other.peak_rss_kib);
+        self.cpu_secs += other.cpu_secs;
         match (&mut self.hist, other.hist) {
             (Some(h), Some(o)) => h.add(o).unwrap(),
             (h @ None, o) => *h = o,
@@ -308,9 +311,8 @@ fn build(w: Workload, conn: usize, i: u64, recent: &mut Vec<String>) -> http::Re
     }
 }
 
-fn rss_kib(pid: u32) -> u64 {
-    let mut total = 0;
-    // The process and its children (nginx workers).
+/// The process and its children (nginx workers).
+fn family(pid: u32) -> Vec<u32> {
     let mut pids = vec![pid];
     if let Ok(rd) = std::fs::read_dir("/proc") {
         for e in rd.flatten() {
@@ -328,7 +330,31 @@ fn rss_kib(pid: u32) -> u64 {
             }
         }
     }
-    for p in pids {
+    pids
+}
+
+/// CPU time (user + system, in clock ticks of 10 ms) used so far by the process and its children.
+fn cpu_ticks(pid: u32) -> u64 {
+    family(pid)
+        .iter()
+        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
+        .map(|stat| {
+            let f: Vec<&str> = stat
+                .rsplit(')')
+                .next()
+                .unwrap_or("")
+                .split_whitespace()
+                .collect();
+            // After the command: state, ppid, …; utime and stime are fields 14 and 15 of stat.
+            f.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+                + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+        })
+        .sum()
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let mut total = 0;
+    for p in family(pid) {
         if let Ok(s) = std::fs::read_to_string(format!("/proc/{p}/status")) {
             for l in s.lines() {
                 if let Some(v) = l.strip_prefix("VmRSS:") {
@@ -363,6 +389,7 @@ async fn drive(
             }
         })
     });
+    let cpu_before = pid.map(cpu_ticks);
     let started = Instant::now();
     let mut tasks = Vec::new();
     for c in 0..conns {
@@ -419,6 +446,7 @@ async fn drive(
             seconds: 0.0,
             hist: Some(h),
             peak_rss_kib: 0,
+            cpu_secs: 0.0,
         });
     }
     r.seconds = started.elapsed().as_secs_f64();
@@ -426,6 +454,9 @@ async fn drive(
         s.abort();
     }
     r.peak_rss_kib = peak.load(Ordering::Relaxed);
+    if let (Some(pid), Some(before)) = (pid, cpu_before) {
+        r.cpu_secs = cpu_ticks(pid).saturating_sub(before) as f64 / 100.0;
+    }
     r
 }
 
@@ -693,7 +724,19 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         }
         let line: Vec<String> = targets
             .iter()
-            .map(|t| format!("{} {:.0} req/s", t.name, per[t.name].rps()))
+            .map(|t| {
+                let r = &per[t.name];
+                if t.pid.is_some() && r.requests > 0 {
+                    format!(
+                        "{} {:.0} req/s ({:.0} µs CPU/req)",
+                        t.name,
+                        r.rps(),
+                        r.cpu_secs * 1e6 / r.requests as f64
+                    )
+                } else {
+                    format!("{} {:.0} req/s", t.name, r.rps())
+                }
+            })
             .collect();
         println!("{}: {}", spec.name, line.join(", "));
         results.push((spec, per));
@@ -741,12 +784,12 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
          generator, upstream and proxy share the machine. Latencies in µs.\n\n",
         machine()
     ));
-    md.push_str("| workload | target | req/s | p50 | p99 | p99.9 | errors | peak RSS (MiB) |\n|---|---|---:|---:|---:|---:|---:|---:|\n");
+    md.push_str("| workload | target | req/s | p50 | p99 | p99.9 | errors | peak RSS (MiB) | proxy CPU per request (µs) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
     for (spec, per) in &results {
         for t in &targets {
             let r = &per[t.name];
             md.push_str(&format!(
-                "| {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} |\n",
+                "| {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} | {} |\n",
                 spec.name,
                 t.name,
                 r.rps(),
@@ -756,6 +799,11 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
                 r.errors,
                 if t.pid.is_some() {
                     format!("{:.1}", r.peak_rss_kib as f64 / 1024.0)
+                } else {
+                    "-".into()
+                },
+                if t.pid.is_some() && r.requests > 0 {
+                    format!("{:.0}", r.cpu_secs * 1e6 / r.requests as f64)
                 } else {
                     "-".into()
                 },

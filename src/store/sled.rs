@@ -281,7 +281,7 @@ impl SledStore {
         // Batches acknowledged since sled's last checkpoint are in the write-ahead log: replayed
         // into sled, made durable there, and the log starts afresh.
         let (mut wal, replayed) = Wal::open(&dir.join("wal"), |changes| {
-            db.apply_batch(to_batch(changes)).map_err(|e| e.to_string())
+            apply_changes(&db, changes).map_err(|e| e.to_string())
         })
         .map_err(|e| fail("replay the write-ahead log", &e))?;
         let mut blobs = HashSet::new();
@@ -297,26 +297,42 @@ impl SledStore {
         let notes = Arc::new(Mutex::new(Vec::new()));
         let cache = Arc::new(Mutex::new(Cache::default()));
         let placing = Arc::new(Mutex::new(HashMap::new()));
+        let shared = Arc::new(Shared::default());
+        let syncer = Syncer {
+            db: db.clone(),
+            shared: shared.clone(),
+            cache: cache.clone(),
+            flushes: flushes.clone(),
+            flush_latency: options.flush_latency.clone(),
+        };
+        let (sealed_tx, sealed_rx) = mpsc::channel();
+        let syncer = std::thread::Builder::new()
+            .name("oncegate-sync".into())
+            .spawn(move || syncer.run(sealed_rx))
+            .map_err(|e| fail("start syncer thread", &e))?;
         let writer = Writer {
             placing: placing.clone(),
             dir: dir.to_owned(),
             blobs,
-            cache: cache.clone(),
             notes: notes.clone(),
             db: db.clone(),
             log,
             wal,
             frame: Vec::new(),
-            broken: None,
-            flushes: flushes.clone(),
+            shared,
+            seq: 0,
+            unapplied: HashMap::new(),
             chain: options.chain.clone(),
             head,
             log_retention: options.log_retention,
-            flush_latency: options.flush_latency.clone(),
         };
         let handle = std::thread::Builder::new()
             .name("oncegate-store".into())
-            .spawn(move || writer.run(rx))
+            .spawn(move || {
+                writer.run(rx, sealed_tx);
+                // The writer dropped its sender: the syncer ends once its queue is empty.
+                let _ = syncer.join();
+            })
             .map_err(|e| fail("start writer thread", &e))?;
         Ok(SledStore {
             db: RwLock::new(Some(db)),
@@ -563,10 +579,15 @@ impl Store for SledStore {
             let chain = self.chain.clone();
             tokio::task::spawn_blocking(move || {
                 let anchor = anchor(&db)?;
-                let entries = db.scan_prefix(b"l/").flat_map(|kv| match kv {
-                    Ok((k, v)) => block_entries(&k, &v),
-                    Err(_) => vec![Err(0u64)],
-                });
+                // Blocks a concurrent pruning is about to remove come before the anchor.
+                let from = anchor.as_ref().map_or(0, |(seq, _)| *seq);
+                let entries = db
+                    .scan_prefix(b"l/")
+                    .flat_map(|kv| match kv {
+                        Ok((k, v)) => block_entries(&k, &v),
+                        Err(_) => vec![Err(0u64)],
+                    })
+                    .filter(move |e| !matches!(e, Ok(e) if e.seq < from));
                 Ok(log::verify(&chain, entries, anchor))
             })
             .await
@@ -718,15 +739,21 @@ fn scan(db: &sled::Db, filter: &Filter, limit: usize) -> Result<Vec<Record>, Sto
     Ok(out)
 }
 
-fn to_batch(changes: Vec<Change>) -> sled::Batch {
-    let mut batch = sled::Batch::default();
+/// Applies a batch's changes to sled one by one, in order.
+///
+/// Not as a `sled::Batch`: the write-ahead log already makes the batch atomic (a crash replays it
+/// whole), and sled 0.34 pays for batch atomicity twice: it seals and writes its I/O buffer after
+/// every batch (a `pwrite` on one of its threads), and once a batch has been used it puts every
+/// read behind one global lock. Readers may see a batch half applied for a moment; each key they
+/// read is a durable value.
+fn apply_changes(db: &sled::Db, changes: Vec<Change>) -> sled::Result<()> {
     for c in changes {
         match c {
-            Change::Put(k, v) => batch.insert(k, v),
-            Change::Del(k) => batch.remove(k),
+            Change::Put(k, v) => db.insert(k, v).map(drop)?,
+            Change::Del(k) => db.remove(k).map(drop)?,
         }
     }
-    batch
+    Ok(())
 }
 
 /// sled's flush, then what its flush leaves out: its blob files and an fdatasync of its log file
@@ -767,13 +794,175 @@ fn sled_durable(
         .map_err(|e| format!("fdatasync sled log: {e}"))
 }
 
-/// The single thread that changes the store.
+/// What the writer and the syncer share.
+#[derive(Default)]
+struct Shared {
+    /// Set when a change could not be made durable or applied: from then on every change fails
+    /// (the write-ahead log may end in a torn frame, and sled may lack a durable batch) until the
+    /// proxy restarts and replays the log.
+    broken: Mutex<Option<String>>,
+    /// The last batch applied to sled (batches are numbered by the writer).
+    applied: Mutex<u64>,
+    progress: std::sync::Condvar,
+}
+
+impl Shared {
+    fn check(&self) -> Result<(), String> {
+        match self.broken.lock().map(|b| b.clone()) {
+            Ok(None) => Ok(()),
+            Ok(Some(e)) => Err(format!(
+                "the store stopped taking changes after an earlier failure ({e}); restart the proxy"
+            )),
+            Err(_) => Err("store lock poisoned".into()),
+        }
+    }
+
+    fn fail(&self, e: &str) {
+        tracing::error!(error = %e, "store failed; no further changes until restart");
+        if let Ok(mut b) = self.broken.lock() {
+            b.get_or_insert_with(|| e.to_string());
+        }
+        self.progress.notify_all();
+    }
+
+    fn applied(&self) -> u64 {
+        self.applied.lock().map(|a| *a).unwrap_or(0)
+    }
+
+    /// Waits until batch `seq` is applied to sled (or the store broke).
+    fn wait_applied(&self, seq: u64) -> Result<(), String> {
+        let guard = self.applied.lock().map_err(|_| "store lock poisoned")?;
+        let _guard = self
+            .progress
+            .wait_while(guard, |a| {
+                *a < seq && self.broken.lock().map(|b| b.is_none()).unwrap_or(false)
+            })
+            .map_err(|_| "store lock poisoned")?;
+        self.check()
+    }
+}
+
+/// A batch written to the write-ahead log, on its way to being durable and applied.
+struct Sealed {
+    seq: u64,
+    /// The log file it was written to (fdatasynced by the syncer).
+    file: Arc<File>,
+    changes: Vec<Change>,
+    /// Someone waits for it to be durable (else: within [`LAZY_FLUSH`]).
+    durable: bool,
+    answers: Vec<Answer>,
+    records: HashMap<String, Option<Record>>,
+    bodies: HashMap<String, Bytes>,
+    /// Writing it to the log failed.
+    failed: Option<String>,
+}
+
+/// The thread that makes batches durable and applies them, so that the writer decides the next
+/// batch while this one's fdatasync runs. In order, per group of batches waiting: one fdatasync
+/// for all of them, then each is applied to sled, the cache updated, and its callers answered.
+/// So sled and the cache only ever hold durable batches, and nobody is answered before.
+struct Syncer {
+    db: sled::Db,
+    shared: Arc<Shared>,
+    cache: Arc<Mutex<Cache>>,
+    flushes: Arc<AtomicU64>,
+    flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
+}
+
+impl Syncer {
+    fn run(self, rx: mpsc::Receiver<Sealed>) {
+        // Written but not yet fdatasynced: audit-only entries (notes) and lease renewals, which
+        // no caller waits for. The next durable batch, or this timer, makes them durable.
+        let mut lazy: Option<Arc<File>> = None;
+        loop {
+            let first = match rx.recv_timeout(LAZY_FLUSH) {
+                Ok(b) => b,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if let Some(f) = lazy.take() {
+                        if let Err(e) = f.sync_data() {
+                            self.shared
+                                .fail(&format!("write-ahead log fdatasync: {e}"));
+                        }
+                    }
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    if let Some(f) = lazy.take() {
+                        let _ = f.sync_data();
+                    }
+                    return;
+                }
+            };
+            let mut group = vec![first];
+            while let Ok(b) = rx.try_recv() {
+                group.push(b);
+            }
+            let mut result = self.shared.check();
+            if let Some(e) = group.iter().find_map(|b| b.failed.clone()) {
+                result = Err(e);
+            }
+            if result.is_ok() && group.iter().any(|b| b.durable) {
+                let started = std::time::Instant::now();
+                let mut files: Vec<Arc<File>> = lazy.take().into_iter().collect();
+                for b in &group {
+                    if !files.iter().any(|f| Arc::ptr_eq(f, &b.file)) {
+                        files.push(b.file.clone());
+                    }
+                }
+                for f in files {
+                    if let Err(e) = f.sync_data() {
+                        result = Err(format!("write-ahead log fdatasync: {e}"));
+                        break;
+                    }
+                }
+                if result.is_ok() {
+                    self.flushes.fetch_add(1, Ordering::Relaxed);
+                    if let Some(h) = &self.flush_latency {
+                        h.observe(started.elapsed().as_secs_f64());
+                    }
+                }
+            } else if result.is_ok() {
+                lazy = group.last().map(|b| b.file.clone());
+            }
+            if let Err(e) = &result {
+                self.shared.fail(e);
+            }
+            let mut last = None;
+            for b in group {
+                if result.is_ok() {
+                    if let Err(e) = apply_changes(&self.db, b.changes) {
+                        result = Err(format!("apply: {e}"));
+                        self.shared.fail(&format!("apply: {e}"));
+                    }
+                }
+                if result.is_ok() {
+                    if let Ok(mut c) = self.cache.lock() {
+                        for (id, r) in &b.records {
+                            c.update(id, r.as_ref(), b.bodies.get(id));
+                        }
+                    }
+                    last = Some(b.seq);
+                }
+                for a in b.answers {
+                    a.send(&result);
+                }
+            }
+            if let Some(seq) = last {
+                if let Ok(mut a) = self.shared.applied.lock() {
+                    *a = seq;
+                }
+                self.shared.progress.notify_all();
+            }
+        }
+    }
+}
+
+/// The single thread that decides every change to the store.
 struct Writer {
     placing: Arc<Mutex<HashMap<String, i64>>>,
     /// The store's folder, and the sled blob files already fsynced.
     dir: PathBuf,
     blobs: HashSet<std::ffi::OsString>,
-    cache: Arc<Mutex<Cache>>,
     notes: Arc<Mutex<Vec<LogEvent>>>,
     db: sled::Db,
     /// sled's own log file, fsynced at checkpoints.
@@ -781,16 +970,15 @@ struct Writer {
     wal: Wal,
     /// The frame being written (reused).
     frame: Vec<u8>,
-    /// Set when a change could not be made durable or applied: from then on every change fails
-    /// (the write-ahead log may end in a torn frame, and sled may lack a durable batch) until
-    /// the proxy restarts and replays the log.
-    broken: Option<String>,
-    flushes: Arc<AtomicU64>,
+    shared: Arc<Shared>,
+    /// Batches written, numbered; and records changed by batches not yet applied to sled (with
+    /// the batch that last changed them), which the writer reads instead of sled.
+    seq: u64,
+    unapplied: HashMap<String, (u64, Option<Record>)>,
     chain: Chain,
     /// `(seq, hash)` of the last log entry staged.
     head: (u64, String),
     log_retention: Option<std::time::Duration>,
-    flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
 }
 
 /// The changes of one batch, readable before they are applied.
@@ -818,30 +1006,8 @@ impl Pending {
 }
 
 impl Writer {
-    fn run(mut self, rx: mpsc::Receiver<Op>) {
-        // Written but not yet fdatasynced: audit-only entries (notes) and lease renewals, which
-        // no caller waits for. The next durable batch, or this timer, makes them durable.
-        let mut lazy = false;
-        loop {
-            let first = match rx.recv_timeout(LAZY_FLUSH) {
-                Ok(op) => op,
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if lazy && self.commit(Vec::new(), true).is_ok() {
-                        lazy = false;
-                    }
-                    continue;
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    // Closing: everything durable, and sled checkpointed so the next start
-                    // replays nothing.
-                    if self.commit(Vec::new(), true).is_ok() {
-                        if let Err(e) = self.checkpoint() {
-                            tracing::error!(error = %e, "store checkpoint at close failed");
-                        }
-                    }
-                    return;
-                }
-            };
+    fn run(mut self, rx: mpsc::Receiver<Op>, tx: mpsc::Sender<Sealed>) {
+        while let Ok(first) = rx.recv() {
             let mut ops = vec![first];
             while ops.len() < MAX_BATCH {
                 match rx.try_recv() {
@@ -849,7 +1015,6 @@ impl Writer {
                     Err(_) => break,
                 }
             }
-            let head_before = self.head.clone();
             let mut pending = Pending::default();
             let mut answers = Vec::with_capacity(ops.len());
             let mut force_sync = false;
@@ -863,96 +1028,77 @@ impl Writer {
                 let block = std::mem::take(&mut pending.log_block);
                 pending.put(log_key(first), block);
             }
-            // A batch that only read (replays, conflicts) has nothing to make durable: what it
-            // read was made durable by the batch that wrote it.
+            // Every batch goes through the syncer, even one that only read: what it read may be
+            // a batch still on its way to being durable, and its answers wait for that.
             let durable = (pending.durable && pending.writes > 0) || force_sync;
             let changes = std::mem::take(&mut pending.changes);
-            let commit = if changes.is_empty() && !durable {
-                Ok(())
-            } else {
-                self.commit(changes, durable)
+            self.seq += 1;
+            let mut failed = self.shared.check().err();
+            if failed.is_none() && !changes.is_empty() {
+                wal::encode(&changes, &mut self.frame);
+                if let Err(e) = self.wal.append(&self.frame) {
+                    let e = format!("write-ahead log write: {e}");
+                    self.shared.fail(&e);
+                    failed = Some(e);
+                }
+            }
+            if failed.is_none() {
+                for (id, r) in &pending.records {
+                    self.unapplied.insert(id.clone(), (self.seq, r.clone()));
+                }
+            }
+            let sealed = Sealed {
+                seq: self.seq,
+                file: self.wal.file(),
+                changes,
+                durable,
+                answers,
+                records: pending.records,
+                bodies: pending.bodies,
+                failed,
             };
-            match &commit {
-                Ok(()) => {
-                    lazy = !durable && (lazy || pending.writes > 0);
-                    if let Ok(mut c) = self.cache.lock() {
-                        for (id, r) in &pending.records {
-                            c.update(id, r.as_ref(), pending.bodies.get(id));
-                        }
-                    }
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "store commit failed");
-                    // Nothing of the batch is applied: the chain goes on from the last entry.
-                    self.head = head_before;
-                }
+            if tx.send(sealed).is_err() {
+                return;
             }
-            for a in answers {
-                a.send(&commit);
+            if self.unapplied.len() > 4 * MAX_BATCH {
+                let applied = self.shared.applied();
+                self.unapplied.retain(|_, (seq, _)| *seq > applied);
             }
-            if commit.is_ok() && self.wal.wants_checkpoint() {
+            if self.wal.wants_checkpoint() {
                 if let Err(e) = self.checkpoint() {
-                    tracing::error!(error = %e, "store checkpoint failed");
-                    self.broken = Some(format!("checkpoint: {e}"));
+                    self.shared.fail(&format!("checkpoint: {e}"));
                 }
             }
         }
-    }
-
-    /// Writes a batch to the write-ahead log, makes it durable if asked (one fdatasync for the
-    /// whole batch), then applies it to sled. sled only ever holds what the log holds.
-    fn commit(&mut self, changes: Vec<Change>, durable: bool) -> Result<(), String> {
-        if let Some(e) = &self.broken {
-            return Err(format!(
-                "the store stopped taking changes after an earlier failure ({e}); restart the proxy"
-            ));
-        }
-        let started = std::time::Instant::now();
-        let result = self.commit_inner(changes, durable, started);
-        if let Err(e) = &result {
-            self.broken = Some(e.clone());
-        }
-        result
-    }
-
-    fn commit_inner(
-        &mut self,
-        changes: Vec<Change>,
-        durable: bool,
-        started: std::time::Instant,
-    ) -> Result<(), String> {
-        if !changes.is_empty() {
-            wal::encode(&changes, &mut self.frame);
-            self.wal
-                .append(&self.frame)
-                .map_err(|e| format!("write-ahead log write: {e}"))?;
-        }
-        if durable {
-            self.wal
-                .sync()
-                .map_err(|e| format!("write-ahead log fdatasync: {e}"))?;
-            self.flushes.fetch_add(1, Ordering::Relaxed);
-            if let Some(h) = &self.flush_latency {
-                h.observe(started.elapsed().as_secs_f64());
+        // Closing: everything applied, and sled checkpointed so the next start replays nothing.
+        if self.settle_down().is_ok() {
+            if let Err(e) = self.checkpoint() {
+                tracing::error!(error = %e, "store checkpoint at close failed");
             }
         }
-        if !changes.is_empty() {
-            self.db
-                .apply_batch(to_batch(changes))
-                .map_err(|e| format!("apply: {e}"))?;
-        }
+    }
+
+    /// Waits until every batch written is applied to sled: before reading sled beyond one key
+    /// (scans) and before a checkpoint.
+    fn settle_down(&mut self) -> Result<(), String> {
+        self.shared.wait_applied(self.seq)?;
+        self.unapplied.clear();
         Ok(())
     }
 
     /// Makes sled durable on its own (flush, fsync its blob files, fdatasync its log file), so
     /// the write-ahead log can start afresh.
     fn checkpoint(&mut self) -> Result<(), String> {
+        self.settle_down()?;
         sled_durable(&self.db, &self.dir, &mut self.blobs, &self.log)?;
         self.wal.rotate()
     }
 
     fn read(&self, pending: &Pending, id: &str) -> Result<Option<Record>, StoreError> {
         if let Some(r) = pending.records.get(id) {
+            return Ok(r.clone());
+        }
+        if let Some((_, r)) = self.unapplied.get(id) {
             return Ok(r.clone());
         }
         let key = rec_key(id);
@@ -1110,7 +1256,11 @@ impl Writer {
                     state: Some(State::InFlight),
                     ..Filter::default()
                 };
-                match scan(&self.db, &filter, usize::MAX) {
+                let found = self
+                    .settle_down()
+                    .map_err(unavailable)
+                    .and_then(|()| scan(&self.db, &filter, usize::MAX));
+                match found {
                     Err(e) => Answer::failed(tx, e),
                     Ok(records) => {
                         let mut n = 0;
@@ -1138,7 +1288,11 @@ impl Writer {
                     }
                 }
             }
-            Op::Expire(now, tx) => match scan(&self.db, &Filter::default(), usize::MAX) {
+            Op::Expire(now, tx) => match self
+                .settle_down()
+                .map_err(unavailable)
+                .and_then(|()| scan(&self.db, &Filter::default(), usize::MAX))
+            {
                 Err(e) => Answer::failed(tx, e),
                 Ok(records) => {
                     let mut n = 0;
@@ -1200,7 +1354,7 @@ impl Writer {
         };
         let cutoff = crate::action::rfc3339(now.saturating_sub(keep.as_millis() as u64));
         let mut first_kept: Option<Entry> = None;
-        let mut dropped = 0;
+        let mut dropped = Vec::new();
         for kv in self.db.scan_prefix(b"l/") {
             let (k, v) = kv.map_err(unavailable)?;
             let entries: Vec<Entry> = block_entries(&k, &v)
@@ -1219,15 +1373,19 @@ impl Writer {
                 first_kept = Some(first.clone());
                 break;
             }
-            pending.del(k.to_vec());
-            dropped += 1;
+            dropped.push(k.to_vec());
         }
-        if dropped > 0 {
+        if !dropped.is_empty() {
+            // The anchor first: a reader between the two sees old blocks before the anchor
+            // (skipped), never a log without its start.
             if let Some(e) = first_kept {
                 pending.put(
                     ANCHOR_KEY,
                     serde_json::to_vec(&(e.seq, e.prev)).expect("tuples serialize"),
                 );
+            }
+            for k in dropped {
+                pending.del(k);
             }
             pending.writes += 1;
         }

@@ -16,6 +16,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read as _, Write as _};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// The log starts a new file (after sled is flushed and fsynced) once it is this large.
 pub const CHECKPOINT_BYTES: u64 = 64 << 20;
@@ -143,7 +144,7 @@ fn generations(dir: &Path) -> io::Result<Vec<u64>> {
 pub struct Wal {
     dir: PathBuf,
     generation: u64,
-    file: File,
+    file: Arc<File>,
     len: u64,
     /// Generations whose frames sled has, waiting to be deleted after the next checkpoint.
     old: Vec<u64>,
@@ -202,7 +203,7 @@ impl Wal {
             Wal {
                 dir: dir.to_owned(),
                 generation,
-                file,
+                file: Arc::new(file),
                 len: 0,
                 old: gens,
             },
@@ -223,9 +224,14 @@ impl Wal {
 
     /// Appends one encoded frame (not yet durable).
     pub fn append(&mut self, frame: &[u8]) -> io::Result<()> {
-        self.file.write_all(frame)?;
+        (&*self.file).write_all(frame)?;
         self.len += frame.len() as u64;
         Ok(())
+    }
+
+    /// The current file, for another thread to fdatasync.
+    pub fn file(&self) -> Arc<File> {
+        self.file.clone()
     }
 
     /// Makes every appended frame durable.
@@ -241,7 +247,7 @@ impl Wal {
     /// Starts a new file: the frames so far are in sled's own durable files now.
     pub fn rotate(&mut self) -> Result<(), String> {
         let next = self.generation + 1;
-        self.file = Self::create(&self.dir, next)?;
+        self.file = Arc::new(Self::create(&self.dir, next)?);
         self.old.push(self.generation);
         self.generation = next;
         self.len = 0;
