@@ -70,6 +70,19 @@ async fn one_write(s: &dyn Store) {
     .unwrap();
 }
 
+/// CPU seconds (user + system) this process has used, from /proc (clock ticks of 10 ms).
+fn cpu_secs() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let f: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .collect();
+    let t = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (t(11) + t(12)) / 100.0
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -89,6 +102,7 @@ fn main() {
             );
             let deadline = Instant::now() + Duration::from_secs(3);
             let done = Arc::new(AtomicU64::new(0));
+            let cpu_before = cpu_secs();
             let started = Instant::now();
             let tasks: Vec<_> = (0..conc)
                 .map(|_| {
@@ -105,6 +119,7 @@ fn main() {
                 t.await.unwrap();
             }
             let secs = started.elapsed().as_secs_f64();
+            let cpu = cpu_secs() - cpu_before;
             let writes = done.load(Ordering::Relaxed);
             let flushes = store.flush_count();
             let mut text = String::new();
@@ -113,8 +128,9 @@ fn main() {
             prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
             let sum: f64 = text.lines().find(|l| l.starts_with("flush_sum")).and_then(|l| l.split(' ').nth(1)).unwrap().parse().unwrap();
             println!(
-                "store: {conc:>2} writers: {:.0} durable writes/s, {:.2} flushes per write, mean flush {:.0} µs",
+                "store: {conc:>2} writers: {:.0} durable writes/s, {:.0} µs CPU per write, {:.2} flushes per write, mean flush {:.0} µs",
                 writes as f64 / secs,
+                cpu * 1e6 / writes.max(1) as f64,
                 flushes as f64 / writes.max(1) as f64,
                 sum / flushes.max(1) as f64 * 1e6
             );

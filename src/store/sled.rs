@@ -70,6 +70,8 @@ enum Op {
     Recover(Option<String>, Millis, Reply<usize>),
     Expire(Millis, Reply<usize>),
     Sync(Reply<()>),
+    /// Everything applied to sled (before a scan).
+    Drain(Reply<()>),
     Renew(String, String, Millis, Reply<bool>),
 }
 
@@ -124,6 +126,8 @@ pub struct SledStore {
     cache: Arc<Mutex<Cache>>,
     /// Body files being placed by settlements not yet committed, by hash.
     placing: Arc<Mutex<HashMap<String, i64>>>,
+    /// Durable changes on their way into sled, among others.
+    shared: Arc<Shared>,
 }
 
 /// Recently settled records (`succeeded`, `unknown`) as last made durable, for replays and
@@ -298,6 +302,7 @@ impl SledStore {
         let cache = Arc::new(Mutex::new(Cache::default()));
         let placing = Arc::new(Mutex::new(HashMap::new()));
         let shared = Arc::new(Shared::default());
+        let reader_view = shared.clone();
         let syncer = Syncer {
             db: db.clone(),
             shared: shared.clone(),
@@ -322,6 +327,7 @@ impl SledStore {
             shared,
             seq: 0,
             unapplied: HashMap::new(),
+            sync: sealed_tx,
             chain: options.chain.clone(),
             head,
             log_retention: options.log_retention,
@@ -329,8 +335,9 @@ impl SledStore {
         let handle = std::thread::Builder::new()
             .name("oncegate-store".into())
             .spawn(move || {
-                writer.run(rx, sealed_tx);
-                // The writer dropped its sender: the syncer ends once its queue is empty.
+                // The writer drops its sender when it ends: the syncer ends once its queue is
+                // empty.
+                writer.run(rx);
                 let _ = syncer.join();
             })
             .map_err(|e| fail("start writer thread", &e))?;
@@ -340,6 +347,7 @@ impl SledStore {
             chain: options.chain,
             tx: Mutex::new(Some(tx)),
             writer: Mutex::new(Some(handle)),
+            shared: reader_view,
             flushes,
             notes,
             cache,
@@ -369,7 +377,7 @@ impl SledStore {
             None => {
                 let db = self.db().ok()?;
                 let key = rec_key(&req.fresh.id);
-                decode(&key, &db.get(&key).ok()??).ok()?
+                decode(&key, &read_key(&self.shared, &db, &key).ok()??).ok()?
             }
         };
         if r.is_expired(req.now) {
@@ -542,6 +550,7 @@ impl Store for SledStore {
 
     fn log(&self, after: u64, limit: usize) -> BoxFuture<'_, Result<Vec<Entry>, StoreError>> {
         Box::pin(async move {
+            self.call(Op::Drain).await?;
             let db = self.db()?;
             tokio::task::spawn_blocking(move || {
                 let start = after.saturating_add(1);
@@ -575,6 +584,7 @@ impl Store for SledStore {
 
     fn verify_log(&self) -> BoxFuture<'_, Result<Verification, StoreError>> {
         Box::pin(async move {
+            self.call(Op::Drain).await?;
             let db = self.db()?;
             let chain = self.chain.clone();
             tokio::task::spawn_blocking(move || {
@@ -596,7 +606,10 @@ impl Store for SledStore {
     }
 
     fn log_head(&self) -> BoxFuture<'_, Result<(u64, String), StoreError>> {
-        Box::pin(async move { log_head(&self.db()?) })
+        Box::pin(async move {
+            self.call(Op::Drain).await?;
+            log_head(&self.db()?)
+        })
     }
 
     fn renew(
@@ -611,6 +624,7 @@ impl Store for SledStore {
 
     fn counts(&self) -> BoxFuture<'_, Result<Vec<(State, u64)>, StoreError>> {
         Box::pin(async move {
+            self.call(Op::Drain).await?;
             let db = self.db()?;
             tokio::task::spawn_blocking(move || {
                 [
@@ -634,7 +648,7 @@ impl Store for SledStore {
     fn get<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         Box::pin(async move {
             let key = rec_key(id);
-            match self.db()?.get(&key).map_err(unavailable)? {
+            match read_key(&self.shared, &self.db()?, &key)? {
                 Some(v) => decode(&key, &v).map(Some),
                 None => Ok(None),
             }
@@ -652,11 +666,10 @@ impl Store for SledStore {
                 return Ok(cached);
             }
             match record.response.as_ref().map(|r| &r.body) {
-                Some(BodyRef::Inline) => Ok(self
-                    .db()?
-                    .get(body_key(&record.id))
-                    .map_err(unavailable)?
-                    .map(|v| Bytes::copy_from_slice(&v))),
+                Some(BodyRef::Inline) => {
+                    Ok(read_key(&self.shared, &self.db()?, &body_key(&record.id))?
+                        .map(|v| Bytes::copy_from_slice(&v)))
+                }
                 Some(BodyRef::File { sha256 }) => {
                     let bytes = tokio::fs::read(self.body_path(sha256))
                         .await
@@ -670,6 +683,7 @@ impl Store for SledStore {
 
     fn scan(&self, filter: Filter, limit: usize) -> BoxFuture<'_, Result<Vec<Record>, StoreError>> {
         Box::pin(async move {
+            self.call(Op::Drain).await?;
             let db = self.db()?;
             tokio::task::spawn_blocking(move || scan(&db, &filter, limit))
                 .await
@@ -804,6 +818,50 @@ struct Shared {
     /// The last batch applied to sled (batches are numbered by the writer).
     applied: Mutex<u64>,
     progress: std::sync::Condvar,
+    /// Durable changes not yet applied to sled.
+    mem: RwLock<Mem>,
+}
+
+type Changes = HashMap<Vec<u8>, Option<Vec<u8>>>;
+
+/// Durable changes on their way into sled, newest value per key (`None`: removed). Point reads
+/// look here before sled; sled gets them in bulk, so that an action's claim and its outcome,
+/// made durable moments apart, cost sled one write of the record instead of two.
+#[derive(Default)]
+struct Mem {
+    /// Changes since the last drain started.
+    active: Changes,
+    /// The changes a drain is applying to sled now.
+    frozen: Arc<Changes>,
+    draining: bool,
+    /// When the oldest change in `active` arrived.
+    since: Option<std::time::Instant>,
+}
+
+impl Mem {
+    fn get(&self, key: &[u8]) -> Option<Option<Vec<u8>>> {
+        self.active
+            .get(key)
+            .or_else(|| self.frozen.get(key))
+            .cloned()
+    }
+}
+
+/// Drains run at least this often, and when this many keys wait.
+const DRAIN_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+const DRAIN_KEYS: usize = 8_192;
+
+/// Reads one key: the durable changes not yet in sled first, then sled.
+fn read_key(shared: &Shared, db: &sled::Db, key: &[u8]) -> Result<Option<sled::IVec>, StoreError> {
+    let pending = shared
+        .mem
+        .read()
+        .map_err(|_| unavailable("store lock poisoned"))?
+        .get(key);
+    match pending {
+        Some(v) => Ok(v.map(sled::IVec::from)),
+        None => db.get(key).map_err(unavailable),
+    }
 }
 
 impl Shared {
@@ -855,12 +913,15 @@ struct Sealed {
     bodies: HashMap<String, Bytes>,
     /// Writing it to the log failed.
     failed: Option<String>,
+    /// Apply everything so far to sled before going on (scans and checkpoints need it).
+    drain: bool,
 }
 
-/// The thread that makes batches durable and applies them, so that the writer decides the next
-/// batch while this one's fdatasync runs. In order, per group of batches waiting: one fdatasync
-/// for all of them, then each is applied to sled, the cache updated, and its callers answered.
-/// So sled and the cache only ever hold durable batches, and nobody is answered before.
+/// The thread that makes batches durable, so that the writer decides the next batch while this
+/// one's fdatasync runs. In order, per group of batches waiting: one fdatasync for all of them,
+/// then their changes join [`Mem`] (where point reads see them), the cache is updated and the
+/// callers answered. So reads and the cache only ever see durable batches, and nobody is
+/// answered before. A drainer thread applies [`Mem`] to sled in bulk.
 struct Syncer {
     db: sled::Db,
     shared: Arc<Shared>,
@@ -871,26 +932,42 @@ struct Syncer {
 
 impl Syncer {
     fn run(self, rx: mpsc::Receiver<Sealed>) {
+        let (drain_tx, drain_rx) = mpsc::channel::<(Arc<Changes>, u64)>();
+        let drainer = {
+            let (db, shared) = (self.db.clone(), self.shared.clone());
+            std::thread::Builder::new()
+                .name("oncegate-drain".into())
+                .spawn(move || drain_loop(&db, &shared, drain_rx))
+        };
+        let drainer = match drainer {
+            Ok(d) => d,
+            Err(e) => {
+                self.shared.fail(&format!("start drainer thread: {e}"));
+                return;
+            }
+        };
         // Written but not yet fdatasynced: audit-only entries (notes) and lease renewals, which
         // no caller waits for. The next durable batch, or this timer, makes them durable.
         let mut lazy: Option<Arc<File>> = None;
+        // The last batch whose changes are in `Mem`.
+        let mut visible = 0;
         loop {
             let first = match rx.recv_timeout(LAZY_FLUSH) {
                 Ok(b) => b,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     if let Some(f) = lazy.take() {
                         if let Err(e) = f.sync_data() {
-                            self.shared
-                                .fail(&format!("write-ahead log fdatasync: {e}"));
+                            self.shared.fail(&format!("write-ahead log fdatasync: {e}"));
                         }
                     }
+                    self.maybe_drain(&drain_tx, visible, false);
                     continue;
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
                     if let Some(f) = lazy.take() {
                         let _ = f.sync_data();
                     }
-                    return;
+                    break;
                 }
             };
             let mut group = vec![first];
@@ -927,33 +1004,103 @@ impl Syncer {
             if let Err(e) = &result {
                 self.shared.fail(e);
             }
-            let mut last = None;
-            for b in group {
-                if result.is_ok() {
-                    if let Err(e) = apply_changes(&self.db, b.changes) {
-                        result = Err(format!("apply: {e}"));
-                        self.shared.fail(&format!("apply: {e}"));
+            let force = group.iter().any(|b| b.drain);
+            let mut answers = Vec::new();
+            if result.is_ok() {
+                if let Ok(mut m) = self.shared.mem.write() {
+                    for b in &mut group {
+                        if !b.changes.is_empty() {
+                            m.since.get_or_insert_with(std::time::Instant::now);
+                        }
+                        for c in b.changes.drain(..) {
+                            match c {
+                                Change::Put(k, v) => m.active.insert(k, Some(v)),
+                                Change::Del(k) => m.active.insert(k, None),
+                            };
+                        }
                     }
                 }
-                if result.is_ok() {
-                    if let Ok(mut c) = self.cache.lock() {
+                if let Ok(mut c) = self.cache.lock() {
+                    for b in &group {
                         for (id, r) in &b.records {
                             c.update(id, r.as_ref(), b.bodies.get(id));
                         }
                     }
-                    last = Some(b.seq);
                 }
-                for a in b.answers {
-                    a.send(&result);
-                }
+                visible = group.last().map_or(visible, |b| b.seq);
             }
-            if let Some(seq) = last {
-                if let Ok(mut a) = self.shared.applied.lock() {
-                    *a = seq;
-                }
-                self.shared.progress.notify_all();
+            for b in group {
+                answers.extend(b.answers);
+            }
+            for a in answers {
+                a.send(&result);
+            }
+            if result.is_ok() {
+                self.maybe_drain(&drain_tx, visible, force);
             }
         }
+        drop(drain_tx);
+        let _ = drainer.join();
+    }
+
+    /// Hands the changes waiting in [`Mem`] to the drainer when they are old or many enough, or
+    /// when asked (`force`: the writer waits for everything up to `visible` to be in sled).
+    fn maybe_drain(&self, tx: &mpsc::Sender<(Arc<Changes>, u64)>, visible: u64, force: bool) {
+        let Ok(mut m) = self.shared.mem.write() else {
+            return;
+        };
+        let due =
+            m.since.is_some_and(|t| t.elapsed() >= DRAIN_EVERY) || m.active.len() >= DRAIN_KEYS;
+        if !force && (!due || m.draining) {
+            return;
+        }
+        if m.draining {
+            // One drain at a time: wait for the running one.
+            drop(m);
+            let Ok(guard) = self.shared.applied.lock() else {
+                return;
+            };
+            drop(self.shared.progress.wait_while(guard, |_| {
+                self.shared.mem.read().map(|m| m.draining).unwrap_or(false)
+                    && self.shared.check().is_ok()
+            }));
+            let Ok(again) = self.shared.mem.write() else {
+                return;
+            };
+            m = again;
+        }
+        let frozen = Arc::new(std::mem::take(&mut m.active));
+        m.frozen = frozen.clone();
+        m.draining = true;
+        m.since = None;
+        drop(m);
+        if tx.send((frozen, visible)).is_err() {
+            self.shared.fail("the drainer thread stopped");
+        }
+    }
+}
+
+/// Applies frozen changes to sled, then lets readers forget them.
+fn drain_loop(db: &sled::Db, shared: &Shared, rx: mpsc::Receiver<(Arc<Changes>, u64)>) {
+    while let Ok((changes, seq)) = rx.recv() {
+        for (k, v) in changes.iter() {
+            let r = match v {
+                Some(v) => db.insert(k.as_slice(), v.as_slice()).map(drop),
+                None => db.remove(k.as_slice()).map(drop),
+            };
+            if let Err(e) = r {
+                shared.fail(&format!("apply to sled: {e}"));
+                break;
+            }
+        }
+        if let Ok(mut m) = shared.mem.write() {
+            m.frozen = Arc::new(Changes::new());
+            m.draining = false;
+        }
+        if let Ok(mut a) = shared.applied.lock() {
+            *a = (*a).max(seq);
+        }
+        shared.progress.notify_all();
     }
 }
 
@@ -975,6 +1122,8 @@ struct Writer {
     /// the batch that last changed them), which the writer reads instead of sled.
     seq: u64,
     unapplied: HashMap<String, (u64, Option<Record>)>,
+    /// Sealed batches go to the syncer.
+    sync: mpsc::Sender<Sealed>,
     chain: Chain,
     /// `(seq, hash)` of the last log entry staged.
     head: (u64, String),
@@ -1006,7 +1155,7 @@ impl Pending {
 }
 
 impl Writer {
-    fn run(mut self, rx: mpsc::Receiver<Op>, tx: mpsc::Sender<Sealed>) {
+    fn run(mut self, rx: mpsc::Receiver<Op>) {
         while let Ok(first) = rx.recv() {
             let mut ops = vec![first];
             while ops.len() < MAX_BATCH {
@@ -1056,8 +1205,9 @@ impl Writer {
                 records: pending.records,
                 bodies: pending.bodies,
                 failed,
+                drain: false,
             };
-            if tx.send(sealed).is_err() {
+            if self.sync.send(sealed).is_err() {
                 return;
             }
             if self.unapplied.len() > 4 * MAX_BATCH {
@@ -1081,6 +1231,21 @@ impl Writer {
     /// Waits until every batch written is applied to sled: before reading sled beyond one key
     /// (scans) and before a checkpoint.
     fn settle_down(&mut self) -> Result<(), String> {
+        self.seq += 1;
+        let marker = Sealed {
+            seq: self.seq,
+            file: self.wal.file(),
+            changes: Vec::new(),
+            durable: false,
+            answers: Vec::new(),
+            records: HashMap::new(),
+            bodies: HashMap::new(),
+            failed: None,
+            drain: true,
+        };
+        self.sync
+            .send(marker)
+            .map_err(|_| "the syncer thread stopped".to_string())?;
         self.shared.wait_applied(self.seq)?;
         self.unapplied.clear();
         Ok(())
@@ -1333,6 +1498,10 @@ impl Writer {
                 }
             },
             Op::Sync(tx) => Answer::Unit(tx),
+            Op::Drain(tx) => match self.settle_down() {
+                Ok(()) => Answer::Unit(tx),
+                Err(e) => Answer::failed(tx, unavailable(e)),
+            },
             Op::Renew(id, owner, until, tx) => match self.read(pending, &id) {
                 Err(e) => Answer::failed(tx, e),
                 Ok(Some(r)) if r.state == State::InFlight && r.owner.as_ref() == Some(&owner) => {
