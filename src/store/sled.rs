@@ -1,11 +1,13 @@
 //! The embedded store: sled 0.34.7 behind one writer thread with group commit.
 //!
 //! Every change goes through a single writer thread. It takes a batch of operations off its queue,
-//! decides each against the current records (plus the changes earlier in the same batch), stages
-//! the records and their write-log entries, makes the batch durable once (one frame appended to
-//! the write-ahead log, one `fdatasync`: see [`super::wal`]), then applies it to sled atomically.
-//! Only then does it answer. sled's own `flush()` (which ends in `sync_file_range`, not enough for
-//! a power loss; SPEC §13) runs only at checkpoints, followed by an fsync of sled's files. So:
+//! decides each against the current records (plus the changes of batches not yet in sled), stages
+//! the records and their write-log entries and appends the batch as one frame to the write-ahead
+//! log ([`super::wal`]). A syncer thread makes waiting frames durable with one `fdatasync`, then
+//! makes their changes visible to readers ([`Mem`]) and answers; a drainer thread applies the
+//! durable changes to sled in bulk. sled's own `flush()` (which ends in `sync_file_range`, not
+//! enough for a power loss; SPEC §13) runs only at checkpoints, followed by an fsync of sled's
+//! files. So:
 //! - a claim is durable before its request leaves, an outcome before its client is answered;
 //! - a state change and its log entry are in one atomic batch: neither exists without the other;
 //! - claims are atomic without locks (one thread decides), and the log has one chain;
@@ -274,6 +276,8 @@ impl SledStore {
             }
             fsync_dir(dir).map_err(|e| fail("fsync folder", &e))?;
         }
+        remove_unfinished_snapshots(dir)
+            .map_err(|e| fail("remove unfinished sled snapshots", &e))?;
         let db = sled::Config::new()
             .path(dir)
             .segment_size(SEGMENT_SIZE)
@@ -751,6 +755,35 @@ fn scan(db: &sled::Db, filter: &Filter, limit: usize) -> Result<Vec<Record>, Sto
     out.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
     out.truncate(limit);
     Ok(out)
+}
+
+/// Deletes sled snapshot files a crash left half written (`snap.*.generating`).
+///
+/// sled 0.34 writes a snapshot as `snap.{lsn}.generating` and renames it when complete, but when
+/// it opens it reads the newest `snap.*` file *including* an unfinished one, finds it corrupt,
+/// falls back to reading its log from the start, and fails with "Read corrupted data" (sled
+/// issues #1527, #1533). A SIGKILL while sled opens (it writes a snapshot then) was enough, in
+/// the torture harness. An unfinished snapshot is never needed: the previous complete one is
+/// only deleted after the rename.
+fn remove_unfinished_snapshots(dir: &Path) -> std::io::Result<()> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(());
+    };
+    let mut removed = false;
+    for e in entries {
+        let e = e?;
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("snap.") && name.ends_with(".generating") {
+            tracing::warn!(file = %name, "store: removing an unfinished sled snapshot");
+            std::fs::remove_file(e.path())?;
+            removed = true;
+        }
+    }
+    if removed {
+        fsync_dir(dir)?;
+    }
+    Ok(())
 }
 
 /// Applies a batch's changes to sled one by one, in order.
