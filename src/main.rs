@@ -139,12 +139,6 @@ enum LogCommand {
     },
 }
 
-/// mimalloc instead of glibc's malloc: the request path allocates in several threads (workers,
-/// the store's writer, syncer and drainer), where glibc's per-thread arenas grew the proxy's
-/// memory and its malloc showed as ~10% of the CPU in profiles (bench/results.md).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo narrates on stdout; its proxy only speaks up for trouble.
