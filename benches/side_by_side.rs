@@ -832,7 +832,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     md.push_str("\n## Durability and storage\n\n");
     for (conns, (flushes, writes)) in &flushes_per_write {
         md.push_str(&format!(
-            "- unique writes at {conns} connection(s): {:.3} durable flushes (flush + fdatasync) per write ({} flushes for {} writes)\n",
+            "- unique writes at {conns} connection(s): {:.3} durable flushes (fdatasync of the write-ahead log) per write ({} flushes for {} writes)\n",
             flushes / (*writes).max(1) as f64,
             *flushes as u64,
             writes

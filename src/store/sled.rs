@@ -359,7 +359,7 @@ impl SledStore {
         })
     }
 
-    /// How many flush+fdatasync rounds the store has made.
+    /// How many times the store has made batches durable (one fdatasync of the write-ahead log each).
     pub fn flush_count(&self) -> u64 {
         self.flushes.load(Ordering::Relaxed)
     }
