@@ -913,7 +913,10 @@ impl Shared {
         if let Ok(mut b) = self.broken.lock() {
             b.get_or_insert_with(|| e.to_string());
         }
-        self.progress.notify_all();
+        // Under the lock the waiters check under, so that none misses the notification.
+        if let Ok(_applied) = self.applied.lock() {
+            self.progress.notify_all();
+        }
     }
 
     fn applied(&self) -> u64 {
@@ -1079,6 +1082,9 @@ impl Syncer {
     /// Hands the changes waiting in [`Mem`] to the drainer when they are old or many enough, or
     /// when asked (`force`: the writer waits for everything up to `visible` to be in sled).
     fn maybe_drain(&self, tx: &mpsc::Sender<(Arc<Changes>, u64)>, visible: u64, force: bool) {
+        if self.shared.check().is_err() {
+            return;
+        }
         let Ok(mut m) = self.shared.mem.write() else {
             return;
         };
@@ -1097,6 +1103,9 @@ impl Syncer {
                 self.shared.mem.read().map(|m| m.draining).unwrap_or(false)
                     && self.shared.check().is_ok()
             }));
+            if self.shared.check().is_err() {
+                return;
+            }
             let Ok(again) = self.shared.mem.write() else {
                 return;
             };
@@ -1116,6 +1125,7 @@ impl Syncer {
 /// Applies frozen changes to sled, then lets readers forget them.
 fn drain_loop(db: &sled::Db, shared: &Shared, rx: mpsc::Receiver<(Arc<Changes>, u64)>) {
     while let Ok((changes, seq)) = rx.recv() {
+        let mut applied = true;
         for (k, v) in changes.iter() {
             let r = match v {
                 Some(v) => db.insert(k.as_slice(), v.as_slice()).map(drop),
@@ -1123,17 +1133,24 @@ fn drain_loop(db: &sled::Db, shared: &Shared, rx: mpsc::Receiver<(Arc<Changes>, 
             };
             if let Err(e) = r {
                 shared.fail(&format!("apply to sled: {e}"));
+                applied = false;
                 break;
             }
         }
         if let Ok(mut m) = shared.mem.write() {
-            m.frozen = Arc::new(Changes::new());
+            // What sled could not take stays readable here (the store takes no more changes).
+            if applied {
+                m.frozen = Arc::new(Changes::new());
+            }
             m.draining = false;
         }
+        // Under the lock the waiters check under, so that none misses the notification.
         if let Ok(mut a) = shared.applied.lock() {
-            *a = (*a).max(seq);
+            if applied {
+                *a = (*a).max(seq);
+            }
+            shared.progress.notify_all();
         }
-        shared.progress.notify_all();
     }
 }
 
