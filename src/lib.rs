@@ -114,6 +114,7 @@ pub fn store_options(config: &Config, metrics: &Metrics) -> Result<StoreOptions,
         chain: log::Chain::new(key),
         log_retention: config.log.retention,
         flush_latency: Some(metrics.flush_latency.clone()),
+        wal_checkpoint_bytes: None,
     })
 }
 

@@ -111,6 +111,9 @@ pub struct StoreOptions {
     pub log_retention: Option<std::time::Duration>,
     /// Where to record how long each durable flush takes.
     pub flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
+    /// sled: start a new write-ahead log file (and checkpoint sled) after this many bytes
+    /// (default [`wal::CHECKPOINT_BYTES`]; smaller in tests).
+    pub wal_checkpoint_bytes: Option<u64>,
 }
 
 /// Which records a scan returns.

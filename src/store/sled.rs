@@ -319,6 +319,18 @@ impl SledStore {
             .name("oncegate-sync".into())
             .spawn(move || syncer.run(sealed_rx))
             .map_err(|e| fail("start syncer thread", &e))?;
+        let (checkpoint_tx, checkpoint_rx) = mpsc::channel();
+        let checkpointer = {
+            let (db, dir, shared) = (db.clone(), dir.to_owned(), shared.clone());
+            std::thread::Builder::new()
+                .name("oncegate-checkpoint".into())
+                .spawn(move || {
+                    if let Err(e) = checkpoint_loop(&db, &dir, &shared, checkpoint_rx) {
+                        shared.fail(&format!("checkpoint: {e}"));
+                    }
+                })
+                .map_err(|e| fail("start checkpoint thread", &e))?
+        };
         let writer = Writer {
             placing: placing.clone(),
             dir: dir.to_owned(),
@@ -332,6 +344,10 @@ impl SledStore {
             seq: 0,
             unapplied: HashMap::new(),
             sync: sealed_tx,
+            checkpointer: Some((checkpoint_tx, checkpointer)),
+            checkpoint_bytes: options
+                .wal_checkpoint_bytes
+                .unwrap_or(wal::CHECKPOINT_BYTES),
             chain: options.chain.clone(),
             head,
             log_retention: options.log_retention,
@@ -1154,6 +1170,27 @@ fn drain_loop(db: &sled::Db, shared: &Shared, rx: mpsc::Receiver<(Arc<Changes>, 
     }
 }
 
+/// The checkpoint thread's queue and handle.
+type Checkpointer = (mpsc::Sender<(u64, u64)>, std::thread::JoinHandle<()>);
+
+/// Removes log files once sled holds their frames durably: waits until the drainer has applied
+/// the file's last batch, then flushes and fsyncs sled (the checkpoint) and deletes the files.
+fn checkpoint_loop(
+    db: &sled::Db,
+    dir: &Path,
+    shared: &Shared,
+    rx: mpsc::Receiver<(u64, u64)>,
+) -> Result<(), String> {
+    let log = File::open(dir.join("db")).map_err(|e| format!("open sled log file: {e}"))?;
+    let mut blobs = HashSet::new();
+    while let Ok((seq, generation)) = rx.recv() {
+        shared.wait_applied(seq)?;
+        sled_durable(db, dir, &mut blobs, &log)?;
+        wal::remove_through(&dir.join("wal"), generation)?;
+    }
+    Ok(())
+}
+
 /// The single thread that decides every change to the store.
 struct Writer {
     placing: Arc<Mutex<HashMap<String, i64>>>,
@@ -1174,6 +1211,10 @@ struct Writer {
     unapplied: HashMap<String, (u64, Option<Record>)>,
     /// Sealed batches go to the syncer.
     sync: mpsc::Sender<Sealed>,
+    /// Log files to remove once sled is durable past a batch: `(batch, generation)`.
+    checkpointer: Option<Checkpointer>,
+    /// A new log file after this many bytes.
+    checkpoint_bytes: u64,
     chain: Chain,
     /// `(seq, hash)` of the last log entry staged.
     head: (u64, String),
@@ -1264,14 +1305,28 @@ impl Writer {
                 let applied = self.shared.applied();
                 self.unapplied.retain(|_, (seq, _)| *seq > applied);
             }
-            if self.wal.wants_checkpoint() {
-                if let Err(e) = self.checkpoint() {
-                    self.shared.fail(&format!("checkpoint: {e}"));
+            if self.wal.wants_checkpoint(self.checkpoint_bytes) {
+                // A new log file at once; the old one goes once sled holds its frames durably,
+                // which the checkpointer thread sees to without holding up writes.
+                match self.wal.start_next() {
+                    Ok(old) => {
+                        if let Some((tx, _)) = &self.checkpointer {
+                            let _ = tx.send((self.seq, old));
+                        }
+                    }
+                    Err(e) => self
+                        .shared
+                        .fail(&format!("start a write-ahead log file: {e}")),
                 }
             }
         }
-        // Closing: everything applied, and sled checkpointed so the next start replays nothing.
+        // Closing: everything applied, the checkpointer done, and sled checkpointed so the next
+        // start replays nothing.
         if self.settle_down().is_ok() {
+            if let Some((tx, handle)) = self.checkpointer.take() {
+                drop(tx);
+                let _ = handle.join();
+            }
             if let Err(e) = self.checkpoint() {
                 tracing::error!(error = %e, "store checkpoint at close failed");
             }
@@ -1306,7 +1361,9 @@ impl Writer {
     fn checkpoint(&mut self) -> Result<(), String> {
         self.settle_down()?;
         sled_durable(&self.db, &self.dir, &mut self.blobs, &self.log)?;
-        self.wal.rotate()
+        self.wal.rotate()?;
+        // Files handed to the checkpointer that it had not removed yet.
+        wal::remove_through(self.wal.dir(), self.wal.generation().saturating_sub(1))
     }
 
     fn read(&self, pending: &Pending, id: &str) -> Result<Option<Record>, StoreError> {

@@ -259,9 +259,10 @@ impl Wal {
         self.file.sync_data()
     }
 
-    /// The log has grown enough that sled should be made durable and the log started afresh.
-    pub fn wants_checkpoint(&self) -> bool {
-        self.len >= CHECKPOINT_BYTES
+    /// The log has grown past `limit` bytes: sled should be made durable and the log started
+    /// afresh.
+    pub fn wants_checkpoint(&self, limit: u64) -> bool {
+        self.len >= limit
     }
 
     /// Starts a new file: the frames so far are in sled's own durable files now.
@@ -275,6 +276,28 @@ impl Wal {
         self.checkpointed()
     }
 
+    /// Starts a new file and returns the previous one's generation, which stays until someone
+    /// has made sled durable past its last frame and calls [`remove_through`].
+    pub fn start_next(&mut self) -> Result<u64, String> {
+        let next = self.generation + 1;
+        self.file = Arc::new(Self::create(&self.dir, next)?);
+        let previous = self.generation;
+        self.generation = next;
+        self.len = 0;
+        self.allocated = 0;
+        Ok(previous)
+    }
+
+    /// The folder of the log files.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The current file's generation.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
     /// Deletes the files whose frames sled holds durably (called after sled's flush + fsync).
     pub fn checkpointed(&mut self) -> Result<(), String> {
         if self.old.is_empty() {
@@ -286,6 +309,24 @@ impl Wal {
         }
         fsync_dir(&self.dir).map_err(|e| format!("fsync {}: {e}", self.dir.display()))
     }
+}
+
+/// Deletes every log file up to and including `generation` (sled holds their frames durably).
+pub fn remove_through(dir: &Path, generation: u64) -> Result<(), String> {
+    let gens = generations(dir).map_err(|e| format!("list {}: {e}", dir.display()))?;
+    let mut removed = false;
+    for g in gens.into_iter().filter(|g| *g <= generation) {
+        let path = dir.join(file_name(g));
+        match std::fs::remove_file(&path) {
+            Ok(()) => removed = true,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("remove {}: {e}", path.display())),
+        }
+    }
+    if removed {
+        fsync_dir(dir).map_err(|e| format!("fsync {}: {e}", dir.display()))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
