@@ -6,8 +6,8 @@
 //! log ([`super::wal`]). A syncer thread makes waiting frames durable with one `fdatasync`, then
 //! makes their changes visible to readers ([`Mem`]) and answers; a drainer thread applies the
 //! durable changes to sled in bulk. sled's own `flush()` (which ends in `sync_file_range`, not
-//! enough for a power loss; SPEC §13) runs only at checkpoints, followed by an fsync of sled's
-//! files. So:
+//! enough for a power loss; SPEC §13) runs only at checkpoints, on a thread of their own, followed
+//! by an fsync of sled's files; only then are the log files it covers deleted. So:
 //! - a claim is durable before its request leaves, an outcome before its client is answered;
 //! - a state change and its log entry are in one atomic batch: neither exists without the other;
 //! - claims are atomic without locks (one thread decides), and the log has one chain;
