@@ -288,13 +288,13 @@ impl SledStore {
         let log = File::open(dir.join("db")).map_err(|e| fail("open sled log file", &e))?;
         // Batches acknowledged since sled's last checkpoint are in the write-ahead log: replayed
         // into sled, made durable there, and the log starts afresh.
-        let (mut wal, replayed) = Wal::open(&dir.join("wal"), |changes| {
+        let (wal, replayed) = Wal::open(&dir.join("wal"), |changes| {
             apply_changes(&db, changes).map_err(|e| e.to_string())
         })
         .map_err(|e| fail("replay the write-ahead log", &e))?;
         let mut blobs = HashSet::new();
         sled_durable(&db, dir, &mut blobs, &log)
-            .and_then(|()| wal.checkpointed())
+            .and_then(|()| wal.remove_older())
             .map_err(|e| fail("checkpoint", &e))?;
         if replayed > 0 {
             tracing::info!(frames = replayed, "store: replayed the write-ahead log");
@@ -1361,9 +1361,9 @@ impl Writer {
     fn checkpoint(&mut self) -> Result<(), String> {
         self.settle_down()?;
         sled_durable(&self.db, &self.dir, &mut self.blobs, &self.log)?;
-        self.wal.rotate()?;
-        // Files handed to the checkpointer that it had not removed yet.
-        wal::remove_through(self.wal.dir(), self.wal.generation().saturating_sub(1))
+        self.wal.start_next()?;
+        // Every file before the new one, including any the checkpointer had not removed yet.
+        self.wal.remove_older()
     }
 
     fn read(&self, pending: &Pending, id: &str) -> Result<Option<Record>, StoreError> {

@@ -154,13 +154,11 @@ pub struct Wal {
     /// Where the next frame goes, and how far the file is already extended with zeros.
     len: u64,
     allocated: u64,
-    /// Generations whose frames sled has, waiting to be deleted after the next checkpoint.
-    old: Vec<u64>,
 }
 
 impl Wal {
     /// Replays every log file in `dir` (created if missing) through `apply`, oldest first, and
-    /// opens a new file after them. The replayed files stay until [`Wal::checkpointed`]: the
+    /// opens a new file after them. The replayed files stay until [`Wal::remove_older`]: the
     /// caller makes sled durable first.
     pub fn open(
         dir: &Path,
@@ -214,7 +212,6 @@ impl Wal {
                 file: Arc::new(file),
                 len: 0,
                 allocated: 0,
-                old: gens,
             },
             replayed,
         ))
@@ -254,26 +251,10 @@ impl Wal {
         self.file.clone()
     }
 
-    /// Makes every appended frame durable.
-    pub fn sync(&mut self) -> io::Result<()> {
-        self.file.sync_data()
-    }
-
     /// The log has grown past `limit` bytes: sled should be made durable and the log started
     /// afresh.
     pub fn wants_checkpoint(&self, limit: u64) -> bool {
         self.len >= limit
-    }
-
-    /// Starts a new file: the frames so far are in sled's own durable files now.
-    pub fn rotate(&mut self) -> Result<(), String> {
-        let next = self.generation + 1;
-        self.file = Arc::new(Self::create(&self.dir, next)?);
-        self.old.push(self.generation);
-        self.generation = next;
-        self.len = 0;
-        self.allocated = 0;
-        self.checkpointed()
     }
 
     /// Starts a new file and returns the previous one's generation, which stays until someone
@@ -288,26 +269,10 @@ impl Wal {
         Ok(previous)
     }
 
-    /// The folder of the log files.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
-    /// The current file's generation.
-    pub fn generation(&self) -> u64 {
-        self.generation
-    }
-
-    /// Deletes the files whose frames sled holds durably (called after sled's flush + fsync).
-    pub fn checkpointed(&mut self) -> Result<(), String> {
-        if self.old.is_empty() {
-            return Ok(());
-        }
-        for g in self.old.drain(..) {
-            let path = self.dir.join(file_name(g));
-            std::fs::remove_file(&path).map_err(|e| format!("remove {}: {e}", path.display()))?;
-        }
-        fsync_dir(&self.dir).map_err(|e| format!("fsync {}: {e}", self.dir.display()))
+    /// Deletes every file before the current one: called once sled holds their frames durably
+    /// (after sled's flush and fsync).
+    pub fn remove_older(&self) -> Result<(), String> {
+        remove_through(&self.dir, self.generation.saturating_sub(1))
     }
 }
 
@@ -392,9 +357,10 @@ mod tests {
         let (mut wal, seen) = replay(&dir).expect("test step");
         assert!(seen.is_empty());
         wal.append(&frame(&[put("k", "1")])).expect("test step");
-        wal.rotate().expect("test step");
+        wal.start_next().expect("test step");
+        wal.remove_older().expect("test step");
         wal.append(&frame(&[put("k", "2")])).expect("test step");
-        wal.sync().expect("test step");
+        wal.file().sync_data().expect("test step");
         drop(wal);
         // Reopened: only the file after the last rotation is replayed.
         let (mut wal, seen) = replay(&dir).expect("test step");
@@ -404,7 +370,7 @@ mod tests {
         drop(wal);
         let (mut wal, seen) = replay(&dir).expect("test step");
         assert_eq!(seen, vec![vec![put("k", "2")], vec![put("k", "3")]]);
-        wal.checkpointed().expect("test step");
+        wal.remove_older().expect("test step");
         drop(wal);
         assert!(replay(&dir).expect("test step").1.is_empty());
     }
