@@ -6,6 +6,9 @@
 //! nginx is installed with apt-get when missing; without it the nginx column says so.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[path = "support/proc.rs"]
+mod proc;
+
 use std::collections::HashMap;
 use std::io::BufRead;
 use std::net::SocketAddr;
@@ -320,11 +323,7 @@ fn family(pid: u32) -> Vec<u32> {
                 continue;
             };
             if let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) {
-                let ppid = stat
-                    .rsplit(')')
-                    .next()
-                    .and_then(|r| r.split_whitespace().nth(1));
-                if ppid == Some(&pid.to_string()) {
+                if proc::stat_fields(&stat).get(1) == Some(&pid.to_string().as_str()) {
                     pids.push(p);
                 }
             }
@@ -337,18 +336,7 @@ fn family(pid: u32) -> Vec<u32> {
 fn cpu_ticks(pid: u32) -> u64 {
     family(pid)
         .iter()
-        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
-        .map(|stat| {
-            let f: Vec<&str> = stat
-                .rsplit(')')
-                .next()
-                .unwrap_or("")
-                .split_whitespace()
-                .collect();
-            // After the command: state, ppid, …; utime and stime are fields 14 and 15 of stat.
-            f.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
-                + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
-        })
+        .map(|p| proc::cpu_ticks(&p.to_string()))
         .sum()
 }
 

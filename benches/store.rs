@@ -2,6 +2,9 @@
 //! 64 concurrent writers, flushes per write, and flush latency. `cargo bench --bench store`.
 #![allow(clippy::unwrap_used)]
 
+#[path = "support/proc.rs"]
+mod proc;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -70,17 +73,9 @@ async fn one_write(s: &dyn Store) {
     .unwrap();
 }
 
-/// CPU seconds (user + system) this process has used, from /proc (clock ticks of 10 ms).
+/// CPU seconds (user + system) this process has used.
 fn cpu_secs() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let f: Vec<&str> = stat
-        .rsplit(')')
-        .next()
-        .unwrap_or("")
-        .split_whitespace()
-        .collect();
-    let t = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    (t(11) + t(12)) / 100.0
+    proc::cpu_ticks("self") as f64 / 100.0
 }
 
 fn main() {

@@ -368,7 +368,7 @@ mod tests {
         // Not yet checkpointed: a second crash replays it again, then the new file.
         wal.append(&frame(&[put("k", "3")])).expect("test step");
         drop(wal);
-        let (mut wal, seen) = replay(&dir).expect("test step");
+        let (wal, seen) = replay(&dir).expect("test step");
         assert_eq!(seen, vec![vec![put("k", "2")], vec![put("k", "3")]]);
         wal.remove_older().expect("test step");
         drop(wal);
