@@ -19,10 +19,18 @@ fn sled(dir: &std::path::Path) -> Arc<dyn oncegate::store::Store> {
 }
 
 /// A clock the test moves by hand, starting at T0 = 1_800_000_000_000 ms.
-fn controlled_clock() -> (Arc<AtomicU64>, oncegate::action::Clock) {
+/// A proxy on `store` whose clock the test moves (`now`, in ms), with `defaults` for the upstream.
+async fn on_controlled_clock(
+    up: &FakeUpstream,
+    defaults: &str,
+    store: Arc<dyn oncegate::store::Store>,
+    dir: &std::path::Path,
+) -> (Arc<AtomicU64>, TestProxy) {
     let now = Arc::new(AtomicU64::new(1_800_000_000_000));
     let read = now.clone();
-    (now, Arc::new(move || read.load(Ordering::SeqCst)))
+    let clock: oncegate::action::Clock = Arc::new(move || read.load(Ordering::SeqCst));
+    let proxy = TestProxy::start_with_clock(&config(&up.url(), defaults), store, dir, clock).await;
+    (now, proxy)
 }
 
 #[tokio::test]
@@ -30,14 +38,8 @@ async fn records_expire_retention_after_their_last_change_and_the_key_becomes_ne
     let up = FakeUpstream::start().await;
     let tmp = tempfile::tempdir().unwrap();
     let store = sled(&tmp.path().join("s"));
-    let (now, clock) = controlled_clock();
-    let proxy = TestProxy::start_with_clock(
-        &config(&up.url(), "retention = \"2h\""),
-        store.clone(),
-        tmp.path(),
-        clock,
-    )
-    .await;
+    let (now, proxy) =
+        on_controlled_clock(&up, "retention = \"2h\"", store.clone(), tmp.path()).await;
     let c = TestClient::default();
     let url = proxy.url("/pay/v1/charges");
     up.push(Behavior::json(201, r#"{"n":1}"#));
@@ -72,12 +74,11 @@ async fn records_expire_retention_after_their_last_change_and_the_key_becomes_ne
 async fn an_expired_record_is_a_new_action_even_before_the_sweeper_runs() {
     let up = FakeUpstream::start().await;
     let tmp = tempfile::tempdir().unwrap();
-    let (now, clock) = controlled_clock();
-    let proxy = TestProxy::start_with_clock(
-        &config(&up.url(), "retention = \"1h\"\nmax_attempts = 1"),
+    let (now, proxy) = on_controlled_clock(
+        &up,
+        "retention = \"1h\"\nmax_attempts = 1",
         sled(&tmp.path().join("s")),
         tmp.path(),
-        clock,
     )
     .await;
     let c = TestClient::default();
@@ -219,14 +220,8 @@ async fn the_sweeper_deletes_large_bodies_no_record_keeps() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
     let store = sled(&dir);
-    let (now, clock) = controlled_clock();
-    let proxy = TestProxy::start_with_clock(
-        &config(&up.url(), "retention = \"2h\""),
-        store.clone(),
-        tmp.path(),
-        clock,
-    )
-    .await;
+    let (now, proxy) =
+        on_controlled_clock(&up, "retention = \"2h\"", store.clone(), tmp.path()).await;
     // Two actions whose (large) answers are the same bytes: one content-addressed file.
     let big = "b".repeat(100_000);
     up.set_default(Behavior::json(201, &big));

@@ -41,6 +41,15 @@ struct Faults {
     unavailable: f64,
 }
 
+impl Faults {
+    /// The crash runs' upstream: 5% of requests stall, 5% are dropped, 5% answer 503.
+    const MIX: Faults = Faults {
+        stall: 0.05,
+        drop: 0.05,
+        unavailable: 0.05,
+    };
+}
+
 /// What the upstream did with one request of a logical write.
 #[derive(Clone, Debug)]
 struct Receipt {
@@ -553,11 +562,7 @@ async fn sigkills_under_load_never_duplicate_lose_or_resend_a_write() {
     let report = harness(Options {
         kills: env_or("ONCEGATE_TORTURE_KILLS", 20),
         clients: env_or("ONCEGATE_TORTURE_CLIENTS", 6),
-        faults: Faults {
-            stall: 0.05,
-            drop: 0.05,
-            unavailable: 0.05,
-        },
+        faults: Faults::MIX,
         broken_client: false,
         writes_per_client: 0,
         proxies: 1,
@@ -612,11 +617,7 @@ async fn two_proxies_on_postgres_survive_sigkills_without_duplicates() {
     let report = harness(Options {
         kills: env_or("ONCEGATE_TORTURE_PG_KILLS", 10),
         clients: 6,
-        faults: Faults {
-            stall: 0.05,
-            drop: 0.05,
-            unavailable: 0.05,
-        },
+        faults: Faults::MIX,
         broken_client: false,
         writes_per_client: 0,
         proxies: 2,
