@@ -144,15 +144,15 @@ const CACHE_ENTRIES: usize = 4_096;
 
 impl Cache {
     /// Takes the durable outcome of a batch: settled records in, anything else out.
-    fn update(&mut self, id: &str, r: Option<&Record>, body: Option<&Bytes>) {
+    fn update(&mut self, id: String, r: Option<Record>, body: Option<&Bytes>) {
         match r {
             Some(r) if matches!(r.state, State::Succeeded | State::Unknown) => {
                 let keep = body
                     .filter(|b| b.len() <= 16 * 1024)
                     .cloned()
-                    .or_else(|| self.map.get(id).and_then(|(_, b)| b.clone()));
-                if self.map.insert(id.to_string(), (r.clone(), keep)).is_none() {
-                    self.order.push_back(id.to_string());
+                    .or_else(|| self.map.get(&id).and_then(|(_, b)| b.clone()));
+                if self.map.insert(id.clone(), (r, keep)).is_none() {
+                    self.order.push_back(id);
                 }
                 while self.map.len() > CACHE_ENTRIES {
                     match self.order.pop_front() {
@@ -164,7 +164,7 @@ impl Cache {
                 }
             }
             _ => {
-                self.map.remove(id);
+                self.map.remove(&id);
             }
         }
     }
@@ -1073,9 +1073,10 @@ impl Syncer {
                     }
                 }
                 if let Ok(mut c) = self.cache.lock() {
-                    for b in &group {
-                        for (id, r) in &b.records {
-                            c.update(id, r.as_ref(), b.bodies.get(id));
+                    for b in &mut group {
+                        for (id, r) in b.records.drain() {
+                            let body = b.bodies.get(&id);
+                            c.update(id, r, body);
                         }
                     }
                 }
