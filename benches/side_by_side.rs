@@ -678,11 +678,12 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             conns: 64,
         },
     ];
-    // `BENCH_ONLY=replays` runs only the workloads whose name contains it (for profiling).
+    // `BENCH_ONLY=replays` runs only the workloads whose name contains it, `|` separating
+    // alternatives (for profiling: `BENCH_ONLY='writes, 64|replays'`).
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     let specs: Vec<&Spec> = specs
         .iter()
-        .filter(|s| s.name.contains(only.as_str()))
+        .filter(|s| only.split('|').any(|o| s.name.contains(o)))
         .collect();
     let mut results: Vec<(&Spec, HashMap<&str, Result_>)> = Vec::new();
     let mut flushes_per_write = HashMap::new();
@@ -729,6 +730,12 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         println!("{}: {}", spec.name, line.join(", "));
         results.push((spec, per));
     }
+    // Preloads run with the full report, or when `BENCH_ONLY` names them (`stored`).
+    let preloads: Vec<usize> = if only.is_empty() || only.contains("stored") {
+        preloads
+    } else {
+        Vec::new()
+    };
     let actions = metric(og_admin, "oncegate_actions{").await;
     let store_bytes = dir_bytes(&og_dir.join("store"));
     let _ = og.kill();

@@ -465,3 +465,37 @@ async fn sled_rotates_its_write_ahead_log_and_removes_checkpointed_files() {
     assert!(v.ok && v.entries >= 960, "{v:?}");
     s.close().await.unwrap();
 }
+
+/// Audit-only entries (`replayed`, …) are buffered to share log blocks; none is lost, whether
+/// read at once, after more than one buffer's worth, or after the store closes and reopens.
+#[tokio::test]
+async fn sled_writes_every_buffered_note_by_close() {
+    use oncegate::log::{Actor, LogEvent};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let open = || oncegate::store::sled::SledStore::open(&dir, Default::default()).unwrap();
+    let s: S = Arc::new(open());
+    s.claim(claim_req(record("n1", "f", None), T0, 10_000))
+        .await
+        .unwrap();
+    let rec = settle(&s, "n1", 1, State::Succeeded, T0 + 1, Some("{}")).await;
+    let replayed = |s: &S| s.note(LogEvent::for_record(Event::Replayed, &rec, Actor::Proxy));
+    replayed(&s);
+    let count = |entries: Vec<oncegate::log::Entry>| {
+        entries
+            .iter()
+            .filter(|e| e.event == Event::Replayed)
+            .count()
+    };
+    assert_eq!(count(s.log(0, 10_000).await.unwrap()), 1, "read at once");
+    for _ in 0..600 {
+        replayed(&s);
+    }
+    s.close().await.unwrap();
+    drop(s);
+    let s: S = Arc::new(open());
+    assert_eq!(count(s.log(0, 10_000).await.unwrap()), 601);
+    let v = s.verify_log().await.unwrap();
+    assert!(v.ok && v.entries == 604, "{v:?}");
+    s.close().await.unwrap();
+}

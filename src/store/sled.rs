@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
 
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
@@ -60,6 +61,10 @@ const SLED_CACHE: u64 = 16 << 20;
 const ANCHOR_KEY: &[u8] = b"m/log_anchor";
 /// Audit-only log entries and lease renewals are made durable within this.
 const LAZY_FLUSH: std::time::Duration = std::time::Duration::from_millis(100);
+/// Audit-only log entries (notes: `replayed`, `conflict`, …) wait at most this long, or until
+/// this many are buffered, for a batch to join: fewer, larger log blocks.
+const NOTES_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
+const NOTES_BATCH: usize = 256;
 
 type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
 
@@ -134,40 +139,97 @@ pub struct SledStore {
 
 /// Recently settled records (`succeeded`, `unknown`) as last made durable, for replays and
 /// conflicts that need no sled read. Bounded; the oldest entries go first.
+///
+/// The syncer puts every durable outcome in. Readers that missed fill it from what they read
+/// (read-through), guarded by a generation per shard of ids: a reader notes its shard's
+/// generation before reading, and its fill is dropped if any change to that shard was made
+/// durable meanwhile, so an older read never replaces a newer outcome. The syncer makes a change
+/// readable (in [`Mem`]) before it bumps the generation, which is what makes the guard hold.
 #[derive(Default)]
 struct Cache {
     map: HashMap<String, (Record, Option<Bytes>)>,
     order: std::collections::VecDeque<String>,
+    gens: Gens,
 }
 
 const CACHE_ENTRIES: usize = 4_096;
+const CACHE_SHARDS: usize = 64;
+
+struct Gens([u64; CACHE_SHARDS]);
+
+impl Default for Gens {
+    fn default() -> Gens {
+        Gens([0; CACHE_SHARDS])
+    }
+}
+
+fn shard(id: &str) -> usize {
+    // Action ids are hex digests: their last bytes are as good as a hash.
+    id.bytes()
+        .rev()
+        .take(4)
+        .fold(0usize, |h, b| h.wrapping_mul(31).wrapping_add(b as usize))
+        % CACHE_SHARDS
+}
 
 impl Cache {
     /// Takes the durable outcome of a batch: settled records in, anything else out.
     fn update(&mut self, id: String, r: Option<Record>, body: Option<&Bytes>) {
+        self.gens.0[shard(&id)] += 1;
         match r {
-            Some(r) if matches!(r.state, State::Succeeded | State::Unknown) => {
+            Some(r) if cacheable(&r) => {
                 let keep = body
-                    .filter(|b| b.len() <= 16 * 1024)
+                    .filter(|b| b.len() <= CACHED_BODY_MAX)
                     .cloned()
                     .or_else(|| self.map.get(&id).and_then(|(_, b)| b.clone()));
-                if self.map.insert(id.clone(), (r, keep)).is_none() {
-                    self.order.push_back(id);
-                }
-                while self.map.len() > CACHE_ENTRIES {
-                    match self.order.pop_front() {
-                        Some(old) => {
-                            self.map.remove(&old);
-                        }
-                        None => break,
-                    }
-                }
+                self.put(id, r, keep);
             }
             _ => {
                 self.map.remove(&id);
             }
         }
     }
+
+    /// The generation a reader notes before reading `id` outside the cache.
+    fn generation(&self, id: &str) -> u64 {
+        self.gens.0[shard(id)]
+    }
+
+    /// A reader's fill: `r` as read after [`Cache::generation`] returned `gen`.
+    fn fill(&mut self, gen: u64, r: &Record) {
+        if self.generation(&r.id) == gen && cacheable(r) && !self.map.contains_key(&r.id) {
+            self.put(r.id.clone(), r.clone(), None);
+        }
+    }
+
+    /// A reader's fill of a cached record's stored body.
+    fn fill_body(&mut self, gen: u64, id: &str, body: &Bytes) {
+        if self.generation(id) == gen && body.len() <= CACHED_BODY_MAX {
+            if let Some((_, b)) = self.map.get_mut(id) {
+                b.get_or_insert_with(|| body.clone());
+            }
+        }
+    }
+
+    fn put(&mut self, id: String, r: Record, body: Option<Bytes>) {
+        if self.map.insert(id.clone(), (r, body)).is_none() {
+            self.order.push_back(id);
+        }
+        while self.map.len() > CACHE_ENTRIES {
+            match self.order.pop_front() {
+                Some(old) => {
+                    self.map.remove(&old);
+                }
+                None => break,
+            }
+        }
+    }
+}
+
+const CACHED_BODY_MAX: usize = 16 * 1024;
+
+fn cacheable(r: &Record) -> bool {
+    matches!(r.state, State::Succeeded | State::Unknown)
 }
 
 fn unavailable(e: impl std::fmt::Display) -> StoreError {
@@ -351,6 +413,7 @@ impl SledStore {
             chain: options.chain.clone(),
             head,
             log_retention: options.log_retention,
+            notes_due: None,
         };
         let handle = std::thread::Builder::new()
             .name("oncegate-store".into())
@@ -387,17 +450,21 @@ impl SledStore {
     fn settled(&self, req: &ClaimRequest) -> Option<Claim> {
         // Settled records are served from memory first: sled takes a global lock on every read
         // once batches are in use, and a batch being applied blocks them all.
-        let cached = self
-            .cache
-            .lock()
-            .ok()
-            .and_then(|c| c.map.get(&req.fresh.id).map(|(r, _)| r.clone()));
+        let (cached, gen) = {
+            let c = self.cache.lock().ok()?;
+            let hit = c.map.get(&req.fresh.id).map(|(r, _)| r.clone());
+            (hit, c.generation(&req.fresh.id))
+        };
         let r = match cached {
             Some(r) => r,
             None => {
                 let db = self.db().ok()?;
                 let key = rec_key(&req.fresh.id);
-                decode(&key, &read_key(&self.shared, &db, &key).ok()??).ok()?
+                let r = decode(&key, &read_key(&self.shared, &db, &key).ok()??).ok()?;
+                if let Ok(mut c) = self.cache.lock() {
+                    c.fill(gen, &r);
+                }
+                r
             }
         };
         if r.is_expired(req.now) {
@@ -552,16 +619,16 @@ impl Store for SledStore {
     }
 
     fn note(&self, event: LogEvent) {
-        // Buffered, and the writer woken only when the buffer was empty: under load many
-        // notes share one wake-up and one batch.
-        let first = match self.notes.lock() {
+        // Buffered, and the writer told only of the first and of a full batch: under load many
+        // notes share one wake-up, one batch and one log block.
+        let wake = match self.notes.lock() {
             Ok(mut n) => {
                 n.push(event);
-                n.len() == 1
+                n.len() == 1 || n.len() == NOTES_BATCH
             }
             Err(_) => return,
         };
-        if first {
+        if wake {
             if let Err(e) = self.send(Op::Notes) {
                 tracing::warn!(error = %e, "could not append a write-log entry");
             }
@@ -677,18 +744,24 @@ impl Store for SledStore {
 
     fn body<'a>(&'a self, record: &'a Record) -> BoxFuture<'a, Result<Option<Bytes>, StoreError>> {
         Box::pin(async move {
-            let cached = self
-                .cache
-                .lock()
-                .ok()
-                .and_then(|c| c.map.get(&record.id).and_then(|(_, b)| b.clone()));
+            let (cached, gen) = match self.cache.lock() {
+                Ok(c) => (
+                    c.map.get(&record.id).and_then(|(_, b)| b.clone()),
+                    Some(c.generation(&record.id)),
+                ),
+                Err(_) => (None, None),
+            };
             if cached.is_some() {
                 return Ok(cached);
             }
             match record.response.as_ref().map(|r| &r.body) {
                 Some(BodyRef::Inline) => {
-                    Ok(read_key(&self.shared, &self.db()?, &body_key(&record.id))?
-                        .map(|v| Bytes::copy_from_slice(&v)))
+                    let body = read_key(&self.shared, &self.db()?, &body_key(&record.id))?
+                        .map(|v| Bytes::copy_from_slice(&v));
+                    if let (Some(b), Some(gen), Ok(mut c)) = (&body, gen, self.cache.lock()) {
+                        c.fill_body(gen, &record.id, b);
+                    }
+                    Ok(body)
                 }
                 Some(BodyRef::File { sha256 }) => {
                     let bytes = tokio::fs::read(self.body_path(sha256))
@@ -884,7 +957,7 @@ struct Mem {
     frozen: Arc<Changes>,
     draining: bool,
     /// When the oldest change in `active` arrived.
-    since: Option<std::time::Instant>,
+    since: Option<Instant>,
 }
 
 impl Mem {
@@ -1031,7 +1104,7 @@ impl Syncer {
                 result = Err(e);
             }
             if result.is_ok() && group.iter().any(|b| b.durable) {
-                let started = std::time::Instant::now();
+                let started = Instant::now();
                 let mut files: Vec<Arc<File>> = lazy.take().into_iter().collect();
                 for b in &group {
                     if !files.iter().any(|f| Arc::ptr_eq(f, &b.file)) {
@@ -1062,7 +1135,7 @@ impl Syncer {
                 if let Ok(mut m) = self.shared.mem.write() {
                     for b in &mut group {
                         if !b.changes.is_empty() {
-                            m.since.get_or_insert_with(std::time::Instant::now);
+                            m.since.get_or_insert_with(Instant::now);
                         }
                         for c in b.changes.drain(..) {
                             match c {
@@ -1220,6 +1293,8 @@ struct Writer {
     /// `(seq, hash)` of the last log entry staged.
     head: (u64, String),
     log_retention: Option<std::time::Duration>,
+    /// When buffered notes are written at the latest.
+    notes_due: Option<Instant>,
 }
 
 /// The changes of one batch, readable before they are applied.
@@ -1248,7 +1323,18 @@ impl Pending {
 
 impl Writer {
     fn run(mut self, rx: mpsc::Receiver<Op>) {
-        while let Ok(first) = rx.recv() {
+        loop {
+            let first = match self.notes_due {
+                Some(due) => match rx.recv_timeout(due.saturating_duration_since(Instant::now())) {
+                    Ok(op) => op,
+                    Err(mpsc::RecvTimeoutError::Timeout) => Op::Notes,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                },
+                None => match rx.recv() {
+                    Ok(op) => op,
+                    Err(_) => break,
+                },
+            };
             let mut ops = vec![first];
             while ops.len() < MAX_BATCH {
                 match rx.try_recv() {
@@ -1256,73 +1342,26 @@ impl Writer {
                     Err(_) => break,
                 }
             }
-            let mut pending = Pending::default();
-            let mut answers = Vec::with_capacity(ops.len());
-            let mut force_sync = false;
+            // A drain reads sled once everything before it is applied: what came before it,
+            // buffered notes included, is sealed as a batch of its own first.
+            let mut cur = Vec::with_capacity(ops.len());
             for op in ops {
-                if matches!(op, Op::Sync(_)) {
-                    force_sync = true;
+                let before =
+                    matches!(op, Op::Drain(_)) && (!cur.is_empty() || self.notes_waiting() > 0);
+                if before && !self.batch(std::mem::take(&mut cur), true) {
+                    return;
                 }
-                answers.push(self.apply(op, &mut pending));
+                cur.push(op);
             }
-            if let Some(first) = pending.log_first {
-                let block = std::mem::take(&mut pending.log_block);
-                pending.put(log_key(first), block);
-            }
-            // Every batch goes through the syncer, even one that only read: what it read may be
-            // a batch still on its way to being durable, and its answers wait for that.
-            let durable = (pending.durable && pending.writes > 0) || force_sync;
-            let changes = std::mem::take(&mut pending.changes);
-            self.seq += 1;
-            let mut failed = self.shared.check().err();
-            if failed.is_none() && !changes.is_empty() {
-                wal::encode(&changes, &mut self.frame);
-                if let Err(e) = self.wal.append(&self.frame) {
-                    let e = format!("write-ahead log write: {e}");
-                    self.shared.fail(&e);
-                    failed = Some(e);
-                }
-            }
-            if failed.is_none() {
-                for (id, r) in &pending.records {
-                    self.unapplied.insert(id.clone(), (self.seq, r.clone()));
-                }
-            }
-            let sealed = Sealed {
-                seq: self.seq,
-                file: self.wal.file(),
-                changes,
-                durable,
-                answers,
-                records: pending.records,
-                bodies: pending.bodies,
-                failed,
-                drain: false,
-            };
-            if self.sync.send(sealed).is_err() {
+            if !self.batch(cur, false) {
                 return;
             }
-            if self.unapplied.len() > 4 * MAX_BATCH {
-                let applied = self.shared.applied();
-                self.unapplied.retain(|_, (seq, _)| *seq > applied);
-            }
-            if self.wal.wants_checkpoint(self.checkpoint_bytes) {
-                // A new log file at once; the old one goes once sled holds its frames durably,
-                // which the checkpointer thread sees to without holding up writes.
-                match self.wal.start_next() {
-                    Ok(old) => {
-                        if let Some((tx, _)) = &self.checkpointer {
-                            let _ = tx.send((self.seq, old));
-                        }
-                    }
-                    Err(e) => self
-                        .shared
-                        .fail(&format!("start a write-ahead log file: {e}")),
-                }
-            }
         }
-        // Closing: everything applied, the checkpointer done, and sled checkpointed so the next
-        // start replays nothing.
+        // Closing: the notes still buffered are written, everything applied, the checkpointer
+        // done, and sled checkpointed so the next start replays nothing.
+        if !self.batch(Vec::new(), true) {
+            return;
+        }
         if self.settle_down().is_ok() {
             if let Some((tx, handle)) = self.checkpointer.take() {
                 drop(tx);
@@ -1332,6 +1371,98 @@ impl Writer {
                 tracing::error!(error = %e, "store checkpoint at close failed");
             }
         }
+    }
+
+    /// Applies, writes and hands to the syncer one batch of operations; `false` once the syncer
+    /// is gone. Buffered notes ride along when the batch is durable anyway, when they have
+    /// waited [`NOTES_WAIT`] or number [`NOTES_BATCH`], or when `all_notes`.
+    fn batch(&mut self, ops: Vec<Op>, all_notes: bool) -> bool {
+        let mut pending = Pending::default();
+        // Notes first: they happened before these operations, and an operation that reads
+        // the log (a drain) must find them.
+        let durable = ops
+            .iter()
+            .any(|op| !matches!(op, Op::Notes | Op::Renew(..)));
+        let due = self.notes_due.is_some_and(|d| d <= Instant::now());
+        if all_notes || durable || due || self.notes_waiting() >= NOTES_BATCH {
+            self.notes_due = None;
+            let notes = self
+                .notes
+                .lock()
+                .map(|mut n| std::mem::take(&mut *n))
+                .unwrap_or_default();
+            for ev in notes {
+                self.append(&mut pending, ev);
+            }
+        }
+        let mut answers = Vec::with_capacity(ops.len());
+        let mut force_sync = false;
+        for op in ops {
+            if matches!(op, Op::Sync(_)) {
+                force_sync = true;
+            }
+            answers.push(self.apply(op, &mut pending));
+        }
+        if let Some(first) = pending.log_first {
+            let block = std::mem::take(&mut pending.log_block);
+            pending.put(log_key(first), block);
+        }
+        // Every batch goes through the syncer, even one that only read: what it read may be
+        // a batch still on its way to being durable, and its answers wait for that.
+        let durable = (pending.durable && pending.writes > 0) || force_sync;
+        let changes = std::mem::take(&mut pending.changes);
+        self.seq += 1;
+        let mut failed = self.shared.check().err();
+        if failed.is_none() && !changes.is_empty() {
+            wal::encode(&changes, &mut self.frame);
+            if let Err(e) = self.wal.append(&self.frame) {
+                let e = format!("write-ahead log write: {e}");
+                self.shared.fail(&e);
+                failed = Some(e);
+            }
+        }
+        if failed.is_none() {
+            for (id, r) in &pending.records {
+                self.unapplied.insert(id.clone(), (self.seq, r.clone()));
+            }
+        }
+        let sealed = Sealed {
+            seq: self.seq,
+            file: self.wal.file(),
+            changes,
+            durable,
+            answers,
+            records: pending.records,
+            bodies: pending.bodies,
+            failed,
+            drain: false,
+        };
+        if self.sync.send(sealed).is_err() {
+            return false;
+        }
+        if self.unapplied.len() > 4 * MAX_BATCH {
+            let applied = self.shared.applied();
+            self.unapplied.retain(|_, (seq, _)| *seq > applied);
+        }
+        if self.wal.wants_checkpoint(self.checkpoint_bytes) {
+            // A new log file at once; the old one goes once sled holds its frames durably,
+            // which the checkpointer thread sees to without holding up writes.
+            match self.wal.start_next() {
+                Ok(old) => {
+                    if let Some((tx, _)) = &self.checkpointer {
+                        let _ = tx.send((self.seq, old));
+                    }
+                }
+                Err(e) => self
+                    .shared
+                    .fail(&format!("start a write-ahead log file: {e}")),
+            }
+        }
+        true
+    }
+
+    fn notes_waiting(&self) -> usize {
+        self.notes.lock().map_or(0, |n| n.len())
     }
 
     /// Waits until every batch written is applied to sled: before reading sled beyond one key
@@ -1514,14 +1645,9 @@ impl Writer {
                 }
             }
             Op::Notes => {
-                let notes = self
-                    .notes
-                    .lock()
-                    .map(|mut n| std::mem::take(&mut *n))
-                    .unwrap_or_default();
-                for ev in notes {
-                    self.append(pending, ev);
-                }
+                // Notes wait a little for company (see `batch`).
+                self.notes_due
+                    .get_or_insert_with(|| Instant::now() + NOTES_WAIT);
                 Answer::None
             }
             Op::Recover(owner, now, tx) => {
@@ -1667,5 +1793,60 @@ impl Writer {
             pending.writes += 1;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::action::tests::fresh;
+
+    fn settled(id: &str, state: State) -> Record {
+        let mut r = fresh("fp");
+        r.id = id.to_string();
+        r.state = state;
+        r
+    }
+
+    #[test]
+    fn a_fill_read_before_a_newer_outcome_is_dropped() {
+        let mut c = Cache::default();
+        let id = "ab12";
+        // A reader notes the generation, then reads `unknown` from sled...
+        let gen = c.generation(id);
+        // ...while the syncer makes `succeeded` durable and puts it in.
+        c.update(id.into(), Some(settled(id, State::Succeeded)), None);
+        c.map.clear();
+        c.fill(gen, &settled(id, State::Unknown));
+        assert!(!c.map.contains_key(id), "a stale read must not be cached");
+
+        // A read with no change in between is cached, and its body with it.
+        let gen = c.generation(id);
+        c.fill(gen, &settled(id, State::Succeeded));
+        c.fill_body(gen, id, &Bytes::from_static(b"{}"));
+        let (r, b) = c.map.get(id).expect("cached");
+        assert_eq!(r.state, State::Succeeded);
+        assert_eq!(b.as_deref(), Some(&b"{}"[..]));
+
+        // Removal (expiry, a new claim) bumps the generation too.
+        let gen = c.generation(id);
+        c.update(id.into(), None, None);
+        c.fill(gen, &settled(id, State::Succeeded));
+        assert!(!c.map.contains_key(id));
+    }
+
+    #[test]
+    fn only_settled_records_are_filled_and_the_cache_is_bounded() {
+        let mut c = Cache::default();
+        let gen = c.generation("x");
+        c.fill(gen, &settled("x", State::InFlight));
+        assert!(c.map.is_empty());
+        for i in 0..CACHE_ENTRIES + 10 {
+            let id = format!("{i:08x}");
+            let gen = c.generation(&id);
+            c.fill(gen, &settled(&id, State::Succeeded));
+        }
+        assert_eq!(c.map.len(), CACHE_ENTRIES);
+        assert!(!c.map.contains_key("00000000"), "the oldest goes first");
     }
 }
