@@ -438,6 +438,13 @@ impl Proxy {
 
     /// Phase `claim`: decides what this request gets (SPEC §5 step 2), then acts on it.
     async fn claim(self: &Arc<Self>, job: WriteJob) -> Result<Response<ProxyBody>, ProxyError> {
+        // A duplicate of a write that succeeded, held in memory: the answer a claim would give,
+        // without building the fresh record or asking the writer.
+        if let Some((rec, body)) = self.store.cached(&job.identity.action_id) {
+            if rec.fingerprint == job.identity.fingerprint && !rec.is_expired((self.clock)()) {
+                return self.replay(&rec, body).await;
+            }
+        }
         let fresh = self.fresh_record(&job);
         let mut waiter = None;
         let next = self.decide(&job, &fresh, &mut waiter).await;
@@ -446,7 +453,7 @@ impl Proxy {
         }
         match next? {
             Next::Attempt(rec) => self.attempt(job, rec).await,
-            Next::Replay(rec) => self.replay(rec).await,
+            Next::Replay(rec) => self.replay(&rec, None).await,
         }
     }
 
@@ -569,20 +576,30 @@ impl Proxy {
     }
 
     /// Phase `replay` (SPEC §7).
-    async fn replay(&self, rec: Record) -> Result<Response<ProxyBody>, ProxyError> {
+    /// `body`: the stored body when the caller holds it already.
+    async fn replay(
+        &self,
+        rec: &Record,
+        body: Option<Bytes>,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
         let stored = rec.response.as_ref().filter(|r| r.body != BodyRef::Absent);
         if stored.is_none() {
-            return Err(ProxyError::AlreadyApplied(self.ctx(rec).await));
+            return Err(ProxyError::AlreadyApplied(self.ctx(rec.clone()).await));
         }
-        let body = match self.store.body(&rec).await {
-            Ok(Some(b)) => b,
-            // A stored response whose body cannot be read: the write is applied all the same.
-            Ok(None) | Err(_) => return Err(ProxyError::AlreadyApplied(self.ctx(rec).await)),
+        let body = match body {
+            Some(b) => b,
+            None => match self.store.body(rec).await {
+                Ok(Some(b)) => b,
+                // A stored response whose body cannot be read: the write is applied all the same.
+                Ok(None) | Err(_) => {
+                    return Err(ProxyError::AlreadyApplied(self.ctx(rec.clone()).await))
+                }
+            },
         };
-        let mut resp = replay(&rec, body);
-        write_headers(resp.headers_mut(), &rec, Outcome::Replayed);
+        let mut resp = replay(rec, body);
+        write_headers(resp.headers_mut(), rec, Outcome::Replayed);
         self.store.note(
-            LogEvent::for_record(Event::Replayed, &rec, Actor::Proxy)
+            LogEvent::for_record(Event::Replayed, rec, Actor::Proxy)
                 .status(rec.response.as_ref().map(|r| r.status))
                 .outcome(Outcome::Replayed.as_str()),
         );

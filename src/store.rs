@@ -174,9 +174,17 @@ pub trait Store: Send + Sync + 'static {
         Box::pin(async { Ok(true) })
     }
 
+    /// A `succeeded` record this store holds in memory as last made durable, with its stored
+    /// body when held too: lets a replay skip the claim. `None` whenever it is not held; the
+    /// claim then decides. Stores without such a cache keep the default.
+    fn cached(&self, _id: &str) -> Option<(std::sync::Arc<Record>, Option<Bytes>)> {
+        None
+    }
+
     /// Appends a log entry for an event that changes no record (a replay, a conflict, a refused
-    /// request, a lookup that settled nothing). It is written with the next durable batch; the
-    /// caller does not wait for it.
+    /// request, a lookup that settled nothing). The caller does not wait for it: it is written
+    /// with the next durable change, or within moments (the sled store waits up to 20 ms to
+    /// gather more), and is lost only if the process dies in that window.
     fn note(&self, event: LogEvent);
 
     /// Write-log entries with `seq > after`, in order, at most `limit`.

@@ -147,7 +147,7 @@ pub struct SledStore {
 /// readable (in [`Mem`]) before it bumps the generation, which is what makes the guard hold.
 #[derive(Default)]
 struct Cache {
-    map: HashMap<String, (Record, Option<Bytes>)>,
+    map: HashMap<String, (Arc<Record>, Option<Bytes>)>,
     order: std::collections::VecDeque<String>,
     gens: Gens,
 }
@@ -182,7 +182,7 @@ impl Cache {
                     .filter(|b| b.len() <= CACHED_BODY_MAX)
                     .cloned()
                     .or_else(|| self.map.get(&id).and_then(|(_, b)| b.clone()));
-                self.put(id, r, keep);
+                self.put(id, Arc::new(r), keep);
             }
             _ => {
                 self.map.remove(&id);
@@ -198,7 +198,7 @@ impl Cache {
     /// A reader's fill: `r` as read after [`Cache::generation`] returned `gen`.
     fn fill(&mut self, gen: u64, r: &Record) {
         if self.generation(&r.id) == gen && cacheable(r) && !self.map.contains_key(&r.id) {
-            self.put(r.id.clone(), r.clone(), None);
+            self.put(r.id.clone(), Arc::new(r.clone()), None);
         }
     }
 
@@ -211,7 +211,7 @@ impl Cache {
         }
     }
 
-    fn put(&mut self, id: String, r: Record, body: Option<Bytes>) {
+    fn put(&mut self, id: String, r: Arc<Record>, body: Option<Bytes>) {
         if self.map.insert(id.clone(), (r, body)).is_none() {
             self.order.push_back(id);
         }
@@ -452,7 +452,7 @@ impl SledStore {
         // once batches are in use, and a batch being applied blocks them all.
         let (cached, gen) = {
             let c = self.cache.lock().ok()?;
-            let hit = c.map.get(&req.fresh.id).map(|(r, _)| r.clone());
+            let hit = c.map.get(&req.fresh.id).map(|(r, _)| Record::clone(r));
             (hit, c.generation(&req.fresh.id))
         };
         let r = match cached {
@@ -616,6 +616,14 @@ impl Store for SledStore {
             self.call(|tx| Op::Resolve(id, Box::new(res), event, tx))
                 .await
         })
+    }
+
+    fn cached(&self, id: &str) -> Option<(Arc<Record>, Option<Bytes>)> {
+        let c = self.cache.lock().ok()?;
+        c.map
+            .get(id)
+            .filter(|(r, _)| r.state == State::Succeeded)
+            .cloned()
     }
 
     fn note(&self, event: LogEvent) {
