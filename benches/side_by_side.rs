@@ -596,7 +596,11 @@ fn main() {
         .position(|a| a == "--out")
         .and_then(|i| args.get(i + 1))
         .map(PathBuf::from);
-    let secs = if quick { 1.0 } else { 3.0 };
+    // `BENCH_SECS` lengthens each run (for profiling memory growth).
+    let secs = std::env::var("BENCH_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(if quick { 1.0 } else { 3.0 });
     let rounds = if quick { 1 } else { 2 };
     let preloads: Vec<usize> = if quick {
         vec![1_000, 10_000]
@@ -736,6 +740,11 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     } else {
         Vec::new()
     };
+    if let Ok(secs) = std::env::var("BENCH_HOLD").map(|s| s.parse::<u64>().unwrap_or(60)) {
+        // For profiling memory: the proxy stays up, idle, this long after the workloads.
+        println!("oncegate pid {} held for {secs}s", og.id());
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+    }
     let actions = metric(og_admin, "oncegate_actions{").await;
     let store_bytes = dir_bytes(&og_dir.join("store"));
     let _ = og.kill();

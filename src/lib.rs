@@ -115,6 +115,7 @@ pub fn store_options(config: &Config, metrics: &Metrics) -> Result<StoreOptions,
         log_retention: config.log.retention,
         flush_latency: Some(metrics.flush_latency.clone()),
         wal_checkpoint_bytes: None,
+        log_segment_bytes: None,
     })
 }
 

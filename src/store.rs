@@ -1,6 +1,7 @@
 //! The store: where actions live durably (SPEC §13). One trait, implemented by the embedded sled
 //! store ([`sled::SledStore`]); every method returns only after its change is durable.
 
+pub mod logfiles;
 pub mod postgres;
 pub mod sled;
 pub mod wal;
@@ -114,6 +115,9 @@ pub struct StoreOptions {
     /// sled: start a new write-ahead log file (and checkpoint sled) after this many bytes
     /// (default [`wal::CHECKPOINT_BYTES`]; smaller in tests).
     pub wal_checkpoint_bytes: Option<u64>,
+    /// sled: start a new write log file after this many bytes (default
+    /// [`logfiles::SEGMENT_BYTES`]; smaller in tests). Pruning removes whole files.
+    pub log_segment_bytes: Option<u64>,
 }
 
 /// Which records a scan returns.

@@ -499,3 +499,113 @@ async fn sled_writes_every_buffered_note_by_close() {
     assert!(v.ok && v.entries == 604, "{v:?}");
     s.close().await.unwrap();
 }
+
+/// The write log lives in files of its own. Past `log.retention`, the sweeper removes whole old
+/// files, moving the anchor first: the rest still verifies, from the first kept entry, and
+/// survives a reopen; the newest file always stays.
+#[tokio::test]
+async fn sled_prunes_whole_log_files_past_retention_and_still_verifies() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let options = || oncegate::store::StoreOptions {
+        log_retention: Some(std::time::Duration::from_secs(3600)),
+        log_segment_bytes: Some(4 * 1024),
+        ..Default::default()
+    };
+    let open = || oncegate::store::sled::SledStore::open(&dir, options()).unwrap();
+    let s: S = Arc::new(open());
+    for i in 0..40 {
+        let id = format!("p{i}");
+        s.claim(claim_req(record(&id, "f", None), T0, 10_000))
+            .await
+            .unwrap();
+        settle(&s, &id, 1, State::Succeeded, T0 + 1, Some("{}")).await;
+    }
+    // Reading the log first hands every entry to the files.
+    assert_eq!(s.log(0, 1000).await.unwrap().len(), 120);
+    let files = || std::fs::read_dir(dir.join("log")).unwrap().count();
+    let before = files();
+    assert!(before > 3, "small files: {before}");
+    // The entries' times are now; two hours on, all but the newest file are past retention.
+    let later = oncegate::action::now_millis() + 2 * 3_600_000;
+    s.expire(later).await.unwrap();
+    let kept = s.log(0, 1000).await.unwrap();
+    assert!(
+        !kept.is_empty() && kept.len() < 120,
+        "pruned: {}",
+        kept.len()
+    );
+    assert!(kept[0].seq > 1);
+    assert_eq!(kept.last().unwrap().seq, 120);
+    let v = s.verify_log().await.unwrap();
+    assert!(v.ok, "{v:?}");
+    s.close().await.unwrap();
+    drop(s);
+    let s: S = Arc::new(open());
+    assert!(s.verify_log().await.unwrap().ok);
+    assert_eq!(s.log_head().await.unwrap().0, 120);
+    // Editing a kept entry breaks verification.
+    s.close().await.unwrap();
+    drop(s);
+    let newest = std::fs::read_dir(dir.join("log"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "ndjson"))
+        .max()
+        .unwrap();
+    let text = std::fs::read_to_string(&newest).unwrap();
+    std::fs::write(&newest, text.replacen("\"intent\"", "\"sent\"", 1)).unwrap();
+    let s: S = Arc::new(open());
+    assert!(!s.verify_log().await.unwrap().ok);
+    s.close().await.unwrap();
+}
+
+/// A store written before the log had files of its own kept it in sled (blocks under `l/`, the
+/// anchor under `m/log_anchor`). Opening it moves the log out, whole and verifiable.
+#[tokio::test]
+async fn sled_moves_a_log_kept_in_sled_by_an_older_store_into_files() {
+    use oncegate::log::{Actor, Chain, LogEvent};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let chain = Chain::new(None);
+    {
+        // As the store configures sled (its segment size cannot change across opens).
+        let db = ::sled::Config::new()
+            .path(&dir)
+            .segment_size(8 << 20)
+            .open()
+            .unwrap();
+        // A pruned log: it starts at entry 11, after the anchor's `prev`.
+        let mut prev = "ab".repeat(32);
+        db.insert("m/log_anchor", serde_json::to_vec(&(11u64, &prev)).unwrap())
+            .unwrap();
+        let mut seq = 10;
+        for _ in 0..3 {
+            let first = seq + 1;
+            let mut block = Vec::new();
+            for _ in 0..4 {
+                let ev = LogEvent::bare(Event::Replayed, Actor::Proxy);
+                let (e, line) = chain.seal_line(ev, (seq, &prev), T0);
+                block.extend_from_slice(&line);
+                block.push(b'\n');
+                (seq, prev) = (e.seq, e.hash);
+            }
+            let mut key = b"l/".to_vec();
+            key.extend_from_slice(&first.to_be_bytes());
+            db.insert(key, block).unwrap();
+        }
+        db.flush().unwrap();
+    }
+    let s: S = Arc::new(oncegate::store::sled::SledStore::open(&dir, Default::default()).unwrap());
+    let seqs: Vec<u64> = s.log(0, 100).await.unwrap().iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (11..=22).collect::<Vec<_>>());
+    let v = s.verify_log().await.unwrap();
+    assert!(v.ok && v.entries == 12, "{v:?}");
+    // New entries continue the chain.
+    s.claim(claim_req(record("m1", "f", None), T0, 10_000))
+        .await
+        .unwrap();
+    assert_eq!(s.log_head().await.unwrap().0, 24);
+    assert!(s.verify_log().await.unwrap().ok);
+    s.close().await.unwrap();
+}

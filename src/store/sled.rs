@@ -17,9 +17,12 @@
 //!   the last durable versions or a direct read of sled, which holds only durable batches.
 //!
 //! Keys (one tree): `a/{id}` record (JSON), `b/{id}` small stored body, `s/{state}/{id}` state index,
-//! `t/{task}\0{id}` task index, `l/{first seq:be64}` a block of log entries (the NDJSON lines one
-//! batch appended), `m/log_anchor` where a pruned log starts. Bodies over 64 KiB live in
-//! `bodies/{sha256}` beside the database; sled's own blob files are fsynced at each checkpoint.
+//! `t/{task}\0{id}` task index. Bodies over 64 KiB live in `bodies/{sha256}` beside the database;
+//! sled's own blob files are fsynced at each checkpoint. The write log lives in files of its own
+//! ([`super::logfiles`]): in a batch's frame its entries are a change to the key
+//! `l/{first seq:be64}` (the NDJSON lines the batch appended), which the drainer appends to the
+//! log files instead of sled. Stores from before kept those keys (and `m/log_anchor`) in sled;
+//! opening one moves them to the files.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -34,6 +37,7 @@ use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 
+use super::logfiles::LogFiles;
 use super::wal::{self, Change, Wal};
 use super::{
     claim_events, recover_event, resolve_event, settle_event, BoxFuture, Filter, SettleRequest,
@@ -265,55 +269,55 @@ fn fsync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
-/// The last log entry's `(seq, hash)`, or the anchor of a pruned log, or the genesis.
-fn log_head(db: &sled::Db) -> Result<(u64, String), StoreError> {
-    if let Some((k, v)) = db
-        .scan_prefix(b"l/")
-        .next_back()
-        .transpose()
-        .map_err(unavailable)?
-    {
-        let last = block_entries(&k, &v).pop();
-        let e = last
-            .and_then(Result::ok)
-            .ok_or_else(|| StoreError::Corrupt {
-                id: "write log head".into(),
-                reason: "the last log block does not parse".into(),
-            })?;
-        return Ok((e.seq, e.hash));
+/// The first sequence number of a log block, from its key.
+fn log_seq(key: &[u8]) -> Option<u64> {
+    key.strip_prefix(b"l/")
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map(u64::from_be_bytes)
+}
+
+/// The write log's head: its last entry, or where a pruned log starts, or the genesis.
+fn log_head(files: &LogFiles) -> Result<(u64, String), StoreError> {
+    if let Some(last) = files.last() {
+        return Ok(last);
     }
-    Ok(anchor(db)?
+    let anchor = files.reader(0).map_err(unavailable)?.anchor;
+    Ok(anchor
         .map(|(seq, prev)| (seq - 1, prev))
         .unwrap_or((0, GENESIS.to_string())))
 }
 
-/// The entries of one log block: the entries one batch appended, as NDJSON, keyed by the first
-/// one's sequence number. An entry that does not parse is reported by its sequence number.
-fn block_entries(key: &[u8], value: &[u8]) -> Vec<Result<Entry, u64>> {
-    let first = key
-        .get(2..10)
-        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-        .map(u64::from_be_bytes)
-        .unwrap_or(0);
-    value
-        .split(|b| *b == b'\n')
-        .filter(|l| !l.is_empty())
-        .enumerate()
-        .map(|(i, l)| serde_json::from_slice::<Entry>(l).map_err(|_| first + i as u64))
-        .collect()
-}
-
-/// Where a pruned log starts: the first kept entry's `(seq, prev)`.
-fn anchor(db: &sled::Db) -> Result<Option<(u64, String)>, StoreError> {
-    match db.get(ANCHOR_KEY).map_err(unavailable)? {
-        None => Ok(None),
-        Some(v) => serde_json::from_slice(&v)
-            .map(Some)
-            .map_err(|e| StoreError::Corrupt {
-                id: "write log anchor".into(),
-                reason: e.to_string(),
-            }),
+/// Moves the write log of a store from before [`super::logfiles`] out of sled: its blocks are
+/// appended to the log files (and its anchor carried over), made durable there, then removed
+/// from sled.
+fn migrate_log(db: &sled::Db, files: &mut LogFiles) -> Result<(), String> {
+    let mut keys = Vec::new();
+    for kv in db.scan_prefix(b"l/") {
+        let (k, v) = kv.map_err(|e| e.to_string())?;
+        let first = log_seq(&k).ok_or("a write log key in sled is malformed")?;
+        if keys.is_empty() && first > 1 && files.last().is_none() {
+            if let Some(a) = db.get(ANCHOR_KEY).map_err(|e| e.to_string())? {
+                let (seq, prev): (u64, String) =
+                    serde_json::from_slice(&a).map_err(|e| format!("write log anchor: {e}"))?;
+                files.set_anchor(seq, &prev)?;
+            }
+        }
+        files.append(first, &v)?;
+        keys.push(k);
     }
+    if keys.is_empty() {
+        return Ok(());
+    }
+    files.sync()?;
+    for k in &keys {
+        db.remove(k).map_err(|e| e.to_string())?;
+    }
+    db.remove(ANCHOR_KEY).map_err(|e| e.to_string())?;
+    tracing::info!(
+        blocks = keys.len(),
+        "store: moved the write log out of sled"
+    );
+    Ok(())
 }
 
 impl SledStore {
@@ -350,24 +354,31 @@ impl SledStore {
         let log = File::open(dir.join("db")).map_err(|e| fail("open sled log file", &e))?;
         // Batches acknowledged since sled's last checkpoint are in the write-ahead log: replayed
         // into sled, made durable there, and the log starts afresh.
+        let segment_bytes = options
+            .log_segment_bytes
+            .unwrap_or(super::logfiles::SEGMENT_BYTES);
+        let mut logfiles = LogFiles::open(&dir.join("log"), segment_bytes)
+            .map_err(|e| fail("open the write log", &e))?;
         let (wal, replayed) = Wal::open(&dir.join("wal"), |changes| {
-            apply_changes(&db, changes).map_err(|e| e.to_string())
+            apply_changes(&db, &mut logfiles, changes.iter().map(Change::as_pair))
         })
         .map_err(|e| fail("replay the write-ahead log", &e))?;
+        migrate_log(&db, &mut logfiles).map_err(|e| fail("move the write log", &e))?;
         let mut blobs = HashSet::new();
         sled_durable(&db, dir, &mut blobs, &log)
+            .and_then(|()| logfiles.sync())
             .and_then(|()| wal.remove_older())
             .map_err(|e| fail("checkpoint", &e))?;
         if replayed > 0 {
             tracing::info!(frames = replayed, "store: replayed the write-ahead log");
         }
-        let head = log_head(&db).map_err(|e| fail("read write log", &e))?;
+        let head = log_head(&logfiles).map_err(|e| fail("read write log", &e))?;
         let (tx, rx) = mpsc::channel();
         let flushes = Arc::new(AtomicU64::new(0));
         let notes = Arc::new(Mutex::new(Vec::new()));
         let cache = Arc::new(Mutex::new(Cache::default()));
         let placing = Arc::new(Mutex::new(HashMap::new()));
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared::new(logfiles));
         let reader_view = shared.clone();
         let syncer = Syncer {
             db: db.clone(),
@@ -646,28 +657,20 @@ impl Store for SledStore {
     fn log(&self, after: u64, limit: usize) -> BoxFuture<'_, Result<Vec<Entry>, StoreError>> {
         Box::pin(async move {
             self.call(Op::Drain).await?;
-            let db = self.db()?;
+            let start = after.saturating_add(1);
+            let reader = self.shared.logfiles()?.reader(start).map_err(unavailable)?;
             tokio::task::spawn_blocking(move || {
-                let start = after.saturating_add(1);
-                // The block holding `start` begins at the last key at or before it.
-                let from = match db.range(log_key(0)..=log_key(start)).next_back() {
-                    Some(kv) => kv.map_err(unavailable)?.0.to_vec(),
-                    None => log_key(0),
-                };
                 let mut out = Vec::new();
-                for kv in db.range(from..log_key(u64::MAX)) {
-                    let (k, v) = kv.map_err(unavailable)?;
-                    for e in block_entries(&k, &v) {
-                        let e = e.map_err(|seq| StoreError::Corrupt {
-                            id: format!("write log entry {seq}"),
-                            reason: "does not parse".into(),
-                        })?;
-                        if e.seq >= start {
-                            out.push(e);
-                        }
-                        if out.len() >= limit {
-                            return Ok(out);
-                        }
+                for e in reader.entries() {
+                    let e = e.map_err(|seq| StoreError::Corrupt {
+                        id: format!("write log entry {seq}"),
+                        reason: "does not parse".into(),
+                    })?;
+                    if e.seq >= start {
+                        out.push(e);
+                    }
+                    if out.len() >= limit {
+                        break;
                     }
                 }
                 Ok(out)
@@ -680,18 +683,15 @@ impl Store for SledStore {
     fn verify_log(&self) -> BoxFuture<'_, Result<Verification, StoreError>> {
         Box::pin(async move {
             self.call(Op::Drain).await?;
-            let db = self.db()?;
+            let reader = self.shared.logfiles()?.reader(0).map_err(unavailable)?;
             let chain = self.chain.clone();
             tokio::task::spawn_blocking(move || {
-                let anchor = anchor(&db)?;
-                // Blocks a concurrent pruning is about to remove come before the anchor.
+                let anchor = reader.anchor.clone();
+                // Entries of a store from before the log files, pruned there but kept in a frame
+                // replayed since, come before the anchor.
                 let from = anchor.as_ref().map_or(0, |(seq, _)| *seq);
-                let entries = db
-                    .scan_prefix(b"l/")
-                    .flat_map(|kv| match kv {
-                        Ok((k, v)) => block_entries(&k, &v),
-                        Err(_) => vec![Err(0u64)],
-                    })
+                let entries = reader
+                    .entries()
                     .filter(move |e| !matches!(e, Ok(e) if e.seq < from));
                 Ok(log::verify(&chain, entries, anchor))
             })
@@ -703,7 +703,7 @@ impl Store for SledStore {
     fn log_head(&self) -> BoxFuture<'_, Result<(u64, String), StoreError>> {
         Box::pin(async move {
             self.call(Op::Drain).await?;
-            log_head(&self.db()?)
+            log_head(&*self.shared.logfiles()?)
         })
     }
 
@@ -890,11 +890,20 @@ fn remove_unfinished_snapshots(dir: &Path) -> std::io::Result<()> {
 /// every batch (a `pwrite` on one of its threads), and once a batch has been used it puts every
 /// read behind one global lock. Readers may see a batch half applied for a moment; each key they
 /// read is a durable value.
-fn apply_changes(db: &sled::Db, changes: Vec<Change>) -> sled::Result<()> {
-    for c in changes {
-        match c {
-            Change::Put(k, v) => db.insert(k, v).map(drop)?,
-            Change::Del(k) => db.remove(k).map(drop)?,
+/// Applies durable changes: log blocks (in order) to the log files, the rest to sled. (Removing
+/// a log block is what a store from before the log files did to prune; the anchor says where
+/// the log starts, so it is nothing to do here.)
+fn apply_changes<'a>(
+    db: &sled::Db,
+    files: &mut LogFiles,
+    changes: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
+) -> Result<(), String> {
+    for (k, v) in changes {
+        match (log_seq(k), v) {
+            (Some(first), Some(block)) => files.append(first, block)?,
+            (Some(_), None) => {}
+            (None, Some(v)) => drop(db.insert(k, v).map_err(|e| format!("sled insert: {e}"))?),
+            (None, None) => drop(db.remove(k).map_err(|e| format!("sled remove: {e}"))?),
         }
     }
     Ok(())
@@ -939,7 +948,6 @@ fn sled_durable(
 }
 
 /// What the writer and the syncer share.
-#[derive(Default)]
 struct Shared {
     /// Set when a change could not be made durable or applied: from then on every change fails
     /// (the write-ahead log may end in a torn frame, and sled may lack a durable batch) until the
@@ -950,6 +958,9 @@ struct Shared {
     progress: std::sync::Condvar,
     /// Durable changes not yet applied to sled.
     mem: RwLock<Mem>,
+    /// The write log's files: the drainer appends, checkpoints fsync, the writer prunes, readers
+    /// take snapshots.
+    logfiles: Mutex<LogFiles>,
 }
 
 type Changes = HashMap<Vec<u8>, Option<Vec<u8>>>;
@@ -995,6 +1006,22 @@ fn read_key(shared: &Shared, db: &sled::Db, key: &[u8]) -> Result<Option<sled::I
 }
 
 impl Shared {
+    fn new(logfiles: LogFiles) -> Shared {
+        Shared {
+            broken: Mutex::new(None),
+            applied: Mutex::new(0),
+            progress: std::sync::Condvar::new(),
+            mem: RwLock::new(Mem::default()),
+            logfiles: Mutex::new(logfiles),
+        }
+    }
+
+    fn logfiles(&self) -> Result<std::sync::MutexGuard<'_, LogFiles>, StoreError> {
+        self.logfiles
+            .lock()
+            .map_err(|_| unavailable("store lock poisoned"))
+    }
+
     fn check(&self) -> Result<(), String> {
         match self.broken.lock().map(|b| b.clone()) {
             Ok(None) => Ok(()),
@@ -1223,18 +1250,23 @@ impl Syncer {
 /// Applies frozen changes to sled, then lets readers forget them.
 fn drain_loop(db: &sled::Db, shared: &Shared, rx: mpsc::Receiver<(Arc<Changes>, u64)>) {
     while let Ok((changes, seq)) = rx.recv() {
-        let mut applied = true;
-        for (k, v) in changes.iter() {
-            let r = match v {
-                Some(v) => db.insert(k.as_slice(), v.as_slice()).map(drop),
-                None => db.remove(k.as_slice()).map(drop),
-            };
-            if let Err(e) = r {
-                shared.fail(&format!("apply to sled: {e}"));
-                applied = false;
-                break;
+        // Log blocks in order (the map has none); records and indexes in any.
+        let mut pairs: Vec<(&[u8], Option<&[u8]>)> = changes
+            .iter()
+            .map(|(k, v)| (k.as_slice(), v.as_deref()))
+            .collect();
+        pairs.sort_unstable_by_key(|(k, _)| log_seq(k));
+        let r = match shared.logfiles() {
+            Ok(mut files) => apply_changes(db, &mut files, pairs.into_iter()),
+            Err(e) => Err(e.to_string()),
+        };
+        let applied = match r {
+            Ok(()) => true,
+            Err(e) => {
+                shared.fail(&format!("apply durable changes: {e}"));
+                false
             }
-        }
+        };
         if let Ok(mut m) = shared.mem.write() {
             // What sled could not take stays readable here (the store takes no more changes).
             if applied {
@@ -1268,6 +1300,7 @@ fn checkpoint_loop(
     while let Ok((seq, generation)) = rx.recv() {
         shared.wait_applied(seq)?;
         sled_durable(db, dir, &mut blobs, &log)?;
+        shared.logfiles().map_err(|e| e.to_string())?.sync()?;
         wal::remove_through(&dir.join("wal"), generation)?;
     }
     Ok(())
@@ -1501,6 +1534,7 @@ impl Writer {
     fn checkpoint(&mut self) -> Result<(), String> {
         self.settle_down()?;
         sled_durable(&self.db, &self.dir, &mut self.blobs, &self.log)?;
+        self.shared.logfiles().map_err(|e| e.to_string())?.sync()?;
         self.wal.start_next()?;
         // Every file before the new one, including any the checkpointer had not removed yet.
         self.wal.remove_older()
@@ -1733,7 +1767,7 @@ impl Writer {
                             let _ = std::fs::remove_file(self.dir.join("bodies").join(&sha));
                         }
                     }
-                    if let Err(e) = self.prune_log(pending, now) {
+                    if let Err(e) = self.prune_log(now) {
                         return Answer::failed(tx, e);
                     }
                     Answer::Count(tx, n)
@@ -1757,48 +1791,24 @@ impl Writer {
         }
     }
 
-    /// Drops log entries older than `log.retention`, keeping the chain verifiable from the first
-    /// kept entry (its `(seq, prev)` becomes the anchor).
-    fn prune_log(&self, pending: &mut Pending, now: Millis) -> Result<(), StoreError> {
+    /// Drops log entries older than `log.retention`, whole files at a time, keeping the chain
+    /// verifiable from the first kept entry (the anchor). Entries still on their way to the
+    /// files are newer than any file, which is never the newest.
+    fn prune_log(&self, now: Millis) -> Result<(), StoreError> {
         let Some(keep) = self.log_retention else {
             return Ok(());
         };
         let cutoff = crate::action::rfc3339(now.saturating_sub(keep.as_millis() as u64));
-        let mut first_kept: Option<Entry> = None;
-        let mut dropped = Vec::new();
-        for kv in self.db.scan_prefix(b"l/") {
-            let (k, v) = kv.map_err(unavailable)?;
-            let entries: Vec<Entry> = block_entries(&k, &v)
-                .into_iter()
-                .collect::<Result<_, _>>()
-                .map_err(|seq| StoreError::Corrupt {
-                    id: format!("write log entry {seq}"),
-                    reason: "does not parse".into(),
-                })?;
-            let (Some(first), Some(last)) = (entries.first(), entries.last()) else {
-                continue;
-            };
-            // A block goes only when all of it is old. RFC 3339 UTC timestamps of one format
-            // order as strings.
-            if last.ts >= cutoff || last.seq == self.head.0 {
-                first_kept = Some(first.clone());
-                break;
-            }
-            dropped.push(k.to_vec());
-        }
-        if !dropped.is_empty() {
-            // The anchor first: a reader between the two sees old blocks before the anchor
-            // (skipped), never a log without its start.
-            if let Some(e) = first_kept {
-                pending.put(
-                    ANCHOR_KEY,
-                    serde_json::to_vec(&(e.seq, e.prev)).expect("tuples serialize"),
-                );
-            }
-            for k in dropped {
-                pending.del(k);
-            }
-            pending.writes += 1;
+        let dropped = self
+            .shared
+            .logfiles()?
+            .prune(&cutoff)
+            .map_err(unavailable)?;
+        if dropped > 0 {
+            tracing::info!(
+                files = dropped,
+                "write log: pruned files past the retention"
+            );
         }
         Ok(())
     }

@@ -35,6 +35,16 @@ pub enum Change {
     Del(Vec<u8>),
 }
 
+impl Change {
+    /// `(key, Some(value))` for a put, `(key, None)` for a removal.
+    pub fn as_pair(&self) -> (&[u8], Option<&[u8]>) {
+        match self {
+            Change::Put(k, v) => (k, Some(v)),
+            Change::Del(k) => (k, None),
+        }
+    }
+}
+
 /// Encodes a batch as one frame (header included).
 pub fn encode(changes: &[Change], out: &mut Vec<u8>) {
     out.clear();

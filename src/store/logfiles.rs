@@ -1,0 +1,381 @@
+//! The sled store's write log, in files of its own: append-only NDJSON segments
+//! `log/{first seq:020}.ndjson`, one sealed entry per line, and `log/anchor` (`[seq, prev]`)
+//! where a pruned log starts.
+//!
+//! The log is not kept in sled: it only grows (retention keeps it by default), and sled 0.34 holds
+//! per-page state in memory for all it stores, so a log inside sled made the proxy's memory grow
+//! with its history. Here it costs a file append.
+//!
+//! Durability comes from the write-ahead log ([`super::wal`]): a batch's entries are in its
+//! frame, made durable before anyone is answered. The drainer appends them here later; a
+//! checkpoint fsyncs these files before it deletes the frames. After a crash the frames are
+//! replayed: [`LogFiles::append`] skips the entries the files already hold, and
+//! [`LogFiles::open`] cuts a torn last line first, so every entry lands exactly once, in order.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use crate::log::Entry;
+
+/// A new segment once the current one holds this much (by default).
+pub const SEGMENT_BYTES: u64 = 64 << 20;
+const ANCHOR: &str = "anchor";
+
+pub struct LogFiles {
+    dir: PathBuf,
+    /// The first sequence number of each segment, ascending.
+    segments: Vec<u64>,
+    /// The newest segment, open for appending, and its length.
+    current: Option<(File, u64)>,
+    /// `(seq, hash)` of the last entry in the files.
+    last: Option<(u64, String)>,
+    segment_bytes: u64,
+}
+
+fn segment_name(first: u64) -> String {
+    format!("{first:020}.ndjson")
+}
+
+fn list(dir: &Path) -> std::io::Result<Vec<u64>> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir)? {
+        let name = e?.file_name();
+        let name = name.to_string_lossy();
+        if let Some(n) = name
+            .strip_suffix(".ndjson")
+            .and_then(|s| s.parse::<u64>().ok())
+        {
+            out.push(n);
+        }
+    }
+    out.sort_unstable();
+    Ok(out)
+}
+
+fn fsync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+fn parse(line: &[u8]) -> Option<Entry> {
+    serde_json::from_slice(line).ok()
+}
+
+/// The anchor of a pruned log: the first kept entry's `(seq, prev)`.
+pub fn anchor(dir: &Path) -> Result<Option<(u64, String)>, String> {
+    match std::fs::read(dir.join(ANCHOR)) {
+        Ok(b) => serde_json::from_slice(&b)
+            .map(Some)
+            .map_err(|e| format!("write log anchor does not parse: {e}")),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("read write log anchor: {e}")),
+    }
+}
+
+/// Writes the anchor atomically (temporary file, fsync, rename, fsync folder).
+fn write_anchor(dir: &Path, seq: u64, prev: &str) -> std::io::Result<()> {
+    let tmp = dir.join("anchor.tmp");
+    let mut f = File::create(&tmp)?;
+    f.write_all(&serde_json::to_vec(&(seq, prev)).expect("tuples serialize"))?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, dir.join(ANCHOR))?;
+    fsync_dir(dir)
+}
+
+impl LogFiles {
+    /// Opens (or creates) the folder, cutting a torn last line left by a crash.
+    pub fn open(dir: &Path, segment_bytes: u64) -> Result<LogFiles, String> {
+        let existed = dir.exists();
+        std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+        if !existed {
+            if let Some(parent) = dir.parent() {
+                fsync_dir(parent).map_err(|e| format!("fsync store folder: {e}"))?;
+            }
+        }
+        let segments = list(dir).map_err(|e| format!("list write log files: {e}"))?;
+        let mut files = LogFiles {
+            dir: dir.to_path_buf(),
+            segments,
+            current: None,
+            last: None,
+            segment_bytes,
+        };
+        // The newest segment holding a whole entry gives the last one; a segment created just
+        // before a crash may hold none.
+        for &first in files.segments.iter().rev() {
+            let path = dir.join(segment_name(first));
+            let mut bytes = Vec::new();
+            File::open(&path)
+                .and_then(|mut f| f.read_to_end(&mut bytes))
+                .map_err(|e| format!("read {}: {e}", path.display()))?;
+            let whole = bytes.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+            if whole < bytes.len() {
+                tracing::warn!(file = %path.display(), "cutting a torn write log line");
+                let f = OpenOptions::new()
+                    .write(true)
+                    .open(&path)
+                    .map_err(|e| format!("open {}: {e}", path.display()))?;
+                f.set_len(whole as u64)
+                    .and_then(|()| f.sync_all())
+                    .map_err(|e| format!("cut {}: {e}", path.display()))?;
+            }
+            let line = bytes[..whole.saturating_sub(1)]
+                .rsplit(|b| *b == b'\n')
+                .next()
+                .filter(|l| !l.is_empty());
+            if let Some(line) = line {
+                let e = parse(line).ok_or_else(|| {
+                    format!(
+                        "the last write log entry in {} does not parse",
+                        path.display()
+                    )
+                })?;
+                files.last = Some((e.seq, e.hash));
+                break;
+            }
+        }
+        if let Some(&first) = files.segments.last() {
+            let path = dir.join(segment_name(first));
+            let f = OpenOptions::new()
+                .append(true)
+                .open(&path)
+                .map_err(|e| format!("open {}: {e}", path.display()))?;
+            let len = f.metadata().map_err(|e| format!("stat log: {e}"))?.len();
+            files.current = Some((f, len));
+        }
+        Ok(files)
+    }
+
+    /// `(seq, hash)` of the last entry written.
+    pub fn last(&self) -> Option<(u64, String)> {
+        self.last.clone()
+    }
+
+    /// Appends a block of entries (NDJSON lines, each ending in `\n`, numbered from `first`),
+    /// skipping those the files hold already (a replayed frame).
+    pub fn append(&mut self, first: u64, block: &[u8]) -> Result<(), String> {
+        let have = self.last.as_ref().map_or(0, |(s, _)| *s);
+        let mut lines = block.split_inclusive(|b| *b == b'\n');
+        let mut seq = first;
+        let mut start = 0;
+        while seq <= have {
+            match lines.next() {
+                Some(l) => start += l.len(),
+                None => return Ok(()),
+            }
+            seq += 1;
+        }
+        if self.last.is_some() && seq != have + 1 {
+            return Err(format!(
+                "write log gap: entry {seq} would follow entry {have}"
+            ));
+        }
+        let rest = &block[start..];
+        if rest.is_empty() {
+            return Ok(());
+        }
+        let last_line = rest
+            .strip_suffix(b"\n")
+            .unwrap_or(rest)
+            .rsplit(|b| *b == b'\n')
+            .next()
+            .and_then(parse)
+            .ok_or("a write log block does not end in an entry")?;
+        if self
+            .current
+            .as_ref()
+            .is_none_or(|(_, len)| *len >= self.segment_bytes)
+        {
+            self.start_segment(seq)?;
+        }
+        let (f, len) = self.current.as_mut().expect("a segment is open");
+        f.write_all(rest)
+            .map_err(|e| format!("append to the write log: {e}"))?;
+        *len += rest.len() as u64;
+        self.last = Some((last_line.seq, last_line.hash));
+        Ok(())
+    }
+
+    fn start_segment(&mut self, first: u64) -> Result<(), String> {
+        // The finished segment is made durable now; only the newest waits for `sync`.
+        if let Some((f, _)) = &self.current {
+            f.sync_data()
+                .map_err(|e| format!("fsync a write log file: {e}"))?;
+        }
+        let path = self.dir.join(segment_name(first));
+        let f = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|e| format!("create {}: {e}", path.display()))?;
+        fsync_dir(&self.dir).map_err(|e| format!("fsync the write log folder: {e}"))?;
+        self.segments.push(first);
+        self.current = Some((f, 0));
+        Ok(())
+    }
+
+    /// Makes everything appended durable.
+    pub fn sync(&self) -> Result<(), String> {
+        match &self.current {
+            Some((f, _)) => f
+                .sync_data()
+                .map_err(|e| format!("fsync the write log: {e}")),
+            None => Ok(()),
+        }
+    }
+
+    /// Opens the segments from the one holding entry `from` on, with the anchor: a snapshot a
+    /// reader can walk while appends and pruning go on (a pruned file stays readable while open).
+    pub fn reader(&self, from: u64) -> Result<Reader, String> {
+        let start = self
+            .segments
+            .iter()
+            .rposition(|&first| first <= from)
+            .unwrap_or(0);
+        let mut files = Vec::new();
+        for &first in &self.segments[start..] {
+            let path = self.dir.join(segment_name(first));
+            let f = File::open(&path).map_err(|e| format!("open {}: {e}", path.display()))?;
+            files.push((first, f));
+        }
+        Ok(Reader {
+            anchor: anchor(&self.dir)?,
+            files,
+        })
+    }
+
+    /// Removes whole segments whose every entry is older than `cutoff` (RFC 3339), never the
+    /// newest. The anchor moves first, so the log always verifies from its first kept entry.
+    pub fn prune(&mut self, cutoff: &str) -> Result<usize, String> {
+        let mut drop = 0;
+        // A segment's entries are no newer than the next segment's first one.
+        for (i, next) in self.segments.iter().enumerate().skip(1) {
+            match first_entry(&self.dir.join(segment_name(*next)))? {
+                Some(e) if e.ts.as_str() < cutoff => drop = i,
+                _ => break,
+            }
+        }
+        if drop == 0 {
+            return Ok(0);
+        }
+        let kept = self.dir.join(segment_name(self.segments[drop]));
+        let e = first_entry(&kept)?.ok_or("the first kept write log file is empty")?;
+        write_anchor(&self.dir, e.seq, &e.prev)
+            .map_err(|e| format!("write the write log anchor: {e}"))?;
+        for first in self.segments.drain(..drop) {
+            let _ = std::fs::remove_file(self.dir.join(segment_name(first)));
+        }
+        Ok(drop)
+    }
+
+    /// Sets the anchor (a log carried over from an older store).
+    pub fn set_anchor(&self, seq: u64, prev: &str) -> Result<(), String> {
+        write_anchor(&self.dir, seq, prev).map_err(|e| format!("write the write log anchor: {e}"))
+    }
+}
+
+/// The first whole entry of a segment.
+fn first_entry(path: &Path) -> Result<Option<Entry>, String> {
+    let f = File::open(path).map_err(|e| format!("open {}: {e}", path.display()))?;
+    let mut line = Vec::new();
+    BufReader::new(f)
+        .read_until(b'\n', &mut line)
+        .map_err(|e| format!("read {}: {e}", path.display()))?;
+    if line.last() != Some(&b'\n') {
+        return Ok(None);
+    }
+    line.pop();
+    parse(&line)
+        .map(Some)
+        .ok_or_else(|| format!("the first entry of {} does not parse", path.display()))
+}
+
+/// Open segments and the anchor, read without holding up the writer.
+pub struct Reader {
+    pub anchor: Option<(u64, String)>,
+    files: Vec<(u64, File)>,
+}
+
+impl Reader {
+    /// Every whole entry, in order; an entry that does not parse is reported by its number.
+    pub fn entries(self) -> impl Iterator<Item = Result<Entry, u64>> {
+        self.files.into_iter().flat_map(|(first, f)| {
+            let mut r = BufReader::new(f);
+            let mut seq = first;
+            let mut done = r.seek(SeekFrom::Start(0)).is_err();
+            std::iter::from_fn(move || {
+                if done {
+                    return None;
+                }
+                let mut line = Vec::new();
+                match r.read_until(b'\n', &mut line) {
+                    // The end, or a line still being appended.
+                    Ok(_) if line.last() != Some(&b'\n') => None,
+                    Ok(_) => {
+                        line.pop();
+                        let e = parse(&line).ok_or(seq);
+                        seq = e.as_ref().map_or(seq, |e| e.seq) + 1;
+                        Some(e)
+                    }
+                    Err(_) => {
+                        done = true;
+                        Some(Err(seq))
+                    }
+                }
+            })
+        })
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::log::{Actor, Chain, Event, LogEvent};
+
+    fn block(chain: &Chain, from: u64, n: u64, prev: &mut String, ts: u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        for seq in from..from + n {
+            let ev = LogEvent::bare(Event::Replayed, Actor::Proxy);
+            let (e, line) = chain.seal_line(ev, (seq - 1, prev), ts);
+            *prev = e.hash;
+            out.extend_from_slice(&line);
+            out.push(b'\n');
+        }
+        out
+    }
+
+    #[test]
+    fn appends_once_cuts_a_torn_line_and_reads_back_in_order() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("log");
+        let chain = Chain::new(None);
+        let mut prev = crate::log::GENESIS.to_string();
+        let b1 = block(&chain, 1, 3, &mut prev, 1_000);
+        let b2 = block(&chain, 4, 2, &mut prev, 2_000);
+        let mut f = LogFiles::open(&dir, SEGMENT_BYTES).unwrap();
+        f.append(1, &b1).unwrap();
+        f.append(1, &b1).unwrap(); // replayed: skipped
+        f.append(4, &b2).unwrap();
+        assert_eq!(f.last().unwrap().0, 5);
+        assert!(f.append(9, &b2).is_err(), "a gap is refused");
+        f.sync().unwrap();
+        drop(f);
+        // A crash mid-append leaves half a line.
+        let seg = dir.join(segment_name(1));
+        let mut h = OpenOptions::new().append(true).open(&seg).unwrap();
+        h.write_all(b"{\"seq\":6,\"ts").unwrap();
+        drop(h);
+        let f = LogFiles::open(&dir, SEGMENT_BYTES).unwrap();
+        assert_eq!(f.last().unwrap().0, 5);
+        let seqs: Vec<u64> = f
+            .reader(1)
+            .unwrap()
+            .entries()
+            .map(|e| e.unwrap().seq)
+            .collect();
+        assert_eq!(seqs, [1, 2, 3, 4, 5]);
+        let v = crate::log::verify(&chain, f.reader(1).unwrap().entries(), None);
+        assert!(v.ok && v.entries == 5, "{v:?}");
+    }
+}
