@@ -1,6 +1,11 @@
 //! The `oncegate` binary: parse the command line, load the config (exit 64 when it is bad),
 //! bind, and hand over to [`oncegate::run`]; or run one of the operator commands.
 
+/// jemalloc returns freed memory to the system; glibc's malloc kept half the proxy's RSS as free
+/// arenas under the store's allocation pattern (docs/decisions.md).
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
