@@ -544,6 +544,21 @@ async fn sled_prunes_whole_log_files_past_retention_and_still_verifies() {
     let s: S = Arc::new(open());
     assert!(s.verify_log().await.unwrap().ok);
     assert_eq!(s.log_head().await.unwrap().0, 120);
+    // The files, concatenated in order, are an export `oncegate log verify --file` accepts.
+    let mut segments: Vec<_> = std::fs::read_dir(dir.join("log"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "ndjson"))
+        .collect();
+    segments.sort();
+    let all: String = segments
+        .iter()
+        .map(|p| std::fs::read_to_string(p).unwrap())
+        .collect();
+    let export = tmp.path().join("export.ndjson");
+    std::fs::write(&export, all).unwrap();
+    let (ok, report) = oncegate::cli::log_verify_file(&export, None, None).unwrap();
+    assert!(ok, "{report}");
     // Editing a kept entry breaks verification.
     s.close().await.unwrap();
     drop(s);
