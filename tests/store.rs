@@ -398,6 +398,10 @@ async fn sled_opens_after_a_crash_left_an_unfinished_snapshot() {
     let s: S = Arc::new(open());
     assert!(!unfinished.exists(), "the unfinished snapshot is removed");
     assert_eq!(s.get("k1").await.unwrap().unwrap().state, State::Succeeded);
+    // Counts are kept in memory while running and counted again at open.
+    let counts = s.counts().await.unwrap();
+    assert!(counts.contains(&(State::Succeeded, 1)), "{counts:?}");
+    assert!(counts.contains(&(State::InFlight, 0)), "{counts:?}");
     assert!(s.verify_log().await.unwrap().ok);
     s.close().await.unwrap();
 }

@@ -378,7 +378,7 @@ impl SledStore {
         let notes = Arc::new(Mutex::new(Vec::new()));
         let cache = Arc::new(Mutex::new(Cache::default()));
         let placing = Arc::new(Mutex::new(HashMap::new()));
-        let shared = Arc::new(Shared::new(logfiles));
+        let shared = Arc::new(Shared::new(logfiles, count_states(&db)));
         let reader_view = shared.clone();
         let syncer = Syncer {
             db: db.clone(),
@@ -718,25 +718,15 @@ impl Store for SledStore {
     }
 
     fn counts(&self) -> BoxFuture<'_, Result<Vec<(State, u64)>, StoreError>> {
+        // Kept by the writer as it stages changes: a metrics scrape neither scans sled nor
+        // holds up writes.
         Box::pin(async move {
-            self.call(Op::Drain).await?;
-            let db = self.db()?;
-            tokio::task::spawn_blocking(move || {
-                [
-                    State::InFlight,
-                    State::Succeeded,
-                    State::Failed,
-                    State::Unknown,
-                ]
-                .into_iter()
-                .map(|st| {
-                    let prefix = format!("s/{}/", st.as_str());
-                    Ok((st, db.scan_prefix(prefix.as_bytes()).keys().count() as u64))
-                })
-                .collect()
-            })
-            .await
-            .map_err(unavailable)?
+            let c = self
+                .shared
+                .counts
+                .lock()
+                .map_err(|_| unavailable("store lock poisoned"))?;
+            Ok(STATES.iter().map(|&st| (st, c[slot(st)])).collect())
         })
     }
 
@@ -961,6 +951,34 @@ struct Shared {
     /// The write log's files: the drainer appends, checkpoints fsync, the writer prunes, readers
     /// take snapshots.
     logfiles: Mutex<LogFiles>,
+    /// Actions per state (by [`slot`]): counted once at open, then kept by the writer.
+    counts: Mutex<[u64; 4]>,
+}
+
+const STATES: [State; 4] = [
+    State::InFlight,
+    State::Succeeded,
+    State::Failed,
+    State::Unknown,
+];
+
+fn slot(st: State) -> usize {
+    match st {
+        State::InFlight => 0,
+        State::Succeeded => 1,
+        State::Failed => 2,
+        State::Unknown => 3,
+    }
+}
+
+/// Actions per state, from the state index (once, at open).
+fn count_states(db: &sled::Db) -> [u64; 4] {
+    let mut c = [0; 4];
+    for st in STATES {
+        let prefix = format!("s/{}/", st.as_str());
+        c[slot(st)] = db.scan_prefix(prefix.as_bytes()).keys().count() as u64;
+    }
+    c
 }
 
 type Changes = HashMap<Vec<u8>, Option<Vec<u8>>>;
@@ -1006,8 +1024,9 @@ fn read_key(shared: &Shared, db: &sled::Db, key: &[u8]) -> Result<Option<sled::I
 }
 
 impl Shared {
-    fn new(logfiles: LogFiles) -> Shared {
+    fn new(logfiles: LogFiles, counts: [u64; 4]) -> Shared {
         Shared {
+            counts: Mutex::new(counts),
             broken: Mutex::new(None),
             applied: Mutex::new(0),
             progress: std::sync::Condvar::new(),
@@ -1581,6 +1600,9 @@ impl Writer {
                 pending.del(state_key(old.state, &old.id));
             }
         }
+        if old.map(|o| o.state) != Some(new.state) {
+            self.count(old.map(|o| o.state), Some(new.state));
+        }
         pending.put(
             rec_key(&new.id),
             serde_json::to_vec(new).expect("records always serialize"),
@@ -1593,7 +1615,20 @@ impl Writer {
         pending.writes += 1;
     }
 
+    /// Moves one action between states in the counts (`None`: absent).
+    fn count(&self, from: Option<State>, to: Option<State>) {
+        if let Ok(mut c) = self.shared.counts.lock() {
+            if let Some(f) = from {
+                c[slot(f)] = c[slot(f)].saturating_sub(1);
+            }
+            if let Some(t) = to {
+                c[slot(t)] += 1;
+            }
+        }
+    }
+
     fn unstage(&self, pending: &mut Pending, old: &Record) {
+        self.count(Some(old.state), None);
         pending.del(rec_key(&old.id));
         pending.del(body_key(&old.id));
         pending.del(state_key(old.state, &old.id));
