@@ -4,6 +4,9 @@
 //!
 //! `cargo bench --bench side_by_side -- --out bench/results.md` (add `--quick` for a short run).
 //! nginx is installed with apt-get when missing; without it the nginx column says so.
+//! For profiling: `BENCH_ONLY='writes, 64|replays'` runs the workloads whose names contain one of
+//! the alternatives (the preloads only when it names `stored`), `BENCH_SECS=20` lengthens each
+//! run, `BENCH_HOLD=60` keeps the proxy up, idle, after the workloads (for gdb or /proc).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "support/proc.rs"]
