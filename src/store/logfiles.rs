@@ -13,9 +13,10 @@
 //! [`LogFiles::open`] cuts a torn last line first, so every entry lands exactly once, in order.
 
 use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
+use std::io::{BufRead, BufReader, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
+use super::files;
 use crate::log::Entry;
 
 /// A new segment once the current one holds this much (by default).
@@ -35,26 +36,6 @@ pub struct LogFiles {
 
 fn segment_name(first: u64) -> String {
     format!("{first:020}.ndjson")
-}
-
-fn list(dir: &Path) -> std::io::Result<Vec<u64>> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir)? {
-        let name = e?.file_name();
-        let name = name.to_string_lossy();
-        if let Some(n) = name
-            .strip_suffix(".ndjson")
-            .and_then(|s| s.parse::<u64>().ok())
-        {
-            out.push(n);
-        }
-    }
-    out.sort_unstable();
-    Ok(out)
-}
-
-fn fsync_dir(dir: &Path) -> std::io::Result<()> {
-    File::open(dir)?.sync_all()
 }
 
 fn parse(line: &[u8]) -> Option<Entry> {
@@ -79,20 +60,14 @@ fn write_anchor(dir: &Path, seq: u64, prev: &str) -> std::io::Result<()> {
     f.write_all(&serde_json::to_vec(&(seq, prev)).expect("tuples serialize"))?;
     f.sync_all()?;
     std::fs::rename(&tmp, dir.join(ANCHOR))?;
-    fsync_dir(dir)
+    files::fsync_dir(dir)
 }
 
 impl LogFiles {
     /// Opens (or creates) the folder, cutting a torn last line left by a crash.
     pub fn open(dir: &Path, segment_bytes: u64) -> Result<LogFiles, String> {
-        let existed = dir.exists();
-        std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
-        if !existed {
-            if let Some(parent) = dir.parent() {
-                fsync_dir(parent).map_err(|e| format!("fsync store folder: {e}"))?;
-            }
-        }
-        let segments = list(dir).map_err(|e| format!("list write log files: {e}"))?;
+        files::create_dir(dir)?;
+        let segments = files::numbered(dir, "ndjson")?;
         let mut files = LogFiles {
             dir: dir.to_path_buf(),
             segments,
@@ -104,20 +79,11 @@ impl LogFiles {
         // before a crash may hold none.
         for &first in files.segments.iter().rev() {
             let path = dir.join(segment_name(first));
-            let mut bytes = Vec::new();
-            File::open(&path)
-                .and_then(|mut f| f.read_to_end(&mut bytes))
-                .map_err(|e| format!("read {}: {e}", path.display()))?;
+            let bytes = files::read(&path)?;
             let whole = bytes.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
             if whole < bytes.len() {
                 tracing::warn!(file = %path.display(), "cutting a torn write log line");
-                let f = OpenOptions::new()
-                    .write(true)
-                    .open(&path)
-                    .map_err(|e| format!("open {}: {e}", path.display()))?;
-                f.set_len(whole as u64)
-                    .and_then(|()| f.sync_all())
-                    .map_err(|e| format!("cut {}: {e}", path.display()))?;
+                files::cut(&path, whole as u64)?;
             }
             let line = bytes[..whole.saturating_sub(1)]
                 .rsplit(|b| *b == b'\n')
@@ -208,7 +174,7 @@ impl LogFiles {
             .append(true)
             .open(&path)
             .map_err(|e| format!("create {}: {e}", path.display()))?;
-        fsync_dir(&self.dir).map_err(|e| format!("fsync the write log folder: {e}"))?;
+        files::fsync_dir(&self.dir).map_err(|e| format!("fsync the write log folder: {e}"))?;
         self.segments.push(first);
         self.current = Some((f, 0));
         Ok(())

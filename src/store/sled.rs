@@ -37,6 +37,7 @@ use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 
+use super::files::fsync_dir;
 use super::logfiles::LogFiles;
 use super::wal::{self, Change, Wal};
 use super::{
@@ -263,10 +264,6 @@ fn decode(key: &[u8], v: &[u8]) -> Result<Record, StoreError> {
         id: String::from_utf8_lossy(key).into_owned(),
         reason: e.to_string(),
     })
-}
-
-fn fsync_dir(dir: &Path) -> std::io::Result<()> {
-    File::open(dir)?.sync_all()
 }
 
 /// The first sequence number of a log block, from its key.

@@ -14,10 +14,12 @@
 //! acknowledged); in an earlier file it is corruption and the store does not open.
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, Read as _};
+use std::io;
 use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+use super::files;
 
 /// The log starts a new file (after sled is flushed and fsynced) once it is this large.
 pub const CHECKPOINT_BYTES: u64 = 64 << 20;
@@ -138,22 +140,9 @@ fn file_name(generation: u64) -> String {
     format!("{generation:020}.wal")
 }
 
-fn fsync_dir(dir: &Path) -> io::Result<()> {
-    File::open(dir)?.sync_all()
-}
-
 /// The log files in `dir`, oldest first, by generation.
-fn generations(dir: &Path) -> io::Result<Vec<u64>> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir)? {
-        let name = e?.file_name();
-        let name = name.to_string_lossy();
-        if let Some(g) = name.strip_suffix(".wal").and_then(|g| g.parse().ok()) {
-            out.push(g);
-        }
-    }
-    out.sort_unstable();
-    Ok(out)
+fn generations(dir: &Path) -> Result<Vec<u64>, String> {
+    files::numbered(dir, "wal")
 }
 
 /// The log of one store folder.
@@ -174,21 +163,12 @@ impl Wal {
         dir: &Path,
         mut apply: impl FnMut(Vec<Change>) -> Result<(), String>,
     ) -> Result<(Wal, usize), String> {
-        let existed = dir.exists();
-        std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
-        if !existed {
-            if let Some(parent) = dir.parent() {
-                fsync_dir(parent).map_err(|e| format!("fsync {}: {e}", parent.display()))?;
-            }
-        }
-        let gens = generations(dir).map_err(|e| format!("list {}: {e}", dir.display()))?;
+        files::create_dir(dir)?;
+        let gens = generations(dir)?;
         let mut replayed = 0;
         for (i, g) in gens.iter().enumerate() {
             let path = dir.join(file_name(*g));
-            let mut bytes = Vec::new();
-            File::open(&path)
-                .and_then(|mut f| f.read_to_end(&mut bytes))
-                .map_err(|e| format!("read {}: {e}", path.display()))?;
+            let bytes = files::read(&path)?;
             let (fs, good, clean) = frames(&bytes);
             if good < bytes.len() {
                 if !clean && i + 1 < gens.len() {
@@ -200,13 +180,7 @@ impl Wal {
                 }
                 // A write torn by a crash, never acknowledged (or zeros not yet written over):
                 // cut it off, so that this file ends cleanly once it is no longer the newest.
-                let f = OpenOptions::new()
-                    .write(true)
-                    .open(&path)
-                    .map_err(|e| format!("open {}: {e}", path.display()))?;
-                f.set_len(good as u64)
-                    .and_then(|()| f.sync_all())
-                    .map_err(|e| format!("truncate {}: {e}", path.display()))?;
+                files::cut(&path, good as u64)?;
             }
             for changes in fs {
                 apply(changes)?;
@@ -234,7 +208,7 @@ impl Wal {
             .write(true)
             .open(&path)
             .map_err(|e| format!("create {}: {e}", path.display()))?;
-        fsync_dir(dir).map_err(|e| format!("fsync {}: {e}", dir.display()))?;
+        files::fsync_dir(dir).map_err(|e| format!("fsync {}: {e}", dir.display()))?;
         Ok(file)
     }
 
@@ -288,7 +262,7 @@ impl Wal {
 
 /// Deletes every log file up to and including `generation` (sled holds their frames durably).
 pub fn remove_through(dir: &Path, generation: u64) -> Result<(), String> {
-    let gens = generations(dir).map_err(|e| format!("list {}: {e}", dir.display()))?;
+    let gens = generations(dir)?;
     let mut removed = false;
     for g in gens.into_iter().filter(|g| *g <= generation) {
         let path = dir.join(file_name(g));
@@ -299,7 +273,7 @@ pub fn remove_through(dir: &Path, generation: u64) -> Result<(), String> {
         }
     }
     if removed {
-        fsync_dir(dir).map_err(|e| format!("fsync {}: {e}", dir.display()))?;
+        files::fsync_dir(dir).map_err(|e| format!("fsync {}: {e}", dir.display()))?;
     }
     Ok(())
 }
