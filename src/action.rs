@@ -45,6 +45,14 @@ pub enum State {
 }
 
 impl State {
+    /// Every state, in declaration order (`state as usize` indexes it).
+    pub const ALL: [State; 4] = [
+        State::InFlight,
+        State::Succeeded,
+        State::Failed,
+        State::Unknown,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             State::InFlight => "in_flight",
@@ -55,14 +63,7 @@ impl State {
     }
 
     pub fn parse(s: &str) -> Option<State> {
-        [
-            State::InFlight,
-            State::Succeeded,
-            State::Failed,
-            State::Unknown,
-        ]
-        .into_iter()
-        .find(|st| st.as_str() == s)
+        State::ALL.into_iter().find(|st| st.as_str() == s)
     }
 }
 
@@ -502,6 +503,14 @@ pub(crate) mod tests {
             external_id: None,
             needs_decision: false,
             now,
+        }
+    }
+
+    #[test]
+    fn every_state_is_listed_once_in_declaration_order() {
+        for (i, st) in State::ALL.into_iter().enumerate() {
+            assert_eq!(st as usize, i);
+            assert_eq!(State::parse(st.as_str()), Some(st));
         }
     }
 

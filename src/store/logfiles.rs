@@ -234,6 +234,11 @@ impl LogFiles {
         Ok(drop)
     }
 
+    /// Where a pruned log starts: the first kept entry's `(seq, prev)`.
+    pub fn anchor(&self) -> Result<Option<(u64, String)>, String> {
+        anchor(&self.dir)
+    }
+
     /// Sets the anchor (a log carried over from an older store).
     pub fn set_anchor(&self, seq: u64, prev: &str) -> Result<(), String> {
         write_anchor(&self.dir, seq, prev).map_err(|e| format!("write the write log anchor: {e}"))

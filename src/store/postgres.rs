@@ -496,15 +496,7 @@ impl Store for PostgresStore {
                 )
                 .await
                 .map_err(db)?;
-            let mut out: Vec<(State, u64)> = [
-                State::InFlight,
-                State::Succeeded,
-                State::Failed,
-                State::Unknown,
-            ]
-            .into_iter()
-            .map(|s| (s, 0))
-            .collect();
+            let mut out: Vec<(State, u64)> = State::ALL.into_iter().map(|s| (s, 0)).collect();
             for r in rows {
                 if let Some(s) = State::parse(r.get(0)) {
                     if let Some(slot) = out.iter_mut().find(|(st, _)| *st == s) {

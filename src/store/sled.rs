@@ -87,6 +87,14 @@ enum Op {
     Renew(String, String, Millis, Reply<bool>),
 }
 
+impl Op {
+    /// Whether its batch needs an fdatasync before answering: everything but notes and lease
+    /// renewals, which become durable within [`LAZY_FLUSH`].
+    fn needs_flush(&self) -> bool {
+        !matches!(self, Op::Notes | Op::Renew(..))
+    }
+}
+
 /// An answer decided in a batch, sent once the batch is durable.
 enum Answer {
     Claim(Reply<Claim>, Claim),
@@ -278,8 +286,9 @@ fn log_head(files: &LogFiles) -> Result<(u64, String), StoreError> {
     if let Some(last) = files.last() {
         return Ok(last);
     }
-    let anchor = files.reader(0).map_err(unavailable)?.anchor;
-    Ok(anchor
+    Ok(files
+        .anchor()
+        .map_err(unavailable)?
         .map(|(seq, prev)| (seq - 1, prev))
         .unwrap_or((0, GENESIS.to_string())))
 }
@@ -723,7 +732,7 @@ impl Store for SledStore {
                 .counts
                 .lock()
                 .map_err(|_| unavailable("store lock poisoned"))?;
-            Ok(STATES.iter().map(|&st| (st, c[slot(st)])).collect())
+            Ok(State::ALL.iter().map(|&st| (st, c[slot(st)])).collect())
         })
     }
 
@@ -870,16 +879,15 @@ fn remove_unfinished_snapshots(dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Applies a batch's changes to sled one by one, in order.
+/// Applies durable changes one by one: log blocks (in order) to the log files, the rest to sled.
+/// (Removing a log block is what a store from before the log files did to prune; the anchor says
+/// where the log starts, so it is nothing to do here.)
 ///
 /// Not as a `sled::Batch`: the write-ahead log already makes the batch atomic (a crash replays it
 /// whole), and sled 0.34 pays for batch atomicity twice: it seals and writes its I/O buffer after
 /// every batch (a `pwrite` on one of its threads), and once a batch has been used it puts every
 /// read behind one global lock. Readers may see a batch half applied for a moment; each key they
 /// read is a durable value.
-/// Applies durable changes: log blocks (in order) to the log files, the rest to sled. (Removing
-/// a log block is what a store from before the log files did to prune; the anchor says where
-/// the log starts, so it is nothing to do here.)
 fn apply_changes<'a>(
     db: &sled::Db,
     files: &mut LogFiles,
@@ -949,29 +957,20 @@ struct Shared {
     /// take snapshots.
     logfiles: Mutex<LogFiles>,
     /// Actions per state (by [`slot`]): counted once at open, then kept by the writer.
-    counts: Mutex<[u64; 4]>,
+    counts: Mutex<Counts>,
 }
 
-const STATES: [State; 4] = [
-    State::InFlight,
-    State::Succeeded,
-    State::Failed,
-    State::Unknown,
-];
+/// Actions per state, indexed by [`slot`].
+type Counts = [u64; State::ALL.len()];
 
 fn slot(st: State) -> usize {
-    match st {
-        State::InFlight => 0,
-        State::Succeeded => 1,
-        State::Failed => 2,
-        State::Unknown => 3,
-    }
+    st as usize
 }
 
 /// Actions per state, from the state index (once, at open).
-fn count_states(db: &sled::Db) -> [u64; 4] {
-    let mut c = [0; 4];
-    for st in STATES {
+fn count_states(db: &sled::Db) -> Counts {
+    let mut c = Counts::default();
+    for st in State::ALL {
         let prefix = format!("s/{}/", st.as_str());
         c[slot(st)] = db.scan_prefix(prefix.as_bytes()).keys().count() as u64;
     }
@@ -1021,7 +1020,7 @@ fn read_key(shared: &Shared, db: &sled::Db, key: &[u8]) -> Result<Option<sled::I
 }
 
 impl Shared {
-    fn new(logfiles: LogFiles, counts: [u64; 4]) -> Shared {
+    fn new(logfiles: LogFiles, counts: Counts) -> Shared {
         Shared {
             counts: Mutex::new(counts),
             broken: Mutex::new(None),
@@ -1437,9 +1436,7 @@ impl Writer {
         let mut pending = Pending::default();
         // Notes first: they happened before these operations, and an operation that reads
         // the log (a drain) must find them.
-        let durable = ops
-            .iter()
-            .any(|op| !matches!(op, Op::Notes | Op::Renew(..)));
+        let durable = ops.iter().any(Op::needs_flush);
         let due = self.notes_due.is_some_and(|d| d <= Instant::now());
         if all_notes || durable || due || self.notes_waiting() >= NOTES_BATCH {
             self.notes_due = None;
@@ -1637,7 +1634,7 @@ impl Writer {
     }
 
     fn apply(&mut self, op: Op, pending: &mut Pending) -> Answer {
-        if !matches!(op, Op::Notes | Op::Renew(..)) {
+        if op.needs_flush() {
             pending.durable = true;
         }
         match op {
