@@ -305,6 +305,22 @@ async fn expires_records_but_never_an_attempt_in_flight(s: S) {
     assert!(s.verify_log().await.unwrap().ok);
 }
 
+/// Opens the sled store in `dir`.
+fn open_sled(dir: &std::path::Path, options: oncegate::store::StoreOptions) -> S {
+    Arc::new(oncegate::store::sled::SledStore::open(dir, options).unwrap())
+}
+
+/// The write log files of the sled store in `dir`, oldest first.
+fn log_segments(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut segments: Vec<_> = std::fs::read_dir(dir.join("log"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "ndjson"))
+        .collect();
+    segments.sort();
+    segments
+}
+
 async fn sled_store() -> (S, tempfile::TempDir) {
     let tmp = tempfile::tempdir().unwrap();
     let s =
@@ -477,8 +493,7 @@ async fn sled_writes_every_buffered_note_by_close() {
     use oncegate::log::{Actor, LogEvent};
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
-    let open = || oncegate::store::sled::SledStore::open(&dir, Default::default()).unwrap();
-    let s: S = Arc::new(open());
+    let s = open_sled(&dir, Default::default());
     s.claim(claim_req(record("n1", "f", None), T0, 10_000))
         .await
         .unwrap();
@@ -497,7 +512,7 @@ async fn sled_writes_every_buffered_note_by_close() {
     }
     s.close().await.unwrap();
     drop(s);
-    let s: S = Arc::new(open());
+    let s = open_sled(&dir, Default::default());
     assert_eq!(count(s.log(0, 10_000).await.unwrap()), 601);
     let v = s.verify_log().await.unwrap();
     assert!(v.ok && v.entries == 604, "{v:?}");
@@ -516,8 +531,7 @@ async fn sled_prunes_whole_log_files_past_retention_and_still_verifies() {
         log_segment_bytes: Some(4 * 1024),
         ..Default::default()
     };
-    let open = || oncegate::store::sled::SledStore::open(&dir, options()).unwrap();
-    let s: S = Arc::new(open());
+    let s = open_sled(&dir, options());
     for i in 0..40 {
         let id = format!("p{i}");
         s.claim(claim_req(record(&id, "f", None), T0, 10_000))
@@ -545,17 +559,11 @@ async fn sled_prunes_whole_log_files_past_retention_and_still_verifies() {
     assert!(v.ok, "{v:?}");
     s.close().await.unwrap();
     drop(s);
-    let s: S = Arc::new(open());
+    let s = open_sled(&dir, options());
     assert!(s.verify_log().await.unwrap().ok);
     assert_eq!(s.log_head().await.unwrap().0, 120);
     // The files, concatenated in order, are an export `oncegate log verify --file` accepts.
-    let mut segments: Vec<_> = std::fs::read_dir(dir.join("log"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "ndjson"))
-        .collect();
-    segments.sort();
-    let all: String = segments
+    let all: String = log_segments(&dir)
         .iter()
         .map(|p| std::fs::read_to_string(p).unwrap())
         .collect();
@@ -566,15 +574,10 @@ async fn sled_prunes_whole_log_files_past_retention_and_still_verifies() {
     // Editing a kept entry breaks verification.
     s.close().await.unwrap();
     drop(s);
-    let newest = std::fs::read_dir(dir.join("log"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "ndjson"))
-        .max()
-        .unwrap();
+    let newest = log_segments(&dir).pop().unwrap();
     let text = std::fs::read_to_string(&newest).unwrap();
     std::fs::write(&newest, text.replacen("\"intent\"", "\"sent\"", 1)).unwrap();
-    let s: S = Arc::new(open());
+    let s = open_sled(&dir, options());
     assert!(!s.verify_log().await.unwrap().ok);
     s.close().await.unwrap();
 }
@@ -615,7 +618,7 @@ async fn sled_moves_a_log_kept_in_sled_by_an_older_store_into_files() {
         }
         db.flush().unwrap();
     }
-    let s: S = Arc::new(oncegate::store::sled::SledStore::open(&dir, Default::default()).unwrap());
+    let s = open_sled(&dir, Default::default());
     let seqs: Vec<u64> = s.log(0, 100).await.unwrap().iter().map(|e| e.seq).collect();
     assert_eq!(seqs, (11..=22).collect::<Vec<_>>());
     let v = s.verify_log().await.unwrap();
