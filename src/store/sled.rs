@@ -363,12 +363,17 @@ impl SledStore {
         let segment_bytes = options
             .log_segment_bytes
             .unwrap_or(super::logfiles::SEGMENT_BYTES);
-        let mut logfiles = LogFiles::open(&dir.join("log"), segment_bytes)
-            .map_err(|e| fail("open the write log", &e))?;
+        let logfiles = Mutex::new(
+            LogFiles::open(&dir.join("log"), segment_bytes)
+                .map_err(|e| fail("open the write log", &e))?,
+        );
         let (wal, replayed) = Wal::open(&dir.join("wal"), |changes| {
-            apply_changes(&db, &mut logfiles, changes.iter().map(Change::as_pair))
+            apply_changes(&db, &logfiles, changes.iter().map(Change::as_pair))
         })
         .map_err(|e| fail("replay the write-ahead log", &e))?;
+        let mut logfiles = logfiles
+            .into_inner()
+            .map_err(|_| fail("replay the write-ahead log", &"lock poisoned"))?;
         migrate_log(&db, &mut logfiles).map_err(|e| fail("move the write log", &e))?;
         let mut blobs = HashSet::new();
         sled_durable(&db, dir, &mut blobs, &log)
@@ -888,14 +893,20 @@ fn remove_unfinished_snapshots(dir: &Path) -> std::io::Result<()> {
 /// every batch (a `pwrite` on one of its threads), and once a batch has been used it puts every
 /// read behind one global lock. Readers may see a batch half applied for a moment; each key they
 /// read is a durable value.
+///
+/// The log files are locked per block, not across the sled inserts: readers of the log and the
+/// checkpoint's fsync of the files do not wait for a drain.
 fn apply_changes<'a>(
     db: &sled::Db,
-    files: &mut LogFiles,
+    files: &Mutex<LogFiles>,
     changes: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
 ) -> Result<(), String> {
     for (k, v) in changes {
         match (log_seq(k), v) {
-            (Some(first), Some(block)) => files.append(first, block)?,
+            (Some(first), Some(block)) => files
+                .lock()
+                .map_err(|_| "store lock poisoned".to_string())?
+                .append(first, block)?,
             (Some(_), None) => {}
             (None, Some(v)) => drop(db.insert(k, v).map_err(|e| format!("sled insert: {e}"))?),
             (None, None) => drop(db.remove(k).map_err(|e| format!("sled remove: {e}"))?),
@@ -1271,11 +1282,7 @@ fn drain_loop(db: &sled::Db, shared: &Shared, rx: mpsc::Receiver<(Arc<Changes>, 
             .map(|(k, v)| (k.as_slice(), v.as_deref()))
             .collect();
         pairs.sort_unstable_by_key(|(k, _)| log_seq(k));
-        let r = match shared.logfiles() {
-            Ok(mut files) => apply_changes(db, &mut files, pairs.into_iter()),
-            Err(e) => Err(e.to_string()),
-        };
-        let applied = match r {
+        let applied = match apply_changes(db, &shared.logfiles, pairs.into_iter()) {
             Ok(()) => true,
             Err(e) => {
                 shared.fail(&format!("apply durable changes: {e}"));
