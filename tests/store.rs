@@ -305,6 +305,45 @@ async fn expires_records_but_never_an_attempt_in_flight(s: S) {
     assert!(s.verify_log().await.unwrap().ok);
 }
 
+/// A sweep expires every due action, however many: more than the sled store reads per step,
+/// with changes made between (the next step must not skip or repeat any).
+async fn expires_every_due_action_in_one_sweep(s: S) {
+    const N: usize = 2_100;
+    // 64 clients at a time, as a busy proxy would.
+    let mut tasks = tokio::task::JoinSet::new();
+    for w in 0..64 {
+        let s = s.clone();
+        tasks.spawn(async move {
+            for i in (w..N).step_by(64) {
+                let id = format!("x{i:05}");
+                // Spread over several minutes of expiry.
+                let at = T0 + (i as Millis % 7) * 60_000;
+                s.claim(claim_req(record(&id, "f", None), at, 10_000))
+                    .await
+                    .unwrap();
+                settle(&s, &id, 1, State::Succeeded, at + 1, Some("{}")).await;
+            }
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+    // One more, due later: it stays.
+    s.claim(claim_req(record("late", "f", None), T0 + 3_600_000, 10_000))
+        .await
+        .unwrap();
+    settle(&s, "late", 1, State::Succeeded, T0 + 3_600_001, Some("{}")).await;
+    let sweep = T0 + 7 * 60_000 + 3_600_000;
+    assert_eq!(s.expire(sweep).await.unwrap(), N);
+    assert_eq!(s.expire(sweep).await.unwrap(), 0);
+    assert!(s.get("x00000").await.unwrap().is_none());
+    assert!(s.get(&format!("x{:05}", N - 1)).await.unwrap().is_none());
+    assert!(s.get("late").await.unwrap().is_some());
+    let counts = s.counts().await.unwrap();
+    assert!(counts.contains(&(State::Succeeded, 1)), "{counts:?}");
+    assert!(s.verify_log().await.unwrap().ok);
+}
+
 /// Opens the sled store in `dir`.
 fn open_sled(dir: &std::path::Path, options: oncegate::store::StoreOptions) -> S {
     Arc::new(oncegate::store::sled::SledStore::open(dir, options).unwrap())
@@ -372,6 +411,7 @@ conformance!(
     logs_every_change_in_one_verifiable_chain,
     scans_by_state_and_task_and_counts,
     expires_records_but_never_an_attempt_in_flight,
+    expires_every_due_action_in_one_sweep,
 );
 
 #[tokio::test]
@@ -629,5 +669,41 @@ async fn sled_moves_a_log_kept_in_sled_by_an_older_store_into_files() {
         .unwrap();
     assert_eq!(s.log_head().await.unwrap().0, 24);
     assert!(s.verify_log().await.unwrap().ok);
+    s.close().await.unwrap();
+}
+
+/// A store written before the expiry index has none: opening it builds the index from the
+/// records, so the sweeper still finds what is due.
+#[tokio::test]
+async fn sled_builds_the_expiry_index_of_an_older_store() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let s = open_sled(&dir, Default::default());
+    for id in ["o1", "o2"] {
+        s.claim(claim_req(record(id, "f", None), T0, 10_000))
+            .await
+            .unwrap();
+        settle(&s, id, 1, State::Succeeded, T0 + 1, Some("{}")).await;
+    }
+    s.close().await.unwrap();
+    drop(s);
+    {
+        // What an older version left: records, no expiry index, no marker.
+        let db = ::sled::Config::new()
+            .path(&dir)
+            .segment_size(8 << 20)
+            .open()
+            .unwrap();
+        let index: Vec<_> = db.scan_prefix("e/").keys().map(|k| k.unwrap()).collect();
+        assert_eq!(index.len(), 2);
+        for k in index {
+            db.remove(k).unwrap();
+        }
+        db.remove("m/indexes").unwrap();
+        db.flush().unwrap();
+    }
+    let s = open_sled(&dir, Default::default());
+    assert_eq!(s.expire(T0 + 1 + 3_600_000).await.unwrap(), 2);
+    assert!(s.get("o1").await.unwrap().is_none());
     s.close().await.unwrap();
 }

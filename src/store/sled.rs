@@ -17,7 +17,8 @@
 //!   the last durable versions or a direct read of sled, which holds only durable batches.
 //!
 //! Keys (one tree): `a/{id}` record (JSON), `b/{id}` small stored body, `s/{state}/{id}` state index,
-//! `t/{task}\0{id}` task index. Bodies over 64 KiB live in `bodies/{sha256}` beside the database;
+//! `t/{task}\0{id}` task index, `e/{minute:be64}{id}` expiry index (the sweeper reads only what is
+//! due), `f/{sha256}/{id}` the actions whose response is a body file. Bodies over 64 KiB live in `bodies/{sha256}` beside the database;
 //! sled's own blob files are fsynced at each checkpoint. The write log lives in files of its own
 //! ([`super::logfiles`]): in a batch's frame its entries are a change to the key
 //! `l/{first seq:be64}` (the NDJSON lines the batch appended), which the drainer appends to the
@@ -80,7 +81,9 @@ enum Op {
     /// Notes are waiting in the shared buffer.
     Notes,
     Recover(Option<String>, Millis, Reply<usize>),
-    Expire(Millis, Reply<usize>),
+    /// Expires what is due from the expiry index, at most [`EXPIRE_STEP`] entries after the
+    /// cursor (`None`: the start); answers the count and where the next step starts.
+    Expire(Millis, Option<Vec<u8>>, Reply<(usize, Option<Vec<u8>>)>),
     Sync(Reply<()>),
     /// Everything applied to sled (before a scan).
     Drain(Reply<()>),
@@ -100,6 +103,7 @@ enum Answer {
     Claim(Reply<Claim>, Claim),
     Record(Reply<Record>, Record),
     Count(Reply<usize>, usize),
+    Step(Reply<(usize, Option<Vec<u8>>)>, usize, Option<Vec<u8>>),
     Unit(Reply<()>),
     Bool(Reply<bool>, bool),
     /// The operation failed on its own; the closure sends its error.
@@ -120,12 +124,14 @@ impl Answer {
             (Answer::Claim(tx, c), Ok(())) => drop(tx.send(Ok(c))),
             (Answer::Record(tx, r), Ok(())) => drop(tx.send(Ok(r))),
             (Answer::Count(tx, n), Ok(())) => drop(tx.send(Ok(n))),
+            (Answer::Step(tx, n, next), Ok(())) => drop(tx.send(Ok((n, next)))),
             (Answer::Unit(tx), Ok(())) => drop(tx.send(Ok(()))),
             (Answer::Bool(tx, b), Ok(())) => drop(tx.send(Ok(b))),
             (Answer::Bool(tx, _), Err(e)) => drop(tx.send(Err(err(e)))),
             (Answer::Claim(tx, _), Err(e)) => drop(tx.send(Err(err(e)))),
             (Answer::Record(tx, _), Err(e)) => drop(tx.send(Err(err(e)))),
             (Answer::Count(tx, _), Err(e)) => drop(tx.send(Err(err(e)))),
+            (Answer::Step(tx, ..), Err(e)) => drop(tx.send(Err(err(e)))),
             (Answer::Unit(tx), Err(e)) => drop(tx.send(Err(err(e)))),
         }
     }
@@ -261,6 +267,73 @@ fn state_key(state: State, id: &str) -> Vec<u8> {
 fn task_key(task: &str, id: &str) -> Vec<u8> {
     format!("t/{task}\0{id}").into_bytes()
 }
+
+/// The expiry index groups actions by the minute they expire in: an action's claim and its
+/// outcome (each moves `expires_at`) usually land in one bucket, so its entry is written once.
+const EXPIRY_BUCKET: Millis = 60_000;
+/// The expiry index's prefix; an entry is `e/{bucket:be64}{id}`.
+const EXPIRY_PREFIX: &[u8] = b"e/";
+/// Expiry index entries one step reads at most: the writer's pause between batches.
+const EXPIRE_STEP: usize = 2_048;
+
+fn expiry_key(expires_at: Millis, id: &str) -> Vec<u8> {
+    let mut k = EXPIRY_PREFIX.to_vec();
+    k.extend_from_slice(&(expires_at / EXPIRY_BUCKET).to_be_bytes());
+    k.extend_from_slice(id.as_bytes());
+    k
+}
+
+/// The expiry index's keys up to and including the bucket of `now`.
+fn expiry_end(now: Millis) -> Vec<u8> {
+    let mut k = EXPIRY_PREFIX.to_vec();
+    k.extend_from_slice(&(now / EXPIRY_BUCKET + 1).to_be_bytes());
+    k
+}
+
+/// `f/{sha256}/{id}`: the actions whose stored response is the body file `bodies/{sha256}`.
+fn file_key(sha: &str, id: &str) -> Vec<u8> {
+    format!("f/{sha}/{id}").into_bytes()
+}
+
+/// The body file a record's response is kept in, if any.
+fn body_file(r: &Record) -> Option<&str> {
+    match r.response.as_ref().map(|s| &s.body) {
+        Some(BodyRef::File { sha256 }) => Some(sha256),
+        _ => None,
+    }
+}
+
+/// The indexes a store opened by an earlier version may lack are built once; this key records it.
+const INDEXES_KEY: &[u8] = b"m/indexes";
+const INDEXES_VERSION: &[u8] = b"2";
+
+/// Builds the expiry and body-file indexes of a store from before them, from its records.
+fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
+    if db.get(INDEXES_KEY).map_err(|e| e.to_string())?.as_deref() == Some(INDEXES_VERSION) {
+        return Ok(());
+    }
+    let mut batch = sled::Batch::default();
+    let mut n = 0;
+    for kv in db.scan_prefix(b"a/") {
+        let (k, v) = kv.map_err(|e| e.to_string())?;
+        let r = decode(&k, &v).map_err(|e| e.to_string())?;
+        batch.insert(expiry_key(r.expires_at, &r.id), &[]);
+        if let Some(sha) = body_file(&r) {
+            batch.insert(file_key(sha, &r.id), &[]);
+        }
+        n += 1;
+        if n % 4_096 == 0 {
+            db.apply_batch(std::mem::take(&mut batch))
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    batch.insert(INDEXES_KEY, INDEXES_VERSION);
+    db.apply_batch(batch).map_err(|e| e.to_string())?;
+    if n > 0 {
+        tracing::info!(actions = n, "store: built the expiry index");
+    }
+    Ok(())
+}
 fn log_key(seq: u64) -> Vec<u8> {
     let mut k = b"l/".to_vec();
     k.extend_from_slice(&seq.to_be_bytes());
@@ -375,6 +448,7 @@ impl SledStore {
             .into_inner()
             .map_err(|_| fail("replay the write-ahead log", &"lock poisoned"))?;
         migrate_log(&db, &mut logfiles).map_err(|e| fail("move the write log", &e))?;
+        migrate_indexes(&db).map_err(|e| fail("build the expiry index", &e))?;
         let mut blobs = HashSet::new();
         sled_durable(&db, dir, &mut blobs, &log)
             .and_then(|()| logfiles.sync())
@@ -802,7 +876,18 @@ impl Store for SledStore {
     }
 
     fn expire(&self, now: Millis) -> BoxFuture<'_, Result<usize, StoreError>> {
-        Box::pin(self.call(move |tx| Op::Expire(now, tx)))
+        Box::pin(async move {
+            // In steps, each a batch of its own, so that writes go on between them.
+            let (mut total, mut from) = (0, None);
+            loop {
+                let (n, next) = self.call(move |tx| Op::Expire(now, from, tx)).await?;
+                total += n;
+                match next {
+                    Some(k) => from = Some(k),
+                    None => return Ok(total),
+                }
+            }
+        })
     }
 
     fn close(&self) -> BoxFuture<'_, Result<(), StoreError>> {
@@ -1612,6 +1697,24 @@ impl Writer {
         if let Some(task) = &new.task {
             pending.put(task_key(task, &new.id), []);
         }
+        // Index entries are rewritten only when they change.
+        let expiry = expiry_key(new.expires_at, &new.id);
+        let old_expiry = old.map(|o| expiry_key(o.expires_at, &o.id));
+        if old_expiry.as_ref() != Some(&expiry) {
+            if let Some(k) = old_expiry {
+                pending.del(k);
+            }
+            pending.put(expiry, []);
+        }
+        let old_file = old.and_then(body_file);
+        if old_file != body_file(new) {
+            if let Some(sha) = old_file {
+                pending.del(file_key(sha, &new.id));
+            }
+            if let Some(sha) = body_file(new) {
+                pending.put(file_key(sha, &new.id), []);
+            }
+        }
         pending.records.insert(new.id.clone(), Some(new.clone()));
         pending.writes += 1;
     }
@@ -1633,11 +1736,100 @@ impl Writer {
         pending.del(rec_key(&old.id));
         pending.del(body_key(&old.id));
         pending.del(state_key(old.state, &old.id));
+        pending.del(expiry_key(old.expires_at, &old.id));
         if let Some(task) = &old.task {
             pending.del(task_key(task, &old.id));
         }
+        if let Some(sha) = body_file(old) {
+            pending.del(file_key(sha, &old.id));
+        }
         pending.records.insert(old.id.clone(), None);
         pending.writes += 1;
+    }
+
+    /// One step of expiry: the due entries of the expiry index after `from`, at most
+    /// [`EXPIRE_STEP`] of them. The index is read from sled: the first step waits until sled
+    /// holds every change so far; an entry whose record moved on since (or went) is skipped.
+    fn expire_step(
+        &mut self,
+        pending: &mut Pending,
+        now: Millis,
+        from: Option<Vec<u8>>,
+    ) -> Result<(usize, Option<Vec<u8>>), StoreError> {
+        let start = match from {
+            Some(k) => k,
+            None => {
+                self.settle_down().map_err(unavailable)?;
+                EXPIRY_PREFIX.to_vec()
+            }
+        };
+        let mut keys = Vec::new();
+        for k in self.db.range(start..expiry_end(now)).keys() {
+            keys.push(k.map_err(unavailable)?);
+            if keys.len() == EXPIRE_STEP {
+                break;
+            }
+        }
+        let mut n = 0;
+        let mut freed = Vec::new();
+        for k in &keys {
+            let id = String::from_utf8_lossy(&k[EXPIRY_PREFIX.len() + 8..]).into_owned();
+            let Some(r) = self.read(pending, &id)? else {
+                continue;
+            };
+            // Never expire an attempt that is still running; skip entries of an older expiry.
+            if !r.is_expired(now)
+                || r.state == State::InFlight
+                || expiry_key(r.expires_at, &id) != **k
+            {
+                continue;
+            }
+            self.unstage(pending, &r);
+            self.append(
+                pending,
+                LogEvent::for_record(Event::Expired, &r, Actor::Proxy),
+            );
+            freed.extend(body_file(&r).map(str::to_string));
+            n += 1;
+        }
+        // Body files are shared by content: one goes when no record keeps it and no settlement
+        // is placing it.
+        let placing = self.placing.lock().map(|p| p.clone()).unwrap_or_default();
+        for sha in freed {
+            if !placing.contains_key(&sha) && !self.file_kept(pending, &sha)? {
+                let _ = std::fs::remove_file(self.dir.join("bodies").join(&sha));
+            }
+        }
+        if keys.len() < EXPIRE_STEP {
+            self.prune_log(now).map_err(unavailable)?;
+            return Ok((n, None));
+        }
+        let mut next = keys.pop().map(|k| k.to_vec()).unwrap_or_default();
+        next.push(0);
+        Ok((n, Some(next)))
+    }
+
+    /// Whether any record keeps its response in body file `sha`: those sled's index names (as
+    /// they are now), and those changed by batches not yet in sled.
+    fn file_kept(&self, pending: &Pending, sha: &str) -> Result<bool, StoreError> {
+        let keeps = |r: &Option<Record>| r.as_ref().and_then(body_file) == Some(sha);
+        let newer = self
+            .unapplied
+            .iter()
+            .filter(|(id, _)| !pending.records.contains_key(*id))
+            .map(|(_, (_, r))| r);
+        if pending.records.values().chain(newer).any(keeps) {
+            return Ok(true);
+        }
+        let prefix = file_key(sha, "");
+        for k in self.db.scan_prefix(&prefix).keys() {
+            let k = k.map_err(unavailable)?;
+            let id = String::from_utf8_lossy(&k[prefix.len()..]).into_owned();
+            if keeps(&self.read(pending, &id)?) {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     fn apply(&mut self, op: Op, pending: &mut Pending) -> Answer {
@@ -1765,49 +1957,9 @@ impl Writer {
                     }
                 }
             }
-            Op::Expire(now, tx) => match self
-                .settle_down()
-                .map_err(unavailable)
-                .and_then(|()| scan(&self.db, &Filter::default(), usize::MAX))
-            {
+            Op::Expire(now, from, tx) => match self.expire_step(pending, now, from) {
+                Ok((n, next)) => Answer::Step(tx, n, next),
                 Err(e) => Answer::failed(tx, e),
-                Ok(records) => {
-                    let mut n = 0;
-                    let file = |r: &Record| match r.response.as_ref().map(|s| &s.body) {
-                        Some(BodyRef::File { sha256 }) => Some(sha256.clone()),
-                        _ => None,
-                    };
-                    let (mut kept_files, mut freed) = (HashSet::new(), Vec::new());
-                    for r in records {
-                        let Ok(Some(r)) = self.read(pending, &r.id) else {
-                            continue;
-                        };
-                        // Never expire an attempt that is still running.
-                        if r.is_expired(now) && r.state != State::InFlight {
-                            self.unstage(pending, &r);
-                            self.append(
-                                pending,
-                                LogEvent::for_record(Event::Expired, &r, Actor::Proxy),
-                            );
-                            freed.extend(file(&r));
-                            n += 1;
-                        } else {
-                            kept_files.extend(file(&r));
-                        }
-                    }
-                    // Body files are shared by content: one goes when no record keeps it and no
-                    // settlement is placing it.
-                    let placing = self.placing.lock().map(|p| p.clone()).unwrap_or_default();
-                    for sha in freed {
-                        if !kept_files.contains(&sha) && !placing.contains_key(&sha) {
-                            let _ = std::fs::remove_file(self.dir.join("bodies").join(&sha));
-                        }
-                    }
-                    if let Err(e) = self.prune_log(now) {
-                        return Answer::failed(tx, e);
-                    }
-                    Answer::Count(tx, n)
-                }
             },
             Op::Sync(tx) => Answer::Unit(tx),
             Op::Drain(tx) => match self.settle_down() {
