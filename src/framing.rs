@@ -26,6 +26,10 @@ pub const MARK_TE: &str = "oncegate-badframe";
 /// Lines longer than this are passed through unguarded; hyper rejects them anyway (431).
 const MAX_LINE: usize = 512 * 1024;
 
+/// Reads from the connection take up to this much at a time, and at least `READ_MIN`.
+const READ_SIZE: usize = 16 * 1024;
+const READ_MIN: usize = 4 * 1024;
+
 /// What one head has shown so far.
 #[derive(Debug, Clone, Default, PartialEq)]
 struct Head {
@@ -233,19 +237,21 @@ impl<IO: AsyncRead + Unpin> AsyncRead for FramingGuard<IO> {
             if this.scan() {
                 continue;
             }
-            let mut tmp = [0u8; 16 * 1024];
-            let mut rb = ReadBuf::new(&mut tmp);
-            match Pin::new(&mut this.inner).poll_read(cx, &mut rb) {
+            // Straight into the buffer's spare room: no zeroing, no second copy.
+            if this.buf.capacity() - this.buf.len() < READ_MIN {
+                this.buf.reserve(READ_SIZE);
+            }
+            match tokio_util::io::poll_read_buf(Pin::new(&mut this.inner), cx, &mut this.buf) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                Poll::Ready(Ok(())) if rb.filled().is_empty() => {
+                Poll::Ready(Ok(0)) => {
                     if this.buf.is_empty() {
                         return Poll::Ready(Ok(()));
                     }
                     // EOF inside a head: hand over what there is; hyper reports it.
                     this.state = State::Off;
                 }
-                Poll::Ready(Ok(())) => this.buf.extend_from_slice(rb.filled()),
+                Poll::Ready(Ok(_)) => {}
             }
         }
     }

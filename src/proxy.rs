@@ -243,7 +243,9 @@ impl Proxy {
         check_framing(req.headers())?;
         let path = req.uri().path().to_string();
         if path == "/_oncegate" || path.starts_with("/_oncegate/") {
-            return self.own(req, &path).await;
+            // Boxed, like the write path below: the read path's future stays small (it is
+            // moved into hyper's connection task for every request).
+            return Box::pin(self.own(req, &path)).await;
         }
         let target = route(&self.config, req.method(), &path)
             .ok_or_else(|| ProxyError::NoRoute(path.clone()))?;
@@ -264,7 +266,7 @@ impl Proxy {
                 method: method.to_string(),
                 path: self.redactor.path(&path, req.uri().query()),
             }),
-            _ => self.write(target, req, &principal).await,
+            _ => Box::pin(self.write(target, req, &principal)).await,
         };
         if let Err(e) = &result {
             let shown = || self.redactor.path(target.rest, query.as_deref());
