@@ -1,5 +1,6 @@
 //! oncegate side by side with what a user would otherwise run: the upstream directly, and nginx as
-//! a plain reverse proxy with upstream keepalive. Every workload runs against the three targets
+//! a plain reverse proxy with upstream keepalive; and with its own HTTP stack alone (`bare hyper`,
+//! hyper-util's server and client forwarding everything), the floor of what oncegate can cost. Every workload runs against the three targets
 //! in turn, interleaved (A B C A B C …), so machine drift hits all alike.
 //!
 //! `cargo bench --bench side_by_side -- --out bench/results.md` (add `--quick` for a short run).
@@ -58,6 +59,65 @@ async fn upstream() -> SocketAddr {
         }
     });
     addr
+}
+
+// ---------------------------------------------------------------- the bare hyper proxy
+
+/// The floor of oncegate's stack: hyper-util's server (HTTP/1 and 2, as oncegate serves) and its
+/// pooled client, forwarding every request as it comes, with no routing, records or logs. Run in a
+/// process of its own (this bench, started again with `BENCH_BARE_PROXY=upstream`), with a runtime
+/// like oncegate's, so its CPU and RSS are measured alike.
+fn bare_proxy(upstream: SocketAddr) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        println!("addr={}", l.local_addr().unwrap());
+        let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
+        connector.set_nodelay(true);
+        let client: hyper_util::client::legacy::Client<_, hyper::body::Incoming> =
+            hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(connector);
+        loop {
+            let Ok((s, _)) = l.accept().await else {
+                continue;
+            };
+            let _ = s.set_nodelay(true);
+            let client = client.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
+                    let client = client.clone();
+                    async move {
+                        let pq = req
+                            .uri()
+                            .path_and_query()
+                            .map(|p| p.as_str())
+                            .unwrap_or("/");
+                        *req.uri_mut() = format!("http://{upstream}{pq}").parse().unwrap();
+                        client.request(req).await
+                    }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+}
+
+fn start_bare_proxy(upstream: SocketAddr) -> (std::process::Child, SocketAddr) {
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .env("BENCH_BARE_PROXY", upstream.to_string())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line.trim().strip_prefix("addr=").unwrap().parse().unwrap();
+    (child, addr)
 }
 
 // ---------------------------------------------------------------- targets
@@ -592,6 +652,9 @@ fn machine() -> String {
 }
 
 fn main() {
+    if let Ok(up) = std::env::var("BENCH_BARE_PROXY") {
+        return bare_proxy(up.parse().unwrap());
+    }
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     let out = args
@@ -638,6 +701,12 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             pid: Some(c.id()),
         });
     }
+    let (mut bare, bare_addr) = start_bare_proxy(up);
+    targets.push(Target {
+        name: "bare hyper",
+        addr: bare_addr,
+        pid: Some(bare.id()),
+    });
     targets.push(Target {
         name: "oncegate",
         addr: og_addr,
@@ -752,6 +821,8 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     let store_bytes = dir_bytes(&og_dir.join("store"));
     let _ = og.kill();
     let _ = og.wait();
+    let _ = bare.kill();
+    let _ = bare.wait();
 
     // Write throughput with many actions already stored.
     let mut preload_rows = Vec::new();
@@ -817,7 +888,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             ));
         }
     }
-    md.push_str("\n## Ratios (same run)\n\n| workload | oncegate / nginx (req/s) | oncegate / direct (req/s) | p50 oncegate − nginx (µs) |\n|---|---:|---:|---:|\n");
+    md.push_str("\n## Ratios (same run)\n\n`bare hyper` is oncegate's HTTP stack alone (hyper-util's server and pooled client, forwarding everything, nothing stored): the floor of what oncegate can cost.\n\n| workload | oncegate / nginx (req/s) | oncegate / direct (req/s) | oncegate / bare hyper (req/s) | bare hyper / nginx (req/s) | p50 oncegate − nginx (µs) |\n|---|---:|---:|---:|---:|---:|\n");
     for (spec, per) in &results {
         let og = &per["oncegate"];
         let direct = &per["direct"];
@@ -828,11 +899,18 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             ),
             None => ("no nginx".into(), "-".into()),
         };
+        let bare = &per["bare hyper"];
+        let bare_vs_nginx = match per.get("nginx") {
+            Some(n) => format!("{:.2}×", bare.rps() / n.rps()),
+            None => "no nginx".into(),
+        };
         md.push_str(&format!(
-            "| {} | {} | {:.2}× | {} |\n",
+            "| {} | {} | {:.2}× | {:.2}× | {} | {} |\n",
             spec.name,
             vs_nginx,
             og.rps() / direct.rps(),
+            og.rps() / bare.rps(),
+            bare_vs_nginx,
             dp50
         ));
     }
