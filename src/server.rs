@@ -63,12 +63,13 @@ where
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    // The header read timeout only runs with a timer set (hyper needs one to sleep).
+    // The header read timeout only runs with a timer set (hyper needs one to sleep). hyper's
+    // default limit of 100 headers applies; setting it explicitly, even to 100, makes hyper
+    // build its header arrays element by element for every request.
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(opts.header_timeout)
-        .max_headers(100);
+        .header_read_timeout(opts.header_timeout);
     builder.http2().timer(TokioTimer::new());
     let builder = Arc::new(builder);
     let graceful = GracefulShutdown::new();

@@ -312,28 +312,28 @@ fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
     if db.get(INDEXES_KEY).map_err(|e| e.to_string())?.as_deref() == Some(INDEXES_VERSION) {
         return Ok(());
     }
-    let mut batch = sled::Batch::default();
+    // Plain inserts, not a sled batch: one batch would put every later read in this process
+    // behind sled's global lock. The marker goes last, so an interrupted build starts again.
     let mut n = 0;
     for kv in db.scan_prefix(b"a/") {
         let (k, v) = kv.map_err(|e| e.to_string())?;
         let r = decode(&k, &v).map_err(|e| e.to_string())?;
-        batch.insert(expiry_key(r.expires_at, &r.id), &[]);
+        db.insert(expiry_key(r.expires_at, &r.id), &[])
+            .map_err(|e| e.to_string())?;
         if let Some(sha) = body_file(&r) {
-            batch.insert(file_key(sha, &r.id), &[]);
-        }
-        n += 1;
-        if n % 4_096 == 0 {
-            db.apply_batch(std::mem::take(&mut batch))
+            db.insert(file_key(sha, &r.id), &[])
                 .map_err(|e| e.to_string())?;
         }
+        n += 1;
     }
-    batch.insert(INDEXES_KEY, INDEXES_VERSION);
-    db.apply_batch(batch).map_err(|e| e.to_string())?;
+    db.insert(INDEXES_KEY, INDEXES_VERSION)
+        .map_err(|e| e.to_string())?;
     if n > 0 {
         tracing::info!(actions = n, "store: built the expiry index");
     }
     Ok(())
 }
+
 fn log_key(seq: u64) -> Vec<u8> {
     let mut k = b"l/".to_vec();
     k.extend_from_slice(&seq.to_be_bytes());
