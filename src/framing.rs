@@ -73,109 +73,117 @@ impl<IO> FramingGuard<IO> {
         }
     }
 
-    /// Scans unscanned bytes, moving `ready` forward. Returns whether it made progress.
+    /// Scans unscanned bytes of `buf`, moving `ready` forward. Returns whether it made progress.
     fn scan(&mut self) -> bool {
-        let before = self.ready;
-        loop {
-            let avail = self.buf.len() - self.ready;
-            if avail == 0 {
-                break;
+        let n = scan(&mut self.state, &mut self.buf[self.ready..]);
+        self.ready += n;
+        n > 0
+    }
+}
+
+/// Scans `bytes` from the state the bytes before them left, marking ambiguous framing in place.
+/// Returns how many leading bytes are scanned and may be handed to hyper: all but a trailing
+/// partial line (or HTTP/2 preface) that the next bytes complete.
+fn scan(state: &mut State, bytes: &mut [u8]) -> usize {
+    let mut ready = 0;
+    loop {
+        let avail = bytes.len() - ready;
+        if avail == 0 {
+            break;
+        }
+        let rest = &bytes[ready..];
+        match state {
+            State::Start => {
+                const PREFACE: &[u8] = b"PRI * HTTP/2.0";
+                let n = rest.len().min(PREFACE.len());
+                if rest[..n] != PREFACE[..n] {
+                    *state = State::Head(Head::default());
+                } else if n == PREFACE.len() {
+                    *state = State::Off;
+                } else {
+                    break;
+                }
             }
-            let rest = &self.buf[self.ready..];
-            match &mut self.state {
-                State::Start => {
-                    const PREFACE: &[u8] = b"PRI * HTTP/2.0";
-                    let n = rest.len().min(PREFACE.len());
-                    if rest[..n] != PREFACE[..n] {
-                        self.state = State::Head(Head::default());
-                    } else if n == PREFACE.len() {
-                        self.state = State::Off;
-                    } else {
-                        break;
-                    }
-                }
-                State::Off => self.ready = self.buf.len(),
-                State::Head(head) => {
-                    // Each complete line is inspected, and handed over at once: only a partial
-                    // line is held back, so hyper's header timeout keeps running.
-                    let Some(i) = rest.iter().position(|b| *b == b'\n') else {
-                        if rest.len() > MAX_LINE {
-                            self.state = State::Off;
-                            continue;
-                        }
-                        break;
-                    };
-                    let start = self.ready;
-                    let line = &mut self.buf[start..start + i + 1];
-                    self.ready += i + 1;
-                    let blank = line.iter().all(|c| *c == b'\r' || *c == b'\n');
-                    if blank && !head.started {
-                        // Empty lines before a request line are ignored (RFC 9112 §2.2).
-                    } else if blank {
-                        self.state = framing(head);
-                    } else if !head.started {
-                        head.started = true;
-                    } else {
-                        inspect_line(head, line);
-                    }
-                }
-                State::Fixed(n) => {
-                    let k = (*n).min(avail as u64);
-                    *n -= k;
-                    self.ready += k as usize;
-                    if *n == 0 {
-                        self.state = State::Head(Head::default());
-                    }
-                }
-                State::ChunkSize(line) | State::Trailers(line) => {
-                    let (take, done) = match rest.iter().position(|b| *b == b'\n') {
-                        Some(i) => (i + 1, true),
-                        None => (rest.len(), false),
-                    };
-                    if line.len() + take > 4096 {
-                        self.state = State::Off;
+            State::Off => ready = bytes.len(),
+            State::Head(head) => {
+                // Each complete line is inspected, and handed over at once: only a partial
+                // line is held back, so hyper's header timeout keeps running.
+                let Some(i) = rest.iter().position(|b| *b == b'\n') else {
+                    if rest.len() > MAX_LINE {
+                        *state = State::Off;
                         continue;
                     }
-                    line.extend_from_slice(&rest[..take]);
-                    self.ready += take;
-                    if done {
-                        let text = String::from_utf8_lossy(line).trim().to_string();
-                        self.state = match &self.state {
-                            State::ChunkSize(_) => {
-                                let size = text.split(';').next().unwrap_or("").trim();
-                                match u64::from_str_radix(size, 16) {
-                                    Ok(0) => State::Trailers(Vec::new()),
-                                    Ok(n) => State::ChunkData(n),
-                                    Err(_) => State::Off,
-                                }
+                    break;
+                };
+                let line = &mut bytes[ready..ready + i + 1];
+                ready += i + 1;
+                let blank = line.iter().all(|c| *c == b'\r' || *c == b'\n');
+                if blank && !head.started {
+                    // Empty lines before a request line are ignored (RFC 9112 §2.2).
+                } else if blank {
+                    *state = framing(head);
+                } else if !head.started {
+                    head.started = true;
+                } else {
+                    inspect_line(head, line);
+                }
+            }
+            State::Fixed(n) => {
+                let k = (*n).min(avail as u64);
+                *n -= k;
+                ready += k as usize;
+                if *n == 0 {
+                    *state = State::Head(Head::default());
+                }
+            }
+            State::ChunkSize(line) | State::Trailers(line) => {
+                let (take, done) = match rest.iter().position(|b| *b == b'\n') {
+                    Some(i) => (i + 1, true),
+                    None => (rest.len(), false),
+                };
+                if line.len() + take > 4096 {
+                    *state = State::Off;
+                    continue;
+                }
+                line.extend_from_slice(&rest[..take]);
+                ready += take;
+                if done {
+                    let text = String::from_utf8_lossy(line).trim().to_string();
+                    *state = match &*state {
+                        State::ChunkSize(_) => {
+                            let size = text.split(';').next().unwrap_or("").trim();
+                            match u64::from_str_radix(size, 16) {
+                                Ok(0) => State::Trailers(Vec::new()),
+                                Ok(n) => State::ChunkData(n),
+                                Err(_) => State::Off,
                             }
-                            _ if text.is_empty() => State::Head(Head::default()),
-                            _ => State::Trailers(Vec::new()),
-                        };
-                    }
+                        }
+                        _ if text.is_empty() => State::Head(Head::default()),
+                        _ => State::Trailers(Vec::new()),
+                    };
                 }
-                State::ChunkData(n) => {
-                    let k = (*n).min(avail as u64);
-                    *n -= k;
-                    self.ready += k as usize;
-                    if *n == 0 {
-                        self.state = State::ChunkEnd(2);
-                    }
+            }
+            State::ChunkData(n) => {
+                let k = (*n).min(avail as u64);
+                *n -= k;
+                ready += k as usize;
+                if *n == 0 {
+                    *state = State::ChunkEnd(2);
                 }
-                State::ChunkEnd(left) => {
-                    // CRLF after the chunk data; a bare LF is tolerated like hyper does.
-                    let b = rest[0];
-                    self.ready += 1;
-                    if b == b'\n' || *left == 1 {
-                        self.state = State::ChunkSize(Vec::new());
-                    } else {
-                        *left -= 1;
-                    }
+            }
+            State::ChunkEnd(left) => {
+                // CRLF after the chunk data; a bare LF is tolerated like hyper does.
+                let b = rest[0];
+                ready += 1;
+                if b == b'\n' || *left == 1 {
+                    *state = State::ChunkSize(Vec::new());
+                } else {
+                    *left -= 1;
                 }
             }
         }
-        self.ready > before
     }
+    ready
 }
 
 /// Notes a header line; marks it when it makes the framing ambiguous.
@@ -234,10 +242,33 @@ impl<IO: AsyncRead + Unpin> AsyncRead for FramingGuard<IO> {
                 this.ready -= n;
                 return Poll::Ready(Ok(()));
             }
+            if this.buf.is_empty() {
+                // Nothing held back: read straight into hyper's buffer and scan the bytes there
+                // (marks are written in place); only a trailing partial line is taken back.
+                let before = out.filled().len();
+                match Pin::new(&mut this.inner).poll_read(cx, out) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Ready(Ok(())) => {}
+                }
+                let new = &mut out.filled_mut()[before..];
+                if new.is_empty() {
+                    return Poll::Ready(Ok(()));
+                }
+                let n = scan(&mut this.state, new);
+                if n < new.len() {
+                    this.buf.extend_from_slice(&new[n..]);
+                    out.set_filled(before + n);
+                }
+                if n > 0 {
+                    return Poll::Ready(Ok(()));
+                }
+                continue;
+            }
             if this.scan() {
                 continue;
             }
-            // Straight into the buffer's spare room: no zeroing, no second copy.
+            // Into the buffer's spare room: no zeroing, no second copy.
             if this.buf.capacity() - this.buf.len() < READ_MIN {
                 this.buf.reserve(READ_SIZE);
             }
@@ -368,6 +399,50 @@ mod tests {
             out.contains("content-length: 1\r\noncegate-badcl: 1"),
             "{out}"
         );
+    }
+
+    /// Hands its input over `step` bytes per read.
+    struct Trickle<'a> {
+        input: &'a [u8],
+        step: usize,
+    }
+
+    impl AsyncRead for Trickle<'_> {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            out: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            let n = self.step.min(self.input.len()).min(out.remaining());
+            out.put_slice(&self.input[..n]);
+            self.input = &self.input[n..];
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn heads_split_across_reads_are_guarded_alike() {
+        let clean: &[u8] = b"POST /a HTTP/1.1\r\nContent-Length: 5\r\n\r\nhelloPOST /b HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nworld\r\n0\r\n\r\nGET /c HTTP/1.1\r\n\r\n";
+        let bad: &[u8] = b"POST /c HTTP/1.1\r\ncontent-length: 1\r\nContent-Length: 1\r\n\r\nxPOST /d HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n";
+        for step in [1, 2, 3, 7, 16, 40, 4096] {
+            let mut out = Vec::new();
+            let mut g = FramingGuard::new(Trickle { input: clean, step });
+            g.read_to_end(&mut out).await.expect("reads");
+            assert_eq!(out, clean, "step {step}");
+            let mut out = Vec::new();
+            let mut g = FramingGuard::new(Trickle { input: bad, step });
+            g.read_to_end(&mut out).await.expect("reads");
+            let out = String::from_utf8(out).expect("ascii");
+            assert!(
+                out.contains("content-length: 1\r\noncegate-badcl: 1\r\n"),
+                "step {step}: {out}"
+            );
+            assert!(
+                out.contains("Content-Length: 3\r\noncegate-badframe: chunked"),
+                "step {step}: {out}"
+            );
+            assert_eq!(out.len(), bad.len(), "step {step}");
+        }
     }
 
     #[tokio::test]
