@@ -171,7 +171,7 @@ struct Cache {
     gens: Gens,
 }
 
-const CACHE_ENTRIES: usize = 4_096;
+const CACHE_ENTRIES: usize = 2_048;
 const CACHE_SHARDS: usize = 64;
 
 struct Gens([u64; CACHE_SHARDS]);
@@ -1100,7 +1100,7 @@ impl Mem {
 
 /// Drains run at least this often, and when this many keys wait.
 const DRAIN_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
-const DRAIN_KEYS: usize = 8_192;
+const DRAIN_KEYS: usize = 2_048;
 
 /// Reads one key: the durable changes not yet in sled first, then sled.
 fn read_key(shared: &Shared, db: &sled::Db, key: &[u8]) -> Result<Option<sled::IVec>, StoreError> {
@@ -1586,7 +1586,7 @@ impl Writer {
         if self.sync.send(sealed).is_err() {
             return false;
         }
-        if self.unapplied.len() > 4 * MAX_BATCH {
+        if self.unapplied.len() > MAX_BATCH {
             let applied = self.shared.applied();
             self.unapplied.retain(|_, (seq, _)| *seq > applied);
         }
