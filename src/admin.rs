@@ -263,30 +263,40 @@ impl Admin {
                 )
             }
         };
+        // Newest first; the cursor is the last item's `created_at.id`.
+        let before = match param(&q, "after") {
+            None => None,
+            Some(after) => match after
+                .split_once('.')
+                .and_then(|(at, id)| Some((at.parse().ok()?, id.to_string())))
+            {
+                Some(c) => Some(c),
+                None => {
+                    return problem(
+                        StatusCode::BAD_REQUEST,
+                        "bad-request",
+                        "after must be the `next` cursor of an earlier page",
+                    )
+                }
+            },
+        };
         let filter = Filter {
             state,
             upstream: param(&q, "upstream").map(str::to_string),
             principal: None,
             task: param(&q, "task").map(str::to_string),
+            newest_first: true,
+            before,
         };
-        let mut all = match self.proxy.store.scan(filter, usize::MAX).await {
+        // One more than the page, to know whether another page follows.
+        let mut page = match self.proxy.store.scan(filter, limit + 1).await {
             Ok(a) => a,
             Err(e) => return store_problem(e),
         };
-        // Newest first; the cursor is the last item's `created_at.id`.
-        all.sort_by(|a, b| (b.created_at, &b.id).cmp(&(a.created_at, &a.id)));
+        let more = page.len() > limit;
+        page.truncate(limit);
         let cursor = |r: &Record| format!("{}.{}", r.created_at, r.id);
-        let start = match param(&q, "after") {
-            None => 0,
-            Some(after) => all
-                .iter()
-                .position(|r| cursor(r) == after)
-                .map_or(all.len(), |i| i + 1),
-        };
-        let page: Vec<&Record> = all.iter().skip(start).take(limit).collect();
-        let next = (start + page.len() < all.len())
-            .then(|| page.last().map(|r| cursor(r)))
-            .flatten();
+        let next = more.then(|| page.last().map(cursor)).flatten();
         let items: Vec<Value> = page
             .iter()
             .map(|r| {

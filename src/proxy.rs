@@ -560,6 +560,7 @@ impl Proxy {
                         upstream: Some(record.upstream.clone()),
                         principal: Some(record.principal.clone()),
                         task: Some(task.clone()),
+                        ..Filter::default()
                     },
                     1000,
                 )

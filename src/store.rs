@@ -128,6 +128,10 @@ pub struct Filter {
     pub upstream: Option<String>,
     pub principal: Option<String>,
     pub task: Option<String>,
+    /// Newest first (by `created_at`, then id) instead of oldest first.
+    pub newest_first: bool,
+    /// Newest first only: the records strictly older than this `(created_at, id)`: a page's cursor.
+    pub before: Option<(Millis, String)>,
 }
 
 impl Filter {

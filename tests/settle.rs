@@ -311,6 +311,9 @@ async fn actions_are_listed_newest_first_with_filters_and_a_cursor() {
         .collect();
     assert_eq!(more.len(), 2);
     assert!(rest["next"].is_null());
+    // A cursor that no page gave is refused, not read as "from the start".
+    let bad = proxy.admin("GET", "/v1/actions?after=nonsense", "").await;
+    assert_eq!(bad.status, 400);
     let mut all: Vec<&str> = keys.iter().chain(more.iter()).copied().collect();
     all.sort();
     assert_eq!(all, ["k0", "k1", "k2", "k3", "k4"]);

@@ -344,6 +344,50 @@ async fn expires_every_due_action_in_one_sweep(s: S) {
     assert!(s.verify_log().await.unwrap().ok);
 }
 
+/// Newest first, in pages: each page strictly older than the last one's cursor, ties on
+/// `created_at` broken by id, filters applied while paging.
+async fn lists_newest_first_in_pages(s: S) {
+    // p0..p4 created a millisecond apart; p5 at the same moment as p4.
+    for i in 0..6u64 {
+        let id = format!("p{i}");
+        let at = T0 + i.min(4);
+        s.claim(claim_req(record(&id, "f", None), at, 10_000))
+            .await
+            .unwrap();
+        if i % 2 == 0 {
+            settle(&s, &id, 1, State::Succeeded, at, Some("{}")).await;
+        }
+    }
+    let page = |before: Option<(Millis, String)>, state: Option<State>| {
+        let s = s.clone();
+        async move {
+            let filter = Filter {
+                state,
+                newest_first: true,
+                before,
+                ..Filter::default()
+            };
+            s.scan(filter, 2).await.unwrap()
+        }
+    };
+    let mut seen = Vec::new();
+    let mut before = None;
+    loop {
+        let p = page(before.clone(), None).await;
+        if p.is_empty() {
+            break;
+        }
+        assert!(p.len() <= 2);
+        before = p.last().map(|r| (r.created_at, r.id.clone()));
+        seen.extend(p.into_iter().map(|r| r.id));
+    }
+    assert_eq!(seen, ["p5", "p4", "p3", "p2", "p1", "p0"]);
+    // Filtered: the in-flight ones, newest first, from a cursor.
+    let p = page(Some((T0 + 4, "p4".into())), Some(State::InFlight)).await;
+    let ids: Vec<&str> = p.iter().map(|r| r.id.as_str()).collect();
+    assert_eq!(ids, ["p3", "p1"]);
+}
+
 /// Opens the sled store in `dir`.
 fn open_sled(dir: &std::path::Path, options: oncegate::store::StoreOptions) -> S {
     Arc::new(oncegate::store::sled::SledStore::open(dir, options).unwrap())
@@ -412,6 +456,7 @@ conformance!(
     scans_by_state_and_task_and_counts,
     expires_records_but_never_an_attempt_in_flight,
     expires_every_due_action_in_one_sweep,
+    lists_newest_first_in_pages,
 );
 
 #[tokio::test]
@@ -672,8 +717,8 @@ async fn sled_moves_a_log_kept_in_sled_by_an_older_store_into_files() {
     s.close().await.unwrap();
 }
 
-/// A store written before the expiry index has none: opening it builds the index from the
-/// records, so the sweeper still finds what is due.
+/// A store written before the expiry and creation indexes has neither: opening it builds them
+/// from the records, so lists and the sweeper still find every action.
 #[tokio::test]
 async fn sled_builds_the_expiry_index_of_an_older_store() {
     let tmp = tempfile::tempdir().unwrap();
@@ -694,8 +739,11 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
             .segment_size(8 << 20)
             .open()
             .unwrap();
-        let index: Vec<_> = db.scan_prefix("e/").keys().map(|k| k.unwrap()).collect();
-        assert_eq!(index.len(), 2);
+        let index: Vec<_> = ["e/", "c/"]
+            .iter()
+            .flat_map(|p| db.scan_prefix(p).keys().map(|k| k.unwrap()))
+            .collect();
+        assert_eq!(index.len(), 4);
         for k in index {
             db.remove(k).unwrap();
         }
@@ -703,6 +751,11 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
         db.flush().unwrap();
     }
     let s = open_sled(&dir, Default::default());
+    let newest = Filter {
+        newest_first: true,
+        ..Filter::default()
+    };
+    assert_eq!(s.scan(newest, 10).await.unwrap().len(), 2);
     assert_eq!(s.expire(T0 + 1 + 3_600_000).await.unwrap(), 2);
     assert!(s.get("o1").await.unwrap().is_none());
     s.close().await.unwrap();

@@ -31,7 +31,8 @@ use crate::log::{self, Actor, Chain, Entry, Event, LogEvent, Verification};
 /// Serialises schema migrations across proxies starting at once.
 const MIGRATION_LOCK: i64 = 0x6f6e_6365_6761_7465; // "oncegate"
 
-const MIGRATIONS: &[&str] = &[r#"
+const MIGRATIONS: &[&str] = &[
+    r#"
 CREATE TABLE oncegate_actions (
     id          text PRIMARY KEY,
     state       text NOT NULL,
@@ -61,7 +62,11 @@ CREATE TABLE oncegate_log_head (
     anchor_prev text
 );
 INSERT INTO oncegate_log_head (id, seq, hash) VALUES (1, 0, '0000000000000000000000000000000000000000000000000000000000000000');
-"#];
+"#,
+    r#"
+CREATE INDEX oncegate_actions_created ON oncegate_actions (created_at, id);
+"#,
+];
 
 pub struct PostgresStore {
     pool: Pool,
@@ -548,22 +553,33 @@ impl Store for PostgresStore {
         Box::pin(async move {
             let c = self.pool.get().await.map_err(pool_err)?;
             let state = filter.state.map(|s| s.as_str().to_string());
-            let rows = c
-                .query(
-                    "SELECT id, record, lease_until FROM oncegate_actions
-                     WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR upstream = $2)
-                       AND ($3::text IS NULL OR principal = $3) AND ($4::text IS NULL OR task = $4)
-                     ORDER BY created_at, id LIMIT $5",
-                    &[
-                        &state,
-                        &filter.upstream,
-                        &filter.principal,
-                        &filter.task,
-                        &(limit.min(i64::MAX as usize) as i64),
-                    ],
-                )
-                .await
-                .map_err(db)?;
+            let (before_at, before_id) = match &filter.before {
+                Some((at, id)) => (Some(*at as i64), Some(id.as_str())),
+                None => (None, None),
+            };
+            let limit = limit.min(i64::MAX as usize) as i64;
+            let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![
+                &state,
+                &filter.upstream,
+                &filter.principal,
+                &filter.task,
+                &limit,
+            ];
+            let sql = if filter.newest_first {
+                params.push(&before_at);
+                params.push(&before_id);
+                "SELECT id, record, lease_until FROM oncegate_actions
+                 WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR upstream = $2)
+                   AND ($3::text IS NULL OR principal = $3) AND ($4::text IS NULL OR task = $4)
+                   AND ($6::bigint IS NULL OR (created_at, id) < ($6, $7::text))
+                 ORDER BY created_at DESC, id DESC LIMIT $5"
+            } else {
+                "SELECT id, record, lease_until FROM oncegate_actions
+                 WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR upstream = $2)
+                   AND ($3::text IS NULL OR principal = $3) AND ($4::text IS NULL OR task = $4)
+                 ORDER BY created_at, id LIMIT $5"
+            };
+            let rows = c.query(sql, &params).await.map_err(db)?;
             rows.iter()
                 .map(|r| decode(r.get(0), r.get(1), r.get(2)))
                 .collect()

@@ -18,7 +18,8 @@
 //!
 //! Keys (one tree): `a/{id}` record (JSON), `b/{id}` small stored body, `s/{state}/{id}` state index,
 //! `t/{task}\0{id}` task index, `e/{minute:be64}{id}` expiry index (the sweeper reads only what is
-//! due), `f/{sha256}/{id}` the actions whose response is a body file. Bodies over 64 KiB live in `bodies/{sha256}` beside the database;
+//! due), `c/{created_at:be64}{id}` creation index (lists page newest first), `f/{sha256}/{id}` the
+//! actions whose response is a body file. Bodies over 64 KiB live in `bodies/{sha256}` beside the database;
 //! sled's own blob files are fsynced at each checkpoint. The write log lives in files of its own
 //! ([`super::logfiles`]): in a batch's frame its entries are a change to the key
 //! `l/{first seq:be64}` (the NDJSON lines the batch appended), which the drainer appends to the
@@ -290,6 +291,18 @@ fn expiry_end(now: Millis) -> Vec<u8> {
     k
 }
 
+/// The creation index: `c/{created_at:be64}{id}`, for listing newest first in pages.
+const CREATED_PREFIX: &[u8] = b"c/";
+/// The first key after every creation index key.
+const CREATED_END: &[u8] = b"c0";
+
+fn created_key(created_at: Millis, id: &str) -> Vec<u8> {
+    let mut k = CREATED_PREFIX.to_vec();
+    k.extend_from_slice(&created_at.to_be_bytes());
+    k.extend_from_slice(id.as_bytes());
+    k
+}
+
 /// `f/{sha256}/{id}`: the actions whose stored response is the body file `bodies/{sha256}`.
 fn file_key(sha: &str, id: &str) -> Vec<u8> {
     format!("f/{sha}/{id}").into_bytes()
@@ -305,9 +318,10 @@ fn body_file(r: &Record) -> Option<&str> {
 
 /// The indexes a store opened by an earlier version may lack are built once; this key records it.
 const INDEXES_KEY: &[u8] = b"m/indexes";
-const INDEXES_VERSION: &[u8] = b"2";
+const INDEXES_VERSION: &[u8] = b"3";
 
-/// Builds the expiry and body-file indexes of a store from before them, from its records.
+/// Builds the expiry, creation and body-file indexes of a store from before them, from its
+/// records.
 fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
     if db.get(INDEXES_KEY).map_err(|e| e.to_string())?.as_deref() == Some(INDEXES_VERSION) {
         return Ok(());
@@ -319,6 +333,8 @@ fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
         let (k, v) = kv.map_err(|e| e.to_string())?;
         let r = decode(&k, &v).map_err(|e| e.to_string())?;
         db.insert(expiry_key(r.expires_at, &r.id), &[])
+            .map_err(|e| e.to_string())?;
+        db.insert(created_key(r.created_at, &r.id), &[])
             .map_err(|e| e.to_string())?;
         if let Some(sha) = body_file(&r) {
             db.insert(file_key(sha, &r.id), &[])
@@ -914,6 +930,30 @@ impl Store for SledStore {
 
 fn scan(db: &sled::Db, filter: &Filter, limit: usize) -> Result<Vec<Record>, StoreError> {
     let mut out = Vec::new();
+    if filter.newest_first {
+        // Streamed from the creation index, newest first, until the page is full: a page costs
+        // what it shows (plus what the filter skips), not the whole store.
+        let end = match &filter.before {
+            Some((at, id)) => created_key(*at, id),
+            None => CREATED_END.to_vec(),
+        };
+        for k in db.range(CREATED_PREFIX.to_vec()..end).keys().rev() {
+            if out.len() >= limit {
+                break;
+            }
+            let k = k.map_err(unavailable)?;
+            let id = String::from_utf8_lossy(&k[CREATED_PREFIX.len() + 8..]).into_owned();
+            let key = rec_key(&id);
+            let Some(v) = db.get(&key).map_err(unavailable)? else {
+                continue;
+            };
+            let r = decode(&key, &v)?;
+            if filter.matches(&r) {
+                out.push(r);
+            }
+        }
+        return Ok(out);
+    }
     let (prefix, skip) = match (&filter.task, filter.state) {
         (Some(task), _) => (format!("t/{task}\0"), None),
         (None, Some(state)) => (format!("s/{}/", state.as_str()), None),
@@ -1706,6 +1746,12 @@ impl Writer {
             }
             pending.put(expiry, []);
         }
+        if old.map(|o| o.created_at) != Some(new.created_at) {
+            if let Some(o) = old {
+                pending.del(created_key(o.created_at, &o.id));
+            }
+            pending.put(created_key(new.created_at, &new.id), []);
+        }
         let old_file = old.and_then(body_file);
         if old_file != body_file(new) {
             if let Some(sha) = old_file {
@@ -1737,6 +1783,7 @@ impl Writer {
         pending.del(body_key(&old.id));
         pending.del(state_key(old.state, &old.id));
         pending.del(expiry_key(old.expires_at, &old.id));
+        pending.del(created_key(old.created_at, &old.id));
         if let Some(task) = &old.task {
             pending.del(task_key(task, &old.id));
         }
