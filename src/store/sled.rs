@@ -13,8 +13,8 @@
 //! - claims are atomic without locks (one thread decides), and the log has one chain;
 //! - many concurrent writes share one flush, and a claim that finds an existing record never
 //!   waits for a flush it does not need;
-//! - claims of settled records (replays, conflicts) are answered off the writer, from a cache of
-//!   the last durable versions or a direct read of sled, which holds only durable batches.
+//! - claims of settled or running records (replays, conflicts) are answered off the writer, from a
+//!   cache of their last durable versions.
 //!
 //! Keys (one tree): `a/{id}` record (JSON), `b/{id}` small stored body, `s/{state}/{id}` state index,
 //! `t/{task}\0{id}` task index, `e/{minute:be64}{id}` expiry index (the sweeper reads only what is
@@ -157,11 +157,11 @@ pub struct SledStore {
     shared: Arc<Shared>,
 }
 
-/// Recently settled records (`succeeded`, `unknown`) as last made durable, for replays and
+/// Recent records (`succeeded`, `unknown`, in flight) as last made durable, for replays and
 /// conflicts that need no sled read. Bounded; the oldest entries go first.
 ///
-/// The syncer puts every durable outcome in. Readers that missed fill it from what they read
-/// (read-through), guarded by a generation per shard of ids: a reader notes its shard's
+/// The syncer puts every durable change in. The writer and body readers fill it from what they
+/// read in sled (read-through), guarded by a generation per shard of ids: a reader notes its shard's
 /// generation before reading, and its fill is dropped if any change to that shard was made
 /// durable meanwhile, so an older read never replaces a newer outcome. The syncer makes a change
 /// readable (in [`Mem`]) before it bumps the generation, which is what makes the guard hold.
@@ -248,8 +248,10 @@ impl Cache {
 
 const CACHED_BODY_MAX: usize = 16 * 1024;
 
+/// Records the claim fast path can answer from: everything but `failed` (which a claim may
+/// attempt again, on the writer).
 fn cacheable(r: &Record) -> bool {
-    matches!(r.state, State::Succeeded | State::Unknown)
+    matches!(r.state, State::Succeeded | State::Unknown | State::InFlight)
 }
 
 fn unavailable(e: impl std::fmt::Display) -> StoreError {
@@ -507,6 +509,7 @@ impl SledStore {
         };
         let writer = Writer {
             placing: placing.clone(),
+            cache: cache.clone(),
             dir: dir.to_owned(),
             blobs,
             notes: notes.clone(),
@@ -557,27 +560,15 @@ impl SledStore {
 
     /// The fast path of a claim: a record that exists, is durable, and cannot be claimed
     /// (`succeeded`, `unknown`, in flight under a live lease, or a reused key) is answered from
-    /// a plain read, off the writer thread, so that replays and conflicts scale with cores.
-    /// Anything else, or a record whose last change is not yet flushed, goes to the writer.
+    /// the cache of durable records, off the writer thread, so that replays and conflicts scale
+    /// with cores. Anything else goes to the writer.
     fn settled(&self, req: &ClaimRequest) -> Option<Claim> {
-        // Settled records are served from memory first: sled takes a global lock on every read
-        // once batches are in use, and a batch being applied blocks them all.
-        let (cached, gen) = {
+        // From the cache only. A miss goes to the writer, which reads the record anyway (and
+        // fills the cache from what it reads in sled): most misses are new keys, and a read of
+        // sled here found nothing for them at the cost of a tree walk.
+        let r = {
             let c = self.cache.lock().ok()?;
-            let hit = c.map.get(&req.fresh.id).map(|(r, _)| Record::clone(r));
-            (hit, c.generation(&req.fresh.id))
-        };
-        let r = match cached {
-            Some(r) => r,
-            None => {
-                let db = self.db().ok()?;
-                let key = rec_key(&req.fresh.id);
-                let r = decode(&key, &read_key(&self.shared, &db, &key).ok()??).ok()?;
-                if let Ok(mut c) = self.cache.lock() {
-                    c.fill(gen, &r);
-                }
-                r
-            }
+            Record::clone(&c.map.get(&req.fresh.id)?.0)
         };
         if r.is_expired(req.now) {
             return None;
@@ -1456,6 +1447,8 @@ fn checkpoint_loop(
 /// The single thread that decides every change to the store.
 struct Writer {
     placing: Arc<Mutex<HashMap<String, i64>>>,
+    /// The cache of durable records, which the writer fills from what it reads in sled.
+    cache: Arc<Mutex<Cache>>,
     /// The store's folder, and the sled blob files already fsynced.
     dir: PathBuf,
     blobs: HashSet<std::ffi::OsString>,
@@ -1692,9 +1685,19 @@ impl Writer {
         if let Some((_, r)) = self.unapplied.get(id) {
             return Ok(r.clone());
         }
+        // Not changed by any batch sled lacks: what sled holds is the durable latest, and the
+        // claim fast path may answer from it next time (the generation guards the fill all the
+        // same).
+        let gen = self.cache.lock().map(|c| c.generation(id)).ok();
         let key = rec_key(id);
         match self.db.get(&key).map_err(unavailable)? {
-            Some(v) => decode(&key, &v).map(Some),
+            Some(v) => {
+                let r = decode(&key, &v)?;
+                if let (Some(gen), Ok(mut c)) = (gen, self.cache.lock()) {
+                    c.fill(gen, &r);
+                }
+                Ok(Some(r))
+            }
             None => Ok(None),
         }
     }
@@ -2089,10 +2092,10 @@ mod tests {
     }
 
     #[test]
-    fn only_settled_records_are_filled_and_the_cache_is_bounded() {
+    fn failed_records_are_not_filled_and_the_cache_is_bounded() {
         let mut c = Cache::default();
         let gen = c.generation("x");
-        c.fill(gen, &settled("x", State::InFlight));
+        c.fill(gen, &settled("x", State::Failed));
         assert!(c.map.is_empty());
         for i in 0..CACHE_ENTRIES + 10 {
             let id = format!("{i:08x}");
