@@ -278,6 +278,20 @@ async fn scans_by_state_and_task_and_counts(s: S) {
         .await
         .unwrap();
     assert_eq!(f.len(), 2);
+    let done = s
+        .scan(
+            Filter {
+                state: Some(State::Succeeded),
+                ..Default::default()
+            },
+            10,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        done.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        ["g1"]
+    );
     let counts = s.counts().await.unwrap();
     assert!(counts.contains(&(State::InFlight, 2)) && counts.contains(&(State::Succeeded, 1)));
 }
@@ -733,12 +747,14 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
     s.close().await.unwrap();
     drop(s);
     {
-        // What an older version left: records, no expiry index, no marker.
+        // What an older version left: records, no expiry or creation index, no marker, and
+        // `succeeded` actions in the state index.
         let db = ::sled::Config::new()
             .path(&dir)
             .segment_size(8 << 20)
             .open()
             .unwrap();
+        db.insert("s/succeeded/o1", &[]).unwrap();
         let index: Vec<_> = ["e/", "c/"]
             .iter()
             .flat_map(|p| db.scan_prefix(p).keys().map(|k| k.unwrap()))
@@ -756,6 +772,7 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
         ..Filter::default()
     };
     assert_eq!(s.scan(newest, 10).await.unwrap().len(), 2);
+    assert!(s.counts().await.unwrap().contains(&(State::Succeeded, 2)));
     assert_eq!(s.expire(T0 + 1 + 3_600_000).await.unwrap(), 2);
     assert!(s.get("o1").await.unwrap().is_none());
     s.close().await.unwrap();

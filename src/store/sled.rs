@@ -16,7 +16,8 @@
 //! - claims of settled or running records (replays, conflicts) are answered off the writer, from a
 //!   cache of their last durable versions.
 //!
-//! Keys (one tree): `a/{id}` record (JSON), `b/{id}` small stored body, `s/{state}/{id}` state index,
+//! Keys (one tree): `a/{id}` record (JSON), `b/{id}` small stored body, `s/{state}/{id}` state index
+//! (all states but `succeeded`),
 //! `t/{task}\0{id}` task index, `e/{minute:be64}{id}` expiry index (the sweeper reads only what is
 //! due), `c/{created_at:be64}{id}` creation index (lists page newest first), `f/{sha256}/{id}` the
 //! actions whose response is a body file. Bodies over 64 KiB live in `bodies/{sha256}` beside the database;
@@ -264,6 +265,12 @@ fn rec_key(id: &str) -> Vec<u8> {
 fn body_key(id: &str) -> Vec<u8> {
     format!("b/{id}").into_bytes()
 }
+/// Whether the state index lists actions in `state`: every state but `succeeded`, the bulk of a
+/// store, whose count is the rest of the creation index and which no scan looks up by state.
+fn state_indexed(state: State) -> bool {
+    state != State::Succeeded
+}
+
 fn state_key(state: State, id: &str) -> Vec<u8> {
     format!("s/{}/{id}", state.as_str()).into_bytes()
 }
@@ -320,7 +327,7 @@ fn body_file(r: &Record) -> Option<&str> {
 
 /// The indexes a store opened by an earlier version may lack are built once; this key records it.
 const INDEXES_KEY: &[u8] = b"m/indexes";
-const INDEXES_VERSION: &[u8] = b"3";
+const INDEXES_VERSION: &[u8] = b"4";
 
 /// Builds the expiry, creation and body-file indexes of a store from before them, from its
 /// records.
@@ -343,6 +350,12 @@ fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
                 .map_err(|e| e.to_string())?;
         }
         n += 1;
+    }
+    // The state index no longer lists `succeeded` actions.
+    let prefix = format!("s/{}/", State::Succeeded.as_str());
+    for k in db.scan_prefix(prefix.as_bytes()).keys() {
+        db.remove(k.map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
     }
     db.insert(INDEXES_KEY, INDEXES_VERSION)
         .map_err(|e| e.to_string())?;
@@ -947,8 +960,8 @@ fn scan(db: &sled::Db, filter: &Filter, limit: usize) -> Result<Vec<Record>, Sto
     }
     let (prefix, skip) = match (&filter.task, filter.state) {
         (Some(task), _) => (format!("t/{task}\0"), None),
-        (None, Some(state)) => (format!("s/{}/", state.as_str()), None),
-        (None, None) => ("a/".to_string(), Some(())),
+        (None, Some(state)) if state_indexed(state) => (format!("s/{}/", state.as_str()), None),
+        (None, _) => ("a/".to_string(), Some(())),
     };
     for kv in db.scan_prefix(prefix.as_bytes()) {
         let (k, v) = kv.map_err(unavailable)?;
@@ -1094,13 +1107,16 @@ fn slot(st: State) -> usize {
     st as usize
 }
 
-/// Actions per state, from the state index (once, at open).
+/// Actions per state (once, at open): from the state index, and `succeeded` as the rest of the
+/// creation index.
 fn count_states(db: &sled::Db) -> Counts {
     let mut c = Counts::default();
-    for st in State::ALL {
+    for st in State::ALL.into_iter().filter(|s| state_indexed(*s)) {
         let prefix = format!("s/{}/", st.as_str());
         c[slot(st)] = db.scan_prefix(prefix.as_bytes()).keys().count() as u64;
     }
+    let all = db.scan_prefix(CREATED_PREFIX).keys().count() as u64;
+    c[slot(State::Succeeded)] = all.saturating_sub(c.iter().sum());
     c
 }
 
@@ -1724,23 +1740,28 @@ impl Writer {
 
     /// Stages `new` (replacing `old`) with its index entries.
     fn stage(&self, pending: &mut Pending, old: Option<&Record>, new: &Record) {
-        if let Some(old) = old {
-            if old.state != new.state {
-                pending.del(state_key(old.state, &old.id));
-            }
-        }
         if old.map(|o| o.state) != Some(new.state) {
+            if let Some(o) = old.filter(|o| state_indexed(o.state)) {
+                pending.del(state_key(o.state, &o.id));
+            }
+            if state_indexed(new.state) {
+                pending.put(state_key(new.state, &new.id), []);
+            }
             self.count(old.map(|o| o.state), Some(new.state));
         }
         pending.put(
             rec_key(&new.id),
             serde_json::to_vec(new).expect("records always serialize"),
         );
-        pending.put(state_key(new.state, &new.id), []);
-        if let Some(task) = &new.task {
-            pending.put(task_key(task, &new.id), []);
-        }
         // Index entries are rewritten only when they change.
+        if old.is_none_or(|o| o.task != new.task) {
+            if let Some(task) = old.and_then(|o| o.task.as_ref()) {
+                pending.del(task_key(task, &new.id));
+            }
+            if let Some(task) = &new.task {
+                pending.put(task_key(task, &new.id), []);
+            }
+        }
         let expiry = expiry_key(new.expires_at, &new.id);
         let old_expiry = old.map(|o| expiry_key(o.expires_at, &o.id));
         if old_expiry.as_ref() != Some(&expiry) {
@@ -1784,7 +1805,9 @@ impl Writer {
         self.count(Some(old.state), None);
         pending.del(rec_key(&old.id));
         pending.del(body_key(&old.id));
-        pending.del(state_key(old.state, &old.id));
+        if state_indexed(old.state) {
+            pending.del(state_key(old.state, &old.id));
+        }
         pending.del(expiry_key(old.expires_at, &old.id));
         pending.del(created_key(old.created_at, &old.id));
         if let Some(task) = &old.task {
