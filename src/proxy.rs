@@ -241,14 +241,16 @@ impl Proxy {
         labels: &mut (&'static str, &'static str),
     ) -> Result<Response<ProxyBody>, ProxyError> {
         check_framing(req.headers())?;
-        let path = req.uri().path().to_string();
+        // A clone of the URI shares its bytes: the path outlives `req`, which the phases take.
+        let uri = req.uri().clone();
+        let path = uri.path();
         if path == "/_oncegate" || path.starts_with("/_oncegate/") {
             // Boxed, like the write path below: the read path's future stays small (it is
             // moved into hyper's connection task for every request).
-            return Box::pin(self.own(req, &path)).await;
+            return Box::pin(self.own(req, path)).await;
         }
-        let target = route(&self.config, req.method(), &path)
-            .ok_or_else(|| ProxyError::NoRoute(path.clone()))?;
+        let target = route(&self.config, req.method(), path)
+            .ok_or_else(|| ProxyError::NoRoute(path.to_string()))?;
         *labels = (target.upstream.label, target.class.as_str());
         let span = tracing::Span::current();
         span.record("upstream", target.upstream.name.as_str());

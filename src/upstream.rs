@@ -199,7 +199,11 @@ impl Outgoing {
         if let Some((name, value)) = key {
             headers.insert(name.clone(), HeaderValue::from_str(value)?);
         }
-        let mut path = format!("{}{}", up.base_path(), rest);
+        let base = up.base_path();
+        let mut path =
+            String::with_capacity(base.len() + rest.len() + query.map_or(0, |q| q.len() + 1) + 1);
+        path.push_str(base);
+        path.push_str(rest);
         if path.is_empty() {
             path.push('/');
         }
@@ -207,11 +211,15 @@ impl Outgoing {
             path.push('?');
             path.push_str(q);
         }
-        let uri = Uri::builder()
-            .scheme(up.url.scheme_str().unwrap_or("http"))
-            .authority(up.url.authority().map(|a| a.as_str()).unwrap_or_default())
-            .path_and_query(path)
-            .build()?;
+        // The upstream's scheme and authority were parsed with the config: shared, not parsed
+        // again for every request.
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = Some(up.url.scheme().cloned().unwrap_or(http::uri::Scheme::HTTP));
+        parts.authority = up.url.authority().cloned();
+        parts.path_and_query = Some(http::uri::PathAndQuery::from_maybe_shared(Bytes::from(
+            path,
+        ))?);
+        let uri = Uri::from_parts(parts)?;
         Ok(Outgoing {
             method: method.clone(),
             uri,
