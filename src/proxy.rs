@@ -266,7 +266,7 @@ impl Proxy {
         let result = match target.class {
             Class::Deny => Err(ProxyError::RouteDenied {
                 method: method.to_string(),
-                path: self.redactor.path(&path, req.uri().query()),
+                path: self.redactor.path(path, req.uri().query()),
             }),
             _ => Box::pin(self.write(target, req, &principal)).await,
         };
