@@ -1,7 +1,8 @@
 //! oncegate side by side with what a user would otherwise run: the upstream directly, and nginx as
 //! a plain reverse proxy with upstream keepalive; and with its own HTTP stack alone (`bare hyper`,
-//! hyper-util's server and client forwarding everything), the floor of what oncegate can cost. Every workload runs against the three targets
-//! in turn, interleaved (A B C A B C …), so machine drift hits all alike.
+//! hyper-util's server and client forwarding everything), the floor of what oncegate can cost.
+//! Every workload runs against the four targets in turn, interleaved (A B C D A B C D …), so
+//! machine drift hits all alike.
 //!
 //! `cargo bench --bench side_by_side -- --out bench/results.md` (add `--quick` for a short run).
 //! nginx is installed with apt-get when missing; without it the nginx column says so.

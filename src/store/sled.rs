@@ -293,6 +293,17 @@ fn expiry_key(expires_at: Millis, id: &str) -> Vec<u8> {
     k
 }
 
+/// The action id of an expiry or creation index key (`{prefix}{be64}{id}`).
+fn index_id(key: &[u8], prefix: &[u8]) -> Result<String, StoreError> {
+    match key.get(prefix.len() + 8..) {
+        Some(id) if !id.is_empty() => Ok(String::from_utf8_lossy(id).into_owned()),
+        _ => Err(StoreError::Corrupt {
+            id: String::from_utf8_lossy(key).into_owned(),
+            reason: "an index key too short to name an action".into(),
+        }),
+    }
+}
+
 /// The expiry index's keys up to and including the bucket of `now`.
 fn expiry_end(now: Millis) -> Vec<u8> {
     let mut k = EXPIRY_PREFIX.to_vec();
@@ -946,7 +957,7 @@ fn scan(db: &sled::Db, filter: &Filter, limit: usize) -> Result<Vec<Record>, Sto
                 break;
             }
             let k = k.map_err(unavailable)?;
-            let id = String::from_utf8_lossy(&k[CREATED_PREFIX.len() + 8..]).into_owned();
+            let id = index_id(&k, CREATED_PREFIX)?;
             let key = rec_key(&id);
             let Some(v) = db.get(&key).map_err(unavailable)? else {
                 continue;
@@ -1846,7 +1857,7 @@ impl Writer {
         let mut n = 0;
         let mut freed = Vec::new();
         for k in &keys {
-            let id = String::from_utf8_lossy(&k[EXPIRY_PREFIX.len() + 8..]).into_owned();
+            let id = index_id(k, EXPIRY_PREFIX)?;
             let Some(r) = self.read(pending, &id)? else {
                 continue;
             };
