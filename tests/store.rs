@@ -582,6 +582,20 @@ async fn sled_rotates_its_write_ahead_log_and_removes_checkpointed_files() {
     }
     let v = s.verify_log().await.unwrap();
     assert!(v.ok && v.entries >= 960, "{v:?}");
+    // Counted again at open from the indexes: every claim's in-flight entry went with its outcome.
+    let counts = s.counts().await.unwrap();
+    assert!(
+        counts.contains(&(State::Succeeded, 320))
+            && !counts
+                .iter()
+                .any(|(st, n)| *st == State::InFlight && *n > 0),
+        "{counts:?}"
+    );
+    let in_flight = Filter {
+        state: Some(State::InFlight),
+        ..Filter::default()
+    };
+    assert!(s.scan(in_flight, 10).await.unwrap().is_empty());
     s.close().await.unwrap();
 }
 

@@ -1140,6 +1140,10 @@ type Changes = HashMap<Vec<u8>, Option<Vec<u8>>>;
 struct Mem {
     /// Changes since the last drain started.
     active: Changes,
+    /// Keys put in `active` that neither `frozen` nor sled holds: removing one again drops the
+    /// change instead of sending sled a delete of a key it never had (a new action's
+    /// `s/in_flight/` entry, put by its claim and removed by its outcome moments later).
+    absent: HashSet<Vec<u8>>,
     /// The changes a drain is applying to sled now.
     frozen: Arc<Changes>,
     draining: bool,
@@ -1244,6 +1248,8 @@ struct Sealed {
     failed: Option<String>,
     /// Apply everything so far to sled before going on (scans and checkpoints need it).
     drain: bool,
+    /// Keys this batch puts that no earlier batch ever did (see [`Mem::absent`]).
+    new_keys: HashSet<Vec<u8>>,
 }
 
 /// The thread that makes batches durable, so that the writer decides the next batch while this
@@ -1343,9 +1349,23 @@ impl Syncer {
                         }
                         for c in b.changes.drain(..) {
                             match c {
-                                Change::Put(k, v) => m.active.insert(k, Some(v)),
-                                Change::Del(k) => m.active.insert(k, None),
-                            };
+                                Change::Put(k, v) => {
+                                    if b.new_keys.contains(&k)
+                                        && !m.active.contains_key(&k)
+                                        && !m.frozen.contains_key(&k)
+                                    {
+                                        m.absent.insert(k.clone());
+                                    }
+                                    m.active.insert(k, Some(v));
+                                }
+                                Change::Del(k) => {
+                                    if m.absent.remove(&k) {
+                                        m.active.remove(&k);
+                                    } else {
+                                        m.active.insert(k, None);
+                                    }
+                                }
+                            }
                         }
                     }
                 }
@@ -1406,6 +1426,8 @@ impl Syncer {
             m = again;
         }
         let frozen = Arc::new(std::mem::take(&mut m.active));
+        // Once drained, sled holds them.
+        m.absent.clear();
         m.frozen = frozen.clone();
         m.draining = true;
         m.since = None;
@@ -1518,6 +1540,8 @@ struct Pending {
     writes: usize,
     /// Someone waits for this batch to be durable.
     durable: bool,
+    /// Keys put by this batch that no batch before it ever put (see [`Mem::absent`]).
+    new_keys: HashSet<Vec<u8>>,
 }
 
 impl Pending {
@@ -1642,6 +1666,7 @@ impl Writer {
             bodies: pending.bodies,
             failed,
             drain: false,
+            new_keys: pending.new_keys,
         };
         if self.sync.send(sealed).is_err() {
             return false;
@@ -1685,6 +1710,7 @@ impl Writer {
             bodies: HashMap::new(),
             failed: None,
             drain: true,
+            new_keys: HashSet::new(),
         };
         self.sync
             .send(marker)
@@ -1942,6 +1968,10 @@ impl Writer {
                             old.as_ref()
                         };
                         self.stage(pending, live_old, w);
+                        if old.is_none() {
+                            // A new action: no batch ever put its state entry.
+                            pending.new_keys.insert(state_key(w.state, &w.id));
+                        }
                         for ev in claim_events(&claim, w) {
                             self.append(pending, ev);
                         }
