@@ -6,23 +6,12 @@ use http::{Response, StatusCode};
 
 use crate::action::{Record, Source};
 use crate::redact::from_latin1;
-use crate::upstream::{full, ProxyBody};
+use crate::upstream::{full, is_hop_by_hop, ProxyBody};
 
 /// Headers of a stored response that are not replayed: they describe the original connection
 /// or moment (`Date` is regenerated; `Content-Length` follows the body).
 fn replayable(name: &str) -> bool {
-    !matches!(
-        name,
-        "connection"
-            | "keep-alive"
-            | "proxy-connection"
-            | "te"
-            | "trailer"
-            | "transfer-encoding"
-            | "upgrade"
-            | "date"
-            | "content-length"
-    )
+    !(is_hop_by_hop(name) || matches!(name, "date" | "content-length"))
 }
 
 /// The replay of a succeeded record with its stored body.

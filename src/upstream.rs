@@ -42,9 +42,9 @@ pub fn empty() -> ProxyBody {
 }
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1).
-fn is_hop_by_hop(name: &HeaderName) -> bool {
+pub fn is_hop_by_hop(name: &str) -> bool {
     matches!(
-        name.as_str(),
+        name,
         "connection"
             | "keep-alive"
             | "proxy-connection"
@@ -58,7 +58,7 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
 /// Removes hop-by-hop headers, including every header named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none: one pass over the names (no hashing) settles it.
-    if !headers.keys().any(is_hop_by_hop) {
+    if !headers.keys().any(|k| is_hop_by_hop(k.as_str())) {
         return;
     }
     let named: Vec<HeaderName> = headers
@@ -73,7 +73,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
     let hop: Vec<HeaderName> = headers
         .keys()
-        .filter(|k| is_hop_by_hop(k))
+        .filter(|k| is_hop_by_hop(k.as_str()))
         .cloned()
         .collect();
     for h in hop {
