@@ -336,12 +336,25 @@ fn body_file(r: &Record) -> Option<&str> {
     }
 }
 
+/// A record's index entries: every key besides its record and body that names it.
+fn index_keys(r: &Record) -> impl Iterator<Item = Vec<u8>> + '_ {
+    [
+        state_indexed(r.state).then(|| state_key(r.state, &r.id)),
+        r.task.as_ref().map(|t| task_key(t, &r.id)),
+        Some(expiry_key(r.expires_at, &r.id)),
+        Some(created_key(r.created_at, &r.id)),
+        body_file(r).map(|sha| file_key(sha, &r.id)),
+    ]
+    .into_iter()
+    .flatten()
+}
+
 /// The indexes a store opened by an earlier version may lack are built once; this key records it.
 const INDEXES_KEY: &[u8] = b"m/indexes";
 const INDEXES_VERSION: &[u8] = b"4";
 
 /// Builds the expiry, creation and body-file indexes of a store from before them, from its
-/// records.
+/// records (writing every index entry again is harmless).
 fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
     if db.get(INDEXES_KEY).map_err(|e| e.to_string())?.as_deref() == Some(INDEXES_VERSION) {
         return Ok(());
@@ -352,13 +365,8 @@ fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
     for kv in db.scan_prefix(b"a/") {
         let (k, v) = kv.map_err(|e| e.to_string())?;
         let r = decode(&k, &v).map_err(|e| e.to_string())?;
-        db.insert(expiry_key(r.expires_at, &r.id), &[])
-            .map_err(|e| e.to_string())?;
-        db.insert(created_key(r.created_at, &r.id), &[])
-            .map_err(|e| e.to_string())?;
-        if let Some(sha) = body_file(&r) {
-            db.insert(file_key(sha, &r.id), &[])
-                .map_err(|e| e.to_string())?;
+        for key in index_keys(&r) {
+            db.insert(key, &[]).map_err(|e| e.to_string())?;
         }
         n += 1;
     }
@@ -1775,52 +1783,23 @@ impl Writer {
         pending.writes += 1;
     }
 
-    /// Stages `new` (replacing `old`) with its index entries.
+    /// Stages `new` (replacing `old`) with its index entries; only entries that change are
+    /// written.
     fn stage(&self, pending: &mut Pending, old: Option<&Record>, new: &Record) {
         if old.map(|o| o.state) != Some(new.state) {
-            if let Some(o) = old.filter(|o| state_indexed(o.state)) {
-                pending.del(state_key(o.state, &o.id));
-            }
-            if state_indexed(new.state) {
-                pending.put(state_key(new.state, &new.id), []);
-            }
             self.count(old.map(|o| o.state), Some(new.state));
         }
         pending.put(
             rec_key(&new.id),
             serde_json::to_vec(new).expect("records always serialize"),
         );
-        // Index entries are rewritten only when they change.
-        if old.is_none_or(|o| o.task != new.task) {
-            if let Some(task) = old.and_then(|o| o.task.as_ref()) {
-                pending.del(task_key(task, &new.id));
-            }
-            if let Some(task) = &new.task {
-                pending.put(task_key(task, &new.id), []);
-            }
+        let before: Vec<Vec<u8>> = old.map(|o| index_keys(o).collect()).unwrap_or_default();
+        let after: Vec<Vec<u8>> = index_keys(new).collect();
+        for k in before.iter().filter(|k| !after.contains(k)) {
+            pending.del(k.clone());
         }
-        let expiry = expiry_key(new.expires_at, &new.id);
-        let old_expiry = old.map(|o| expiry_key(o.expires_at, &o.id));
-        if old_expiry.as_ref() != Some(&expiry) {
-            if let Some(k) = old_expiry {
-                pending.del(k);
-            }
-            pending.put(expiry, []);
-        }
-        if old.map(|o| o.created_at) != Some(new.created_at) {
-            if let Some(o) = old {
-                pending.del(created_key(o.created_at, &o.id));
-            }
-            pending.put(created_key(new.created_at, &new.id), []);
-        }
-        let old_file = old.and_then(body_file);
-        if old_file != body_file(new) {
-            if let Some(sha) = old_file {
-                pending.del(file_key(sha, &new.id));
-            }
-            if let Some(sha) = body_file(new) {
-                pending.put(file_key(sha, &new.id), []);
-            }
+        for k in after.into_iter().filter(|k| !before.contains(k)) {
+            pending.put(k, []);
         }
         pending.records.insert(new.id.clone(), Some(new.clone()));
         pending.writes += 1;
@@ -1842,16 +1821,8 @@ impl Writer {
         self.count(Some(old.state), None);
         pending.del(rec_key(&old.id));
         pending.del(body_key(&old.id));
-        if state_indexed(old.state) {
-            pending.del(state_key(old.state, &old.id));
-        }
-        pending.del(expiry_key(old.expires_at, &old.id));
-        pending.del(created_key(old.created_at, &old.id));
-        if let Some(task) = &old.task {
-            pending.del(task_key(task, &old.id));
-        }
-        if let Some(sha) = body_file(old) {
-            pending.del(file_key(sha, &old.id));
+        for k in index_keys(old) {
+            pending.del(k);
         }
         pending.records.insert(old.id.clone(), None);
         pending.writes += 1;
