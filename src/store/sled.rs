@@ -598,27 +598,23 @@ impl SledStore {
         // From the cache only. A miss goes to the writer, which reads the record anyway (and
         // fills the cache from what it reads in sled): most misses are new keys, and a read of
         // sled here found nothing for them at the cost of a tree walk.
-        let r = {
-            let c = self.cache.lock().ok()?;
-            Record::clone(&c.map.get(&req.fresh.id)?.0)
-        };
+        // The shared record under the lock; a copy only for an answer, outside it.
+        let r = Arc::clone(&self.cache.lock().ok()?.map.get(&req.fresh.id)?.0);
         if r.is_expired(req.now) {
             return None;
         }
-        let claim = if r.fingerprint != req.fresh.fingerprint {
-            Claim::KeyReused(r)
-        } else {
-            match r.state {
-                State::Succeeded | State::Unknown => Claim::Existing(r),
-                State::InFlight if r.lease_until.is_some_and(|l| l >= req.now) => {
-                    Claim::Existing(r)
-                }
-                _ => return None,
+        // What the cache holds is durable: the syncer puts a change in only after its
+        // write-ahead log frame is (lease renewals aside, which only ever extend a lease).
+        if r.fingerprint != req.fresh.fingerprint {
+            return Some(Claim::KeyReused(Record::clone(&r)));
+        }
+        match r.state {
+            State::Succeeded | State::Unknown => Some(Claim::Existing(Record::clone(&r))),
+            State::InFlight if r.lease_until.is_some_and(|l| l >= req.now) => {
+                Some(Claim::Existing(Record::clone(&r)))
             }
-        };
-        // What sled holds is durable: the writer applies a batch only after its write-ahead log
-        // frame is (lease renewals aside, which only ever extend an attempt's lease).
-        Some(claim)
+            _ => None,
+        }
     }
 
     /// Counts settlements writing (`+1`) or done with (`-1`) a body file.
@@ -1875,9 +1871,9 @@ impl Writer {
         }
         // Body files are shared by content: one goes when no record keeps it and no settlement
         // is placing it.
-        let placing = self.placing.lock().map(|p| p.clone()).unwrap_or_default();
         for sha in freed {
-            if !placing.contains_key(&sha) && !self.file_kept(pending, &sha)? {
+            let placed = self.placing.lock().is_ok_and(|p| p.contains_key(&sha));
+            if !placed && !self.file_kept(pending, &sha)? {
                 let _ = std::fs::remove_file(self.dir.join("bodies").join(&sha));
             }
         }
