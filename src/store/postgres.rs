@@ -565,21 +565,20 @@ impl Store for PostgresStore {
                 &filter.task,
                 &limit,
             ];
+            const SELECT: &str = "SELECT id, record, lease_until FROM oncegate_actions
+                 WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR upstream = $2)
+                   AND ($3::text IS NULL OR principal = $3) AND ($4::text IS NULL OR task = $4)";
             let sql = if filter.newest_first {
                 params.push(&before_at);
                 params.push(&before_id);
-                "SELECT id, record, lease_until FROM oncegate_actions
-                 WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR upstream = $2)
-                   AND ($3::text IS NULL OR principal = $3) AND ($4::text IS NULL OR task = $4)
-                   AND ($6::bigint IS NULL OR (created_at, id) < ($6, $7::text))
-                 ORDER BY created_at DESC, id DESC LIMIT $5"
+                format!(
+                    "{SELECT} AND ($6::bigint IS NULL OR (created_at, id) < ($6, $7::text))
+                     ORDER BY created_at DESC, id DESC LIMIT $5"
+                )
             } else {
-                "SELECT id, record, lease_until FROM oncegate_actions
-                 WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR upstream = $2)
-                   AND ($3::text IS NULL OR principal = $3) AND ($4::text IS NULL OR task = $4)
-                 ORDER BY created_at, id LIMIT $5"
+                format!("{SELECT} ORDER BY created_at, id LIMIT $5")
             };
-            let rows = c.query(sql, &params).await.map_err(db)?;
+            let rows = c.query(sql.as_str(), &params).await.map_err(db)?;
             rows.iter()
                 .map(|r| decode(r.get(0), r.get(1), r.get(2)))
                 .collect()
