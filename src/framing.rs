@@ -275,13 +275,9 @@ impl<IO: AsyncRead + Unpin> AsyncRead for FramingGuard<IO> {
             match tokio_util::io::poll_read_buf(Pin::new(&mut this.inner), cx, &mut this.buf) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                Poll::Ready(Ok(0)) => {
-                    if this.buf.is_empty() {
-                        return Poll::Ready(Ok(()));
-                    }
-                    // EOF inside a head: hand over what there is; hyper reports it.
-                    this.state = State::Off;
-                }
+                // EOF inside a head (this path always holds bytes back): hand over what there
+                // is; hyper reports it.
+                Poll::Ready(Ok(0)) => this.state = State::Off,
                 Poll::Ready(Ok(_)) => {}
             }
         }

@@ -13,7 +13,7 @@
 //! [`LogFiles::open`] cuts a torn last line first, so every entry lands exactly once, in order.
 
 use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Seek, SeekFrom, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 
 use super::files;
@@ -226,8 +226,7 @@ impl LogFiles {
         }
         let kept = self.dir.join(segment_name(self.segments[drop]));
         let e = first_entry(&kept)?.ok_or("the first kept write log file is empty")?;
-        write_anchor(&self.dir, e.seq, &e.prev)
-            .map_err(|e| format!("write the write log anchor: {e}"))?;
+        self.set_anchor(e.seq, &e.prev)?;
         for first in self.segments.drain(..drop) {
             let _ = std::fs::remove_file(self.dir.join(segment_name(first)));
         }
@@ -273,7 +272,7 @@ impl Reader {
         self.files.into_iter().flat_map(|(first, f)| {
             let mut r = BufReader::new(f);
             let mut seq = first;
-            let mut done = r.seek(SeekFrom::Start(0)).is_err();
+            let mut done = false;
             std::iter::from_fn(move || {
                 if done {
                     return None;
