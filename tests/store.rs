@@ -246,6 +246,16 @@ async fn logs_every_change_in_one_verifiable_chain(s: S) {
     assert_eq!(seqs(s.log(0, 2).await.unwrap()), [1, 2]);
 }
 
+/// The ids a scan returns, in its order.
+async fn scan_ids(s: &S, filter: Filter, limit: usize) -> Vec<String> {
+    s.scan(filter, limit)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect()
+}
+
 async fn scans_by_state_and_task_and_counts(s: S) {
     for (id, task) in [("g1", Some("t")), ("g2", Some("t")), ("g3", None)] {
         s.claim(claim_req(record(id, "f", task), T0, 10_000))
@@ -253,45 +263,21 @@ async fn scans_by_state_and_task_and_counts(s: S) {
             .unwrap();
     }
     settle(&s, "g1", 1, State::Succeeded, T0 + 1, Some("{}")).await;
-    let t = s
-        .scan(
-            Filter {
-                task: Some("t".into()),
-                ..Default::default()
-            },
-            10,
-        )
-        .await
-        .unwrap();
-    assert_eq!(
-        t.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
-        ["g1", "g2"]
-    );
-    let f = s
-        .scan(
-            Filter {
-                state: Some(State::InFlight),
-                ..Default::default()
-            },
-            10,
-        )
-        .await
-        .unwrap();
-    assert_eq!(f.len(), 2);
-    let done = s
-        .scan(
-            Filter {
-                state: Some(State::Succeeded),
-                ..Default::default()
-            },
-            10,
-        )
-        .await
-        .unwrap();
-    assert_eq!(
-        done.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
-        ["g1"]
-    );
+    let task = Filter {
+        task: Some("t".into()),
+        ..Default::default()
+    };
+    assert_eq!(scan_ids(&s, task, 10).await, ["g1", "g2"]);
+    let in_flight = Filter {
+        state: Some(State::InFlight),
+        ..Default::default()
+    };
+    assert_eq!(scan_ids(&s, in_flight, 10).await.len(), 2);
+    let done = Filter {
+        state: Some(State::Succeeded),
+        ..Default::default()
+    };
+    assert_eq!(scan_ids(&s, done, 10).await, ["g1"]);
     let counts = s.counts().await.unwrap();
     assert!(counts.contains(&(State::InFlight, 2)) && counts.contains(&(State::Succeeded, 1)));
 }
@@ -372,22 +358,15 @@ async fn lists_newest_first_in_pages(s: S) {
             settle(&s, &id, 1, State::Succeeded, at, Some("{}")).await;
         }
     }
-    let page = |before: Option<(Millis, String)>, state: Option<State>| {
-        let s = s.clone();
-        async move {
-            let filter = Filter {
-                state,
-                newest_first: true,
-                before,
-                ..Filter::default()
-            };
-            s.scan(filter, 2).await.unwrap()
-        }
-    };
     let mut seen = Vec::new();
     let mut before = None;
     loop {
-        let p = page(before.clone(), None).await;
+        let filter = Filter {
+            newest_first: true,
+            before: before.clone(),
+            ..Filter::default()
+        };
+        let p = s.scan(filter, 2).await.unwrap();
         if p.is_empty() {
             break;
         }
@@ -397,9 +376,13 @@ async fn lists_newest_first_in_pages(s: S) {
     }
     assert_eq!(seen, ["p5", "p4", "p3", "p2", "p1", "p0"]);
     // Filtered: the in-flight ones, newest first, from a cursor.
-    let p = page(Some((T0 + 4, "p4".into())), Some(State::InFlight)).await;
-    let ids: Vec<&str> = p.iter().map(|r| r.id.as_str()).collect();
-    assert_eq!(ids, ["p3", "p1"]);
+    let in_flight = Filter {
+        state: Some(State::InFlight),
+        newest_first: true,
+        before: Some((T0 + 4, "p4".into())),
+        ..Filter::default()
+    };
+    assert_eq!(scan_ids(&s, in_flight, 2).await, ["p3", "p1"]);
 }
 
 /// Opens the sled store in `dir`.
