@@ -405,22 +405,10 @@ fn cpu_ticks(pid: u32) -> u64 {
 }
 
 fn rss_kib(pid: u32) -> u64 {
-    let mut total = 0;
-    for p in family(pid) {
-        if let Ok(s) = std::fs::read_to_string(format!("/proc/{p}/status")) {
-            for l in s.lines() {
-                if let Some(v) = l.strip_prefix("VmRSS:") {
-                    total += v
-                        .trim()
-                        .trim_end_matches("kB")
-                        .trim()
-                        .parse::<u64>()
-                        .unwrap_or(0);
-                }
-            }
-        }
-    }
-    total
+    family(pid)
+        .into_iter()
+        .map(|p| proc::rss_kib(&p.to_string()))
+        .sum()
 }
 
 async fn drive(

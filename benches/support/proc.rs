@@ -17,3 +17,13 @@ pub fn cpu_ticks(pid: &str) -> u64 {
     let t = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
     t(11) + t(12)
 }
+
+/// Resident memory (VmRSS, KiB) of `pid` (a number or `self`); 0 once it is gone.
+pub fn rss_kib(pid: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
