@@ -2,17 +2,27 @@
 //! a plain reverse proxy with upstream keepalive; and with its own HTTP stack alone (`bare hyper`,
 //! hyper-util's server and client forwarding everything), the floor of what oncegate can cost.
 //! Every workload runs against the four targets in turn, interleaved (A B C D A B C D …), so
-//! machine drift hits all alike.
+//! machine drift hits all alike. Then `sled alone`, the floor under the embedded store: only the
+//! sled operations of one durable write (`support/sled_alone.rs`), as fast as one thread goes and
+//! paced at the mixed workload's rate of new writes.
 //!
 //! `cargo bench --bench side_by_side -- --out bench/results.md` (add `--quick` for a short run).
 //! nginx is installed with apt-get when missing; without it the nginx column says so.
 //! For profiling: `BENCH_ONLY='writes, 64|replays'` runs the workloads whose names contain one of
-//! the alternatives (the preloads only when it names `stored`), `BENCH_SECS=20` lengthens each
+//! the alternatives (the preloads only when it names `stored`, the floor only when it names
+//! `floor`), `BENCH_SECS=20` lengthens each
 //! run, `BENCH_HOLD=60` keeps the proxy up, idle, after the workloads (for gdb or /proc).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "support/proc.rs"]
 mod proc;
+#[path = "support/sled_alone.rs"]
+mod sled_alone;
+
+/// oncegate's allocator, for the `bare hyper` and `sled alone` processes (both this binary run
+/// again), so their RSS and CPU compare with oncegate's.
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 use std::collections::HashMap;
 use std::io::BufRead;
@@ -640,9 +650,15 @@ fn machine() -> String {
     )
 }
 
+/// The write rate of the paced `sled alone` run: about the mixed workload's rate of new writes.
+const FLOOR_RATE: u64 = 4_000;
+
 fn main() {
     if let Ok(up) = std::env::var("BENCH_BARE_PROXY") {
         return bare_proxy(up.parse().unwrap());
+    }
+    if let Ok(spec) = std::env::var(sled_alone::ENV) {
+        return sled_alone::child(&spec);
     }
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
@@ -842,6 +858,18 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         let _ = c.wait();
     }
 
+    // The floor under the sled store, with nothing else running (`floor` in `BENCH_ONLY`).
+    let floors = (only.is_empty() || only.contains("floor")).then(|| {
+        let fast = sled_alone::measure((secs * 2.0).max(2.0), None);
+        println!(
+            "sled alone, one thread as fast as it goes: {}",
+            fast.describe()
+        );
+        let rated = sled_alone::measure(if secs < 2.0 { 5.0 } else { 25.0 }, Some(FLOOR_RATE));
+        println!("sled alone, {FLOOR_RATE} writes/s: {}", rated.describe());
+        (fast, rated)
+    });
+
     // The report.
     let mut md = String::new();
     md.push_str("# oncegate side by side\n\n");
@@ -933,6 +961,38 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             preload_rows[0].0,
             preload_rows[1].1.rps() / preload_rows[0].1.rps()
         ));
+    }
+    if let Some((fast, rated)) = floors {
+        md.push_str("\n## The floor under the sled store\n\n`sled alone` makes only the sled operations one durable write ends in (a lookup of the record, then the inserts of the record, its small body and its creation and expiry index entries; keys as the store's, a 1 KiB record), on one thread, with sled configured as the store configures it, in a process of its own with oncegate's allocator, after the workloads above. No write-ahead log, fsync, JSON, write log or HTTP (`benches/support/sled_alone.rs`).\n\n");
+        md.push_str(&format!(
+            "- as fast as one thread goes: {}\n",
+            fast.describe()
+        ));
+        md.push_str(&format!(
+            "- at {FLOOR_RATE} writes/s: {}\n",
+            rated.describe()
+        ));
+        let find = |name: &str| results.iter().find(|(s, _)| s.name == name).map(|(_, p)| p);
+        if let Some(per) = find("unique durable writes, 64 connections") {
+            let cpu = |t: &str| {
+                per.get(t)
+                    .filter(|r| r.requests > 0)
+                    .map(|r| r.cpu_secs * 1e6 / r.requests as f64)
+            };
+            if let (Some(og), Some(bare)) = (cpu("oncegate"), cpu("bare hyper")) {
+                md.push_str(&format!(
+                    "- CPU per unique write at 64 connections: oncegate {og:.0} µs; the floor, bare hyper's forwarding plus sled alone, {bare:.0} + {:.0} = {:.0} µs\n",
+                    fast.cpu_us_per_write,
+                    bare + fast.cpu_us_per_write
+                ));
+            }
+        }
+        if let Some(per) = find("mixed agent workload, 64 connections") {
+            md.push_str(&format!(
+                "- the mixed workload made about {:.0} new writes/s through oncegate (15% of its requests)\n",
+                per["oncegate"].rps() * 0.15
+            ));
+        }
     }
     print!("{md}");
     if let Some(p) = out {

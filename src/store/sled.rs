@@ -255,6 +255,15 @@ fn cacheable(r: &Record) -> bool {
     matches!(r.state, State::Succeeded | State::Unknown | State::InFlight)
 }
 
+/// sled as the store configures it at `dir` (public for the benches' `sled alone` floor).
+pub fn sled_config(dir: &Path) -> sled::Config {
+    sled::Config::new()
+        .path(dir)
+        .segment_size(SEGMENT_SIZE)
+        .cache_capacity(SLED_CACHE)
+        .flush_every_ms(None)
+}
+
 fn unavailable(e: impl std::fmt::Display) -> StoreError {
     StoreError::Unavailable(e.to_string())
 }
@@ -473,13 +482,7 @@ impl SledStore {
         }
         remove_unfinished_snapshots(dir)
             .map_err(|e| fail("remove unfinished sled snapshots", &e))?;
-        let db = sled::Config::new()
-            .path(dir)
-            .segment_size(SEGMENT_SIZE)
-            .cache_capacity(SLED_CACHE)
-            .flush_every_ms(None)
-            .open()
-            .map_err(|e| fail("sled", &e))?;
+        let db = sled_config(dir).open().map_err(|e| fail("sled", &e))?;
         let log = File::open(dir.join("db")).map_err(|e| fail("open sled log file", &e))?;
         // Batches acknowledged since sled's last checkpoint are in the write-ahead log: replayed
         // into sled, made durable there, and the log starts afresh.

@@ -1,0 +1,151 @@
+//! The floor under the embedded store: sled 0.34.7, configured as the store configures it, making
+//! only the sled operations one durable write ends in, on one thread: a lookup of the record (a
+//! claim looks before it decides), then the inserts of the record, its small body and its creation
+//! and expiry index entries, with the store's keys and the side-by-side bench's sizes (a record is
+//! about 1 KiB of JSON there). No write-ahead log, fsync, JSON, write log or HTTP. Its CPU per
+//! write is what no store on sled can go below, and its RSS what sled alone holds.
+//!
+//! Run it in a process of its own (the benches start themselves again with `BENCH_SLED_ALONE`), so
+//! the RSS is sled's and the allocator's only.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::proc;
+
+/// What one run measured.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Floor {
+    pub writes: u64,
+    pub writes_per_sec: f64,
+    pub cpu_us_per_write: f64,
+    /// RSS when the 100,000th write was made (0 if it was not reached).
+    pub rss_mib_at_100k: f64,
+    pub peak_rss_mib: f64,
+}
+
+impl Floor {
+    /// The child's one line of output.
+    pub fn encode(&self) -> String {
+        format!(
+            "floor {} {} {} {} {}",
+            self.writes,
+            self.writes_per_sec,
+            self.cpu_us_per_write,
+            self.rss_mib_at_100k,
+            self.peak_rss_mib
+        )
+    }
+
+    pub fn decode(line: &str) -> Option<Floor> {
+        let v: Vec<&str> = line.strip_prefix("floor ")?.split(' ').collect();
+        Some(Floor {
+            writes: v.first()?.parse().ok()?,
+            writes_per_sec: v.get(1)?.parse().ok()?,
+            cpu_us_per_write: v.get(2)?.parse().ok()?,
+            rss_mib_at_100k: v.get(3)?.parse().ok()?,
+            peak_rss_mib: v.get(4)?.parse().ok()?,
+        })
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "{:.0} writes/s, {:.0} µs CPU per write, RSS {}, peak RSS {:.1} MiB ({} writes)",
+            self.writes_per_sec,
+            self.cpu_us_per_write,
+            if self.rss_mib_at_100k > 0.0 {
+                format!("{:.1} MiB at 100,000 writes", self.rss_mib_at_100k)
+            } else {
+                "- at 100,000 writes (not reached)".into()
+            },
+            self.peak_rss_mib,
+            self.writes
+        )
+    }
+}
+
+/// `BENCH_SLED_ALONE` is `{seconds}` (as fast as one thread goes) or `{seconds}@{writes per s}`.
+pub const ENV: &str = "BENCH_SLED_ALONE";
+
+/// In the child: runs as `spec` says and prints the encoded result.
+pub fn child(spec: &str) {
+    let (secs, rate) = match spec.split_once('@') {
+        Some((s, r)) => (s.parse().unwrap(), Some(r.parse().unwrap())),
+        None => (spec.parse().unwrap(), None),
+    };
+    println!("{}", run(Duration::from_secs_f64(secs), rate).encode());
+}
+
+/// In the parent: runs the floor in a process of its own.
+pub fn measure(secs: f64, rate: Option<u64>) -> Floor {
+    let spec = match rate {
+        Some(r) => format!("{secs}@{r}"),
+        None => secs.to_string(),
+    };
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .env(ENV, spec)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(Floor::decode)
+        .unwrap_or_else(|| panic!("sled alone printed no result: {text}"))
+}
+
+fn run(duration: Duration, rate: Option<f64>) -> Floor {
+    let tmp = tempfile::tempdir().unwrap();
+    let db = oncegate::store::sled::sled_config(&tmp.path().join("s"))
+        .open()
+        .unwrap();
+    let record = vec![b'r'; 1024];
+    let body = br#"{"id":"obj_123","object":"charge","amount":500,"ok":true}"#;
+    let peak = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let (peak, stop) = (peak.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                peak.fetch_max(proc::rss_kib("self"), Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })
+    };
+    let cpu_before = proc::cpu_ticks("self");
+    let started = Instant::now();
+    let (mut writes, mut at_100k) = (0u64, 0u64);
+    while started.elapsed() < duration {
+        let id = format!("{:032x}", u128::from(writes) * 0x9E37_79B9_7F4A_7C15);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        let index = |prefix: &[u8], n: u64| [prefix, &n.to_be_bytes()[..], id.as_bytes()].concat();
+        assert!(db.get(format!("a/{id}")).unwrap().is_none());
+        db.insert(format!("a/{id}"), record.as_slice()).unwrap();
+        db.insert(format!("b/{id}"), &body[..]).unwrap();
+        db.insert(index(b"c/", now), &[]).unwrap();
+        db.insert(index(b"e/", now / 60_000 + 1_440), &[]).unwrap();
+        writes += 1;
+        if writes == 100_000 {
+            at_100k = proc::rss_kib("self");
+        }
+        if let Some(rate) = rate {
+            let due = Duration::from_secs_f64(writes as f64 / rate);
+            if let Some(wait) = due.checked_sub(started.elapsed()) {
+                std::thread::sleep(wait);
+            }
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let cpu_secs = (proc::cpu_ticks("self") - cpu_before) as f64 / 100.0;
+    stop.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    Floor {
+        writes,
+        writes_per_sec: writes as f64 / secs,
+        cpu_us_per_write: cpu_secs * 1e6 / writes.max(1) as f64,
+        rss_mib_at_100k: at_100k as f64 / 1024.0,
+        peak_rss_mib: peak.load(Ordering::Relaxed) as f64 / 1024.0,
+    }
+}
