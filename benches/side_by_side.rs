@@ -307,6 +307,8 @@ struct Result_ {
     peak_rss_kib: u64,
     /// CPU seconds the proxy used during the run.
     cpu_secs: f64,
+    /// CPU seconds this process (load generator and upstream) used during the run.
+    driver_cpu_secs: f64,
 }
 
 impl Result_ {
@@ -324,6 +326,7 @@ impl Result_ {
         self.seconds += other.seconds;
         self.peak_rss_kib = self.peak_rss_kib.max(other.peak_rss_kib);
         self.cpu_secs += other.cpu_secs;
+        self.driver_cpu_secs += other.driver_cpu_secs;
         match (&mut self.hist, other.hist) {
             (Some(h), Some(o)) => h.add(o).unwrap(),
             (h @ None, o) => *h = o,
@@ -440,6 +443,7 @@ async fn drive(
         })
     });
     let cpu_before = pid.map(cpu_ticks);
+    let driver_before = proc::cpu_ticks("self");
     let started = Instant::now();
     let mut tasks = Vec::new();
     for c in 0..conns {
@@ -497,9 +501,11 @@ async fn drive(
             hist: Some(h),
             peak_rss_kib: 0,
             cpu_secs: 0.0,
+            driver_cpu_secs: 0.0,
         });
     }
     r.seconds = started.elapsed().as_secs_f64();
+    r.driver_cpu_secs = proc::cpu_ticks("self").saturating_sub(driver_before) as f64 / 100.0;
     if let Some(s) = sampler {
         s.abort();
     }
@@ -984,6 +990,17 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
                     "- CPU per unique write at 64 connections: oncegate {og:.0} µs; the floor, bare hyper's forwarding plus sled alone, {bare:.0} + {:.0} = {:.0} µs\n",
                     fast.cpu_us_per_write,
                     bare + fast.cpu_us_per_write
+                ));
+            }
+            if let Some(n) = per.get("nginx").filter(|r| r.requests > 0) {
+                // What 0.5× nginx leaves the proxy: the machine's cores, less what the load
+                // generator and upstream (this process) use per request at that rate.
+                let target = n.rps() / 2.0;
+                let driver = n.driver_cpu_secs * 1e6 / n.requests as f64;
+                let cores = std::thread::available_parallelism().map_or(1, |c| c.get()) as f64;
+                md.push_str(&format!(
+                    "- the budget at the target (0.5× nginx, {target:.0} writes/s): the load generator and upstream use {driver:.0} µs of CPU per request (measured in the nginx run), so {cores:.0} cores leave the proxy at most ({cores:.0} s − {target:.0} × {driver:.0} µs) / {target:.0} = {:.0} µs per write, with every core busy all the time\n",
+                    (cores * 1e6 - target * driver) / target
                 ));
             }
         }
