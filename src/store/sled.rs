@@ -102,8 +102,9 @@ impl Op {
 
 /// An answer decided in a batch, sent once the batch is durable.
 enum Answer {
-    Claim(Reply<Claim>, Claim),
-    Record(Reply<Record>, Record),
+    Claim(Reply<Claim>, Box<Claim>),
+    /// The record as the batch holds it, copied for the caller only once it is durable.
+    Record(Reply<Record>, Arc<Record>),
     Count(Reply<usize>, usize),
     Step(Reply<(usize, Option<Vec<u8>>)>, usize, Option<Vec<u8>>),
     Unit(Reply<()>),
@@ -123,8 +124,8 @@ impl Answer {
         match (self, commit) {
             (Answer::Failed(f), _) => f(),
             (Answer::None, _) => {}
-            (Answer::Claim(tx, c), Ok(())) => drop(tx.send(Ok(c))),
-            (Answer::Record(tx, r), Ok(())) => drop(tx.send(Ok(r))),
+            (Answer::Claim(tx, c), Ok(())) => drop(tx.send(Ok(*c))),
+            (Answer::Record(tx, r), Ok(())) => drop(tx.send(Ok(Arc::unwrap_or_clone(r)))),
             (Answer::Count(tx, n), Ok(())) => drop(tx.send(Ok(n))),
             (Answer::Step(tx, n, next), Ok(())) => drop(tx.send(Ok((n, next)))),
             (Answer::Unit(tx), Ok(())) => drop(tx.send(Ok(()))),
@@ -195,7 +196,7 @@ fn shard(id: &str) -> usize {
 
 impl Cache {
     /// Takes the durable outcome of a batch: settled records in, anything else out.
-    fn update(&mut self, id: String, r: Option<Record>, body: Option<&Bytes>) {
+    fn update(&mut self, id: String, r: Option<Arc<Record>>, body: Option<&Bytes>) {
         self.gens.0[shard(&id)] += 1;
         match r {
             Some(r) if cacheable(&r) => {
@@ -203,7 +204,7 @@ impl Cache {
                     .filter(|b| b.len() <= CACHED_BODY_MAX)
                     .cloned()
                     .or_else(|| self.map.get(&id).and_then(|(_, b)| b.clone()));
-                self.put(id, Arc::new(r), keep);
+                self.put(id, r, keep);
             }
             _ => {
                 self.map.remove(&id);
@@ -217,9 +218,9 @@ impl Cache {
     }
 
     /// A reader's fill: `r` as read after [`Cache::generation`] returned `gen`.
-    fn fill(&mut self, gen: u64, r: &Record) {
+    fn fill(&mut self, gen: u64, r: &Arc<Record>) {
         if self.generation(&r.id) == gen && cacheable(r) && !self.map.contains_key(&r.id) {
-            self.put(r.id.clone(), Arc::new(r.clone()), None);
+            self.put(r.id.clone(), Arc::clone(r), None);
         }
     }
 
@@ -1249,7 +1250,7 @@ struct Sealed {
     /// Someone waits for it to be durable (else: within [`LAZY_FLUSH`]).
     durable: bool,
     answers: Vec<Answer>,
-    records: HashMap<String, Option<Record>>,
+    records: HashMap<String, Option<Arc<Record>>>,
     bodies: HashMap<String, Bytes>,
     /// Writing it to the log failed.
     failed: Option<String>,
@@ -1519,7 +1520,7 @@ struct Writer {
     /// Batches written, numbered; and records changed by batches not yet applied to sled (with
     /// the batch that last changed them), which the writer reads instead of sled.
     seq: u64,
-    unapplied: HashMap<String, (u64, Option<Record>)>,
+    unapplied: HashMap<String, (u64, Option<Arc<Record>>)>,
     /// Sealed batches go to the syncer.
     sync: mpsc::Sender<Sealed>,
     /// Log files to remove once sled is durable past a batch: `(batch, generation)`.
@@ -1538,7 +1539,9 @@ struct Writer {
 #[derive(Default)]
 struct Pending {
     changes: Vec<Change>,
-    records: HashMap<String, Option<Record>>,
+    /// The records this batch changed (shared, not copied, with the answers, the syncer's cache
+    /// and the writer's unapplied map).
+    records: HashMap<String, Option<Arc<Record>>>,
     /// Response bodies stored in this batch, by action id.
     bodies: HashMap<String, Bytes>,
     /// The log entries of this batch (NDJSON) and the first one's sequence number.
@@ -1738,7 +1741,7 @@ impl Writer {
         self.wal.remove_older()
     }
 
-    fn read(&self, pending: &Pending, id: &str) -> Result<Option<Record>, StoreError> {
+    fn read(&self, pending: &Pending, id: &str) -> Result<Option<Arc<Record>>, StoreError> {
         if let Some(r) = pending.records.get(id) {
             return Ok(r.clone());
         }
@@ -1752,7 +1755,7 @@ impl Writer {
         let key = rec_key(id);
         match self.db.get(&key).map_err(unavailable)? {
             Some(v) => {
-                let r = decode(&key, &v)?;
+                let r = Arc::new(decode(&key, &v)?);
                 if let (Some(gen), Ok(mut c)) = (gen, self.cache.lock()) {
                     c.fill(gen, &r);
                 }
@@ -1783,25 +1786,29 @@ impl Writer {
     }
 
     /// Stages `new` (replacing `old`) with its index entries; only entries that change are
-    /// written.
-    fn stage(&self, pending: &mut Pending, old: Option<&Record>, new: &Record) {
+    /// written. Returns it as the batch now holds it.
+    fn stage(&self, pending: &mut Pending, old: Option<&Record>, new: Record) -> Arc<Record> {
         if old.map(|o| o.state) != Some(new.state) {
             self.count(old.map(|o| o.state), Some(new.state));
         }
         pending.put(
             rec_key(&new.id),
-            serde_json::to_vec(new).expect("records always serialize"),
+            serde_json::to_vec(&new).expect("records always serialize"),
         );
         let before: Vec<Vec<u8>> = old.map(|o| index_keys(o).collect()).unwrap_or_default();
-        let after: Vec<Vec<u8>> = index_keys(new).collect();
+        let after: Vec<Vec<u8>> = index_keys(&new).collect();
         for k in before.iter().filter(|k| !after.contains(k)) {
             pending.del(k.clone());
         }
         for k in after.into_iter().filter(|k| !before.contains(k)) {
             pending.put(k, []);
         }
-        pending.records.insert(new.id.clone(), Some(new.clone()));
+        let new = Arc::new(new);
+        pending
+            .records
+            .insert(new.id.clone(), Some(Arc::clone(&new)));
         pending.writes += 1;
+        new
     }
 
     /// Moves one action between states in the counts (`None`: absent).
@@ -1892,7 +1899,7 @@ impl Writer {
     /// Whether any record keeps its response in body file `sha`: those sled's index names (as
     /// they are now), and those changed by batches not yet in sled.
     fn file_kept(&self, pending: &Pending, sha: &str) -> Result<bool, StoreError> {
-        let keeps = |r: &Option<Record>| r.as_ref().and_then(body_file) == Some(sha);
+        let keeps = |r: &Option<Arc<Record>>| r.as_deref().and_then(body_file) == Some(sha);
         let newer = self
             .unapplied
             .iter()
@@ -1921,10 +1928,10 @@ impl Writer {
                 Err(e) => Answer::failed(tx, e),
                 Ok(current) => {
                     let old = current.clone();
-                    let (claim, write) = decide_claim(current, &req);
-                    if let Some(w) = &write {
+                    let (claim, write) = decide_claim(current.map(Arc::unwrap_or_clone), &req);
+                    if let Some(w) = write {
                         // An expired record being replaced loses its stored body and indexes.
-                        let expired = old.as_ref().filter(|o| o.is_expired(req.now));
+                        let expired = old.as_deref().filter(|o| o.is_expired(req.now));
                         if let Some(o) = expired {
                             self.unstage(pending, o);
                             self.append(
@@ -1935,18 +1942,18 @@ impl Writer {
                         let live_old = if expired.is_some() {
                             None
                         } else {
-                            old.as_ref()
+                            old.as_deref()
                         };
-                        self.stage(pending, live_old, w);
+                        let w = self.stage(pending, live_old, w);
                         if old.is_none() {
                             // A new action: no batch ever put its state entry.
                             pending.new_keys.insert(state_key(w.state, &w.id));
                         }
-                        for ev in claim_events(&claim, w) {
+                        for ev in claim_events(&claim, &w) {
                             self.append(pending, ev);
                         }
                     }
-                    Answer::Claim(tx, claim)
+                    Answer::Claim(tx, Box::new(claim))
                 }
             },
             Op::Settle(req, tx) => {
@@ -1958,7 +1965,8 @@ impl Writer {
                 } = *req;
                 let result = self.read(pending, &id).and_then(|current| {
                     let old = current.clone();
-                    let new = apply_settle(current, &id, attempt, settlement)?;
+                    let new =
+                        apply_settle(current.map(Arc::unwrap_or_clone), &id, attempt, settlement)?;
                     Ok((old, new))
                 });
                 match result {
@@ -1968,7 +1976,7 @@ impl Writer {
                             pending.put(body_key(&new.id), body.as_ref());
                             pending.bodies.insert(new.id.clone(), body.clone());
                         }
-                        self.stage(pending, old.as_ref(), &new);
+                        let new = self.stage(pending, old.as_deref(), new);
                         self.append(pending, settle_event(&new));
                         Answer::Record(tx, new)
                     }
@@ -1982,7 +1990,7 @@ impl Writer {
                 let body = res.body.take();
                 let result = self.read(pending, &id).and_then(|current| {
                     let old = current.clone();
-                    let new = apply_resolve(current, &id, *res)?;
+                    let new = apply_resolve(current.map(Arc::unwrap_or_clone), &id, *res)?;
                     Ok((old, new))
                 });
                 match result {
@@ -1992,7 +2000,7 @@ impl Writer {
                             pending.put(body_key(&new.id), body.as_ref());
                             pending.bodies.insert(new.id.clone(), body.clone());
                         }
-                        self.stage(pending, old.as_ref(), &new);
+                        let new = self.stage(pending, old.as_deref(), new);
                         self.append(pending, resolve_event(event, &new, actor, reason));
                         Answer::Record(tx, new)
                     }
@@ -2031,8 +2039,10 @@ impl Writer {
                             } else {
                                 "the proxy stopped during this attempt; the request may have reached the upstream"
                             };
-                            if let Some(new) = recover_in_flight(r, reason, now) {
-                                self.stage(pending, Some(&old), &new);
+                            if let Some(new) =
+                                recover_in_flight(Arc::unwrap_or_clone(r), reason, now)
+                            {
+                                let new = self.stage(pending, Some(&old), new);
                                 self.append(pending, recover_event(&new, reason));
                                 n += 1;
                             }
@@ -2053,9 +2063,9 @@ impl Writer {
             Op::Renew(id, owner, until, tx) => match self.read(pending, &id) {
                 Err(e) => Answer::failed(tx, e),
                 Ok(Some(r)) if r.state == State::InFlight && r.owner.as_ref() == Some(&owner) => {
-                    let mut new = r.clone();
+                    let mut new = Record::clone(&r);
                     new.lease_until = Some(until);
-                    self.stage(pending, Some(&r), &new);
+                    self.stage(pending, Some(&r), new);
                     Answer::Bool(tx, true)
                 }
                 Ok(_) => Answer::Bool(tx, false),
@@ -2091,11 +2101,11 @@ mod tests {
     use super::*;
     use crate::action::tests::fresh;
 
-    fn settled(id: &str, state: State) -> Record {
+    fn settled(id: &str, state: State) -> Arc<Record> {
         let mut r = fresh("fp");
         r.id = id.to_string();
         r.state = state;
-        r
+        Arc::new(r)
     }
 
     #[test]
