@@ -1213,10 +1213,13 @@ impl Shared {
         }
     }
 
+    /// Stops the store taking changes; the first failure is logged, once.
     fn fail(&self, e: &str) {
-        tracing::error!(error = %e, "store failed; no further changes until restart");
         if let Ok(mut b) = self.broken.lock() {
-            b.get_or_insert_with(|| e.to_string());
+            if b.is_none() {
+                tracing::error!(error = %e, "store failed; no further changes until restart");
+                *b = Some(e.to_string());
+            }
         }
         // Under the lock the waiters check under, so that none misses the notification.
         if let Ok(_applied) = self.applied.lock() {

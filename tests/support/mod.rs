@@ -605,15 +605,37 @@ impl ChildProxy {
 
     /// Like `spawn`, with extra environment variables.
     pub fn spawn_with(config: &Path, envs: &[(&str, &str)]) -> ChildProxy {
-        use std::io::BufRead;
-        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_oncegate"));
-        cmd.args(["run", "--config"])
-            .arg(config)
-            .env("RUST_LOG", "info")
-            .env_remove("ONCEGATE_ADMIN_TOKEN");
+        let mut cmd = Self::command(env!("CARGO_BIN_EXE_oncegate"));
+        cmd.args(["run", "--config"]).arg(config);
         for (k, v) in envs {
             cmd.env(k, v);
         }
+        Self::start(cmd)
+    }
+
+    /// Like `spawn`, but no file the proxy writes may grow past `kib` KiB: a write past it fails
+    /// with EFBIG, as on a full disk (`ulimit -f`, with SIGXFSZ ignored so the write fails
+    /// instead of killing the process).
+    pub fn spawn_with_file_limit(config: &Path, kib: u64) -> ChildProxy {
+        let mut cmd = Self::command("sh");
+        cmd.arg("-c")
+            .arg(format!(
+                "trap '' XFSZ; ulimit -f {kib} && exec \"$0\" run --config \"$1\""
+            ))
+            .arg(env!("CARGO_BIN_EXE_oncegate"))
+            .arg(config);
+        Self::start(cmd)
+    }
+
+    fn command(program: &str) -> std::process::Command {
+        let mut cmd = std::process::Command::new(program);
+        cmd.env("RUST_LOG", "info")
+            .env_remove("ONCEGATE_ADMIN_TOKEN");
+        cmd
+    }
+
+    fn start(mut cmd: std::process::Command) -> ChildProxy {
+        use std::io::BufRead;
         let mut child = cmd
             .stderr(std::process::Stdio::piped())
             .stdout(std::process::Stdio::null())

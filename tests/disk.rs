@@ -1,0 +1,143 @@
+//! A full disk under the embedded store: files stop growing mid-run (`ulimit -f`: a write past
+//! the limit fails with EFBIG, as with ENOSPC). SPEC §5: a claim the store cannot make durable
+//! is answered 503 `store-unavailable` and nothing is sent. What was answered stays true after a
+//! restart with room again, the write log verifies, and no write reaches the upstream twice.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::collections::HashMap;
+
+use support::{Behavior, ChildProxy, FakeUpstream, TestClient};
+
+const KEY: &str = "idempotency-key";
+
+fn config(dir: &std::path::Path, upstream: &str) -> std::path::PathBuf {
+    let path = dir.join("oncegate.toml");
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+[server]
+listen = "127.0.0.1:0"
+[admin]
+listen = "127.0.0.1:0"
+[store]
+path = {:?}
+[[upstreams]]
+name = "pay"
+prefix = "/pay"
+url = "{upstream}"
+"#,
+            dir.join("store").display().to_string()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// How the first answer to a key went.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum First {
+    Sent,
+    /// 503 `store-unavailable`, `duplicate_risk: false`: nothing was sent.
+    NotSent,
+    /// 503 `store-unavailable`, `duplicate_risk: true`: sent, its outcome not recorded.
+    Unrecorded,
+}
+
+#[tokio::test]
+async fn a_full_disk_stops_writes_before_they_leave_and_a_restart_keeps_every_answer() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let conf = config(tmp.path(), &up.url());
+    let c = TestClient::default();
+    let body = "x".repeat(2_000);
+    up.set_default(Behavior::json(201, r#"{"id":"ch_1"}"#));
+
+    let proxy = ChildProxy::spawn_with_file_limit(&conf, 4_096);
+    let mut first: HashMap<String, First> = HashMap::new();
+    let mut refused = 0;
+    for i in 0..5_000 {
+        let key = format!("disk-{i}");
+        let r = c
+            .post(&proxy.url("/pay/v1/charges"), &[(KEY, &key)], &body)
+            .await;
+        let how = match r.status.as_u16() {
+            201 => First::Sent,
+            503 => {
+                assert_eq!(r.problem(), "store-unavailable", "{r:?}");
+                if r.json()["duplicate_risk"] == true {
+                    First::Unrecorded
+                } else {
+                    First::NotSent
+                }
+            }
+            _ => panic!("unexpected answer: {r:?}"),
+        };
+        if how == First::NotSent {
+            assert_eq!(up.count_key(KEY, &key), 0, "{key} was refused but sent");
+            refused += 1;
+        }
+        first.insert(key, how);
+        if refused == 20 {
+            break;
+        }
+    }
+    let sent = first.values().filter(|h| **h == First::Sent).count();
+    assert!(
+        sent > 0,
+        "no write went through before the disk filled: {}",
+        proxy.stderr.lock().unwrap()
+    );
+    assert_eq!(refused, 20, "the disk never filled: {first:?}");
+    // Reads do not need the store.
+    assert_eq!(c.get(&proxy.url("/pay/v1/charges")).await.status, 201);
+    let log = proxy.stderr.lock().unwrap().clone();
+    let failure = log
+        .lines()
+        .find(|l| l.contains("store failed"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert_eq!(log.matches("store failed").count(), 1, "logged once: {log}");
+    println!(
+        "full disk: {sent} sent, {} sent but unrecorded, {refused} refused; {}",
+        first.values().filter(|h| **h == First::Unrecorded).count(),
+        &failure[failure.find("error=").unwrap_or(0)..]
+    );
+    proxy.kill();
+
+    // Room again: every key retried.
+    let proxy = ChildProxy::spawn(&conf);
+    let verify = c
+        .get(&format!("http://{}/v1/log/verify", proxy.admin))
+        .await;
+    assert_eq!(verify.json()["ok"], true, "{verify:?}");
+    for (key, how) in &first {
+        let r = c
+            .post(&proxy.url("/pay/v1/charges"), &[(KEY, key)], &body)
+            .await;
+        match how {
+            First::Sent => {
+                assert_eq!(r.status, 201, "{key}: {r:?}");
+                assert_eq!(r.header("oncegate-outcome"), Some("replayed"), "{key}");
+            }
+            First::Unrecorded => assert_eq!(r.problem(), "outcome-unknown", "{key}"),
+            // Its claim may have reached the disk whole before the write that failed: then it
+            // is unknown now (conservatively), else it is sent now, once.
+            First::NotSent => assert!(
+                r.status == 201 || r.problem() == "outcome-unknown",
+                "{key}: {r:?}"
+            ),
+        }
+        assert!(
+            up.count_key(KEY, key) <= 1,
+            "{key} reached the upstream twice"
+        );
+    }
+    let sent_now = first
+        .keys()
+        .filter(|k| first[*k] == First::NotSent && up.count_key(KEY, k) == 1)
+        .count();
+    println!("after the restart: {sent_now} of the {refused} refused writes sent, once");
+    proxy.terminate();
+}
