@@ -309,6 +309,8 @@ struct Result_ {
     cpu_secs: f64,
     /// CPU seconds this process (load generator and upstream) used during the run.
     driver_cpu_secs: f64,
+    /// Requests per second of each round, in order.
+    rounds_rps: Vec<f64>,
 }
 
 impl Result_ {
@@ -327,6 +329,7 @@ impl Result_ {
         self.peak_rss_kib = self.peak_rss_kib.max(other.peak_rss_kib);
         self.cpu_secs += other.cpu_secs;
         self.driver_cpu_secs += other.driver_cpu_secs;
+        self.rounds_rps.extend(other.rounds_rps);
         match (&mut self.hist, other.hist) {
             (Some(h), Some(o)) => h.add(o).unwrap(),
             (h @ None, o) => *h = o,
@@ -502,10 +505,12 @@ async fn drive(
             peak_rss_kib: 0,
             cpu_secs: 0.0,
             driver_cpu_secs: 0.0,
+            rounds_rps: Vec::new(),
         });
     }
     r.seconds = started.elapsed().as_secs_f64();
     r.driver_cpu_secs = proc::cpu_ticks("self").saturating_sub(driver_before) as f64 / 100.0;
+    r.rounds_rps = vec![r.rps()];
     if let Some(s) = sampler {
         s.abort();
     }
@@ -678,7 +683,7 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(if quick { 1.0 } else { 3.0 });
-    let rounds = if quick { 1 } else { 2 };
+    let rounds = if quick { 1 } else { 3 };
     let preloads: Vec<usize> = if quick {
         vec![1_000, 10_000]
     } else {
@@ -911,16 +916,22 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             ));
         }
     }
-    md.push_str("\n## Ratios (same run)\n\n`bare hyper` is oncegate's HTTP stack alone (hyper-util's server and pooled client, forwarding everything, nothing stored): the floor of what oncegate can cost.\n\n| workload | oncegate / nginx (req/s) | oncegate / direct (req/s) | oncegate / bare hyper (req/s) | bare hyper / nginx (req/s) | p50 oncegate − nginx (µs) |\n|---|---:|---:|---:|---:|---:|\n");
+    md.push_str("\n## Ratios (same run)\n\n`bare hyper` is oncegate's HTTP stack alone (hyper-util's server and pooled client, forwarding everything, nothing stored): the floor of what oncegate can cost.\n\n| workload | oncegate / nginx (req/s) | the same, round by round | oncegate / direct (req/s) | oncegate / bare hyper (req/s) | bare hyper / nginx (req/s) | p50 oncegate − nginx (µs) |\n|---|---:|---:|---:|---:|---:|---:|\n");
     for (spec, per) in &results {
         let og = &per["oncegate"];
         let direct = &per["direct"];
-        let (vs_nginx, dp50) = match per.get("nginx") {
+        let (vs_nginx, by_round, dp50) = match per.get("nginx") {
             Some(n) => (
                 format!("{:.2}×", og.rps() / n.rps()),
+                og.rounds_rps
+                    .iter()
+                    .zip(&n.rounds_rps)
+                    .map(|(o, n)| format!("{:.2}×", o / n))
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 format!("{:+.0}", og.q(0.5) - n.q(0.5)),
             ),
-            None => ("no nginx".into(), "-".into()),
+            None => ("no nginx".into(), "-".into(), "-".into()),
         };
         let bare = &per["bare hyper"];
         let bare_vs_nginx = match per.get("nginx") {
@@ -928,9 +939,10 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             None => "no nginx".into(),
         };
         md.push_str(&format!(
-            "| {} | {} | {:.2}× | {:.2}× | {} | {} |\n",
+            "| {} | {} | {} | {:.2}× | {:.2}× | {} | {} |\n",
             spec.name,
             vs_nginx,
+            by_round,
             og.rps() / direct.rps(),
             og.rps() / bare.rps(),
             bare_vs_nginx,
