@@ -537,7 +537,40 @@ impl Config {
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
         raw.validate()
     }
+
+    /// Valid settings that are risky, for `check` to print and `run` to log. On the embedded
+    /// store, a policy allowing more than [`SLED_SAFE_TRIES`] tries per action: every try is
+    /// kept in the record with up to 4 KiB of the upstream's body, and records that large can
+    /// reach sled's blob files (docs/decisions.md, "Known limit: records with many tries").
+    pub fn cautions(&self) -> Vec<String> {
+        if !matches!(self.store, StoreConfig::Sled { .. }) {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let mut check = |at: String, p: &Policy| {
+            let tries = u64::from(p.max_attempts) * (u64::from(p.retries) + 1);
+            if tries > SLED_SAFE_TRIES {
+                out.push(format!(
+                    "{at}: max_attempts × (retries + 1) allows {tries} tries per action; on the \
+                     embedded store, records with more than {SLED_SAFE_TRIES} tries and large \
+                     error bodies can reach sled's blob files (docs/decisions.md, \"Known limit: \
+                     records with many tries\")"
+                ));
+            }
+        };
+        for u in &self.upstreams {
+            check(format!("upstreams.{}", u.name), &u.policy);
+            for (i, r) in u.routes.iter().enumerate() {
+                check(format!("upstreams.{}.routes[{i}]", u.name), &r.policy);
+            }
+        }
+        out
+    }
 }
+
+/// Tries per action (every attempt's tries) that the embedded store was measured to keep out of
+/// sled's blob files with 4 KiB error bodies: 21 made none, 30 made some.
+pub const SLED_SAFE_TRIES: u64 = 21;
 
 fn socket_addr(s: &str, key: &str) -> Result<SocketAddr, ConfigError> {
     s.parse()
@@ -771,6 +804,36 @@ fn resolve_upstream(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cautions_name_policies_with_more_tries_than_the_embedded_store_keeps_out_of_blobs() {
+        let text = |route_attempts: u32| {
+            format!(
+                r#"
+                [server]
+                [store]
+                path = "s"
+                [[upstreams]]
+                name = "pay"
+                prefix = "/pay"
+                url = "http://127.0.0.1:1"
+                [[upstreams.routes]]
+                path = "/v1/charges"
+                max_attempts = {route_attempts}
+                "#
+            )
+        };
+        // The defaults (5 attempts of 3 tries) need no caution.
+        let cautions = |t: &str| Config::parse(t).expect("valid").cautions();
+        assert!(cautions(&text(5)).is_empty());
+        let c = cautions(&text(10));
+        assert_eq!(c.len(), 1, "{c:?}");
+        assert!(c[0].starts_with("upstreams.pay.routes[0]: "), "{c:?}");
+        assert!(c[0].contains("allows 30 tries"), "{c:?}");
+        // PostgreSQL keeps records whole, so nothing to say.
+        let pg = text(10).replace("path = \"s\"", "backend = \"postgres\"\nurl_env = \"X\"");
+        assert!(cautions(&pg).is_empty());
+    }
 
     #[test]
     fn durations_and_sizes_parse() {

@@ -188,6 +188,9 @@ pub async fn run(
             )));
         }
     }
+    for caution in config.cautions() {
+        tracing::warn!("{caution}");
+    }
     // SPEC §5 step 6: attempts a previous run left in flight may or may not have left.
     let recovered = store.recover(None, clock()).await?;
     if recovered > 0 {

@@ -163,6 +163,9 @@ fn main() -> ExitCode {
         Command::Check => match load(&cli.config) {
             Ok(config) => {
                 print!("{}", routing_table(&config));
+                for c in config.cautions() {
+                    println!("caution: {c}");
+                }
                 ExitCode::SUCCESS
             }
             Err(code) => code,

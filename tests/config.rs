@@ -97,6 +97,40 @@ fn check_prints_the_routing_table() {
     assert!(table
         .lines()
         .any(|l| l.contains("/v1/chat/completions") && l.ends_with("read")));
+    assert!(!table.contains("caution:"), "{table}");
+}
+
+#[test]
+fn check_cautions_about_policies_whose_records_can_outgrow_the_embedded_store() {
+    let tmp = tempfile::tempdir().unwrap();
+    let f = tmp.path().join("oncegate.toml");
+    std::fs::write(
+        &f,
+        r#"
+[server]
+[store]
+path = "s"
+[[upstreams]]
+name = "pay"
+prefix = "/pay"
+url = "http://127.0.0.1:1"
+max_attempts = 8
+retries = 3
+"#,
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_oncegate"))
+        .args(["check", "--config"])
+        .arg(&f)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "a caution is not an error");
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("caution: upstreams.pay: ") && l.contains("allows 32 tries")),
+        "{text}"
+    );
 }
 
 /// The keys a section accepts, read from the parser's own "expected one of" list.
