@@ -8,33 +8,9 @@ mod support;
 
 use std::collections::HashMap;
 
-use support::{Behavior, ChildProxy, FakeUpstream, TestClient};
+use support::{child_config, Behavior, ChildProxy, FakeUpstream, TestClient};
 
 const KEY: &str = "idempotency-key";
-
-fn config(dir: &std::path::Path, upstream: &str) -> std::path::PathBuf {
-    let path = dir.join("oncegate.toml");
-    std::fs::write(
-        &path,
-        format!(
-            r#"
-[server]
-listen = "127.0.0.1:0"
-[admin]
-listen = "127.0.0.1:0"
-[store]
-path = {:?}
-[[upstreams]]
-name = "pay"
-prefix = "/pay"
-url = "{upstream}"
-"#,
-            dir.join("store").display().to_string()
-        ),
-    )
-    .unwrap();
-    path
-}
 
 /// How the first answer to a key went.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -50,7 +26,7 @@ enum First {
 async fn a_full_disk_stops_writes_before_they_leave_and_a_restart_keeps_every_answer() {
     let up = FakeUpstream::start().await;
     let tmp = tempfile::tempdir().unwrap();
-    let conf = config(tmp.path(), &up.url());
+    let conf = child_config(tmp.path(), &up.url(), "");
     let c = TestClient::default();
     let body = "x".repeat(2_000);
     up.set_default(Behavior::json(201, r#"{"id":"ch_1"}"#));

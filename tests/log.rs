@@ -325,15 +325,7 @@ async fn secrets_never_reach_the_log_the_admin_api_problems_or_stderr() {
             .with_header("set-cookie", "session=CANARY-SETCOOKIE-5; Path=/"),
     );
     let tmp = tempfile::tempdir().unwrap();
-    let cfg_path = tmp.path().join("oncegate.toml");
-    let cfg = config(&up.url(), "timeout = \"300ms\"").replace(
-        "[defaults]",
-        &format!(
-            "[store]\npath = {:?}\n\n[defaults]",
-            tmp.path().join("store").display().to_string()
-        ),
-    );
-    std::fs::write(&cfg_path, cfg).unwrap();
+    let cfg_path = support::child_config(tmp.path(), &up.url(), "timeout = \"300ms\"");
     let mut child = ChildProxy::spawn_with(
         &cfg_path,
         &[("RUST_LOG", "debug"), ("ONCEGATE_ADMIN_TOKEN", ADMIN_TOKEN)],
@@ -431,15 +423,7 @@ async fn after_a_sigkill_under_load_the_log_verifies_and_every_received_write_wa
         Box::new(Behavior::json(201, r#"{"ok":1}"#)),
     ));
     let tmp = tempfile::tempdir().unwrap();
-    let cfg_path = tmp.path().join("oncegate.toml");
-    let cfg = config(&up.url(), "").replace(
-        "[defaults]",
-        &format!(
-            "[store]\npath = {:?}\n\n[defaults]",
-            tmp.path().join("store").display().to_string()
-        ),
-    );
-    std::fs::write(&cfg_path, cfg).unwrap();
+    let cfg_path = support::child_config(tmp.path(), &up.url(), "");
     let child = ChildProxy::spawn(&cfg_path);
     let url = child.url("/pay/v1/load");
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));

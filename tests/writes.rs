@@ -652,15 +652,7 @@ async fn a_proxy_killed_mid_attempt_answers_unknown_after_restart_and_never_rese
     let up = FakeUpstream::start().await;
     up.set_default(Behavior::Hang);
     let tmp = tempfile::tempdir().unwrap();
-    let cfg_path = tmp.path().join("oncegate.toml");
-    let cfg = config(&up.url(), "timeout = \"30s\"").replace(
-        "[defaults]",
-        &format!(
-            "[store]\npath = {:?}\n\n[defaults]",
-            tmp.path().join("store").display().to_string()
-        ),
-    );
-    std::fs::write(&cfg_path, cfg).unwrap();
+    let cfg_path = support::child_config(tmp.path(), &up.url(), "timeout = \"30s\"");
     let proxy = ChildProxy::spawn(&cfg_path);
     let url = proxy.url("/pay/v1/charges");
     let pending = {

@@ -480,6 +480,21 @@ url = "{upstream_url}"
     )
 }
 
+/// Writes [`config`] with the embedded store in `dir/store` to `dir/oncegate.toml`, for a proxy
+/// run as a child process ([`ChildProxy`]); returns the file's path.
+pub fn child_config(dir: &Path, upstream_url: &str, extra: &str) -> PathBuf {
+    let text = config(upstream_url, extra).replace(
+        "[defaults]",
+        &format!(
+            "[store]\npath = {:?}\n\n[defaults]",
+            dir.join("store").display().to_string()
+        ),
+    );
+    let path = dir.join("oncegate.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
 /// A response as a test reads it.
 #[derive(Debug)]
 pub struct Resp {
