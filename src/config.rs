@@ -546,9 +546,9 @@ impl Config {
         if !matches!(self.store, StoreConfig::Sled { .. }) {
             return Vec::new();
         }
+        let tries = |p: &Policy| u64::from(p.max_attempts) * (u64::from(p.retries) + 1);
         let mut out = Vec::new();
-        let mut check = |at: String, p: &Policy| {
-            let tries = u64::from(p.max_attempts) * (u64::from(p.retries) + 1);
+        let mut check = |at: String, tries: u64| {
             if tries > SLED_SAFE_TRIES {
                 out.push(format!(
                     "{at}: max_attempts × (retries + 1) allows {tries} tries per action; on the \
@@ -559,9 +559,16 @@ impl Config {
             }
         };
         for u in &self.upstreams {
-            check(format!("upstreams.{}", u.name), &u.policy);
+            let own = tries(&u.policy);
+            check(format!("upstreams.{}", u.name), own);
+            // A route that inherits its upstream's count is covered by the upstream's caution.
             for (i, r) in u.routes.iter().enumerate() {
-                check(format!("upstreams.{}.routes[{i}]", u.name), &r.policy);
+                if tries(&r.policy) != own {
+                    check(
+                        format!("upstreams.{}.routes[{i}]", u.name),
+                        tries(&r.policy),
+                    );
+                }
             }
         }
         out

@@ -102,23 +102,17 @@ fn check_prints_the_routing_table() {
 
 #[test]
 fn check_cautions_about_policies_whose_records_can_outgrow_the_embedded_store() {
+    // The example, with more tries per action by default: 8 attempts of 4 tries.
+    let example =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("config.example.toml"))
+            .unwrap();
+    let risky = example
+        .replacen("max_attempts = 5", "max_attempts = 8", 1)
+        .replacen("retries = 2 ", "retries = 3 ", 1);
+    assert_ne!(risky, example);
     let tmp = tempfile::tempdir().unwrap();
     let f = tmp.path().join("oncegate.toml");
-    std::fs::write(
-        &f,
-        r#"
-[server]
-[store]
-path = "s"
-[[upstreams]]
-name = "pay"
-prefix = "/pay"
-url = "http://127.0.0.1:1"
-max_attempts = 8
-retries = 3
-"#,
-    )
-    .unwrap();
+    std::fs::write(&f, risky).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_oncegate"))
         .args(["check", "--config"])
         .arg(&f)
@@ -127,10 +121,13 @@ retries = 3
     assert!(out.status.success(), "a caution is not an error");
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(
-        text.lines()
-            .any(|l| l.starts_with("caution: upstreams.pay: ") && l.contains("allows 32 tries")),
+        text.lines().any(
+            |l| l.starts_with("caution: upstreams.payments: ") && l.contains("allows 32 tries")
+        ),
         "{text}"
     );
+    // Routes that inherit the count are not repeated; the refunds route (2 attempts) is fine.
+    assert!(!text.contains("upstreams.payments.routes"), "{text}");
 }
 
 /// The keys a section accepts, read from the parser's own "expected one of" list.
