@@ -1,7 +1,7 @@
 //! The floor under the embedded store: sled 0.34.7, configured as the store configures it, making
 //! only the sled operations one durable write ends in, on one thread: a lookup of the record (a
 //! claim looks before it decides), then the inserts of the record, its small body and its creation
-//! and expiry index entries, with the store's keys and the side-by-side bench's sizes (a record is
+//! and expiry index entries, with the keys the store derives (`action_keys`) and the side-by-side bench's sizes (a record is
 //! about 1 KiB of JSON there). No write-ahead log, fsync, JSON, write log or HTTP. Its CPU per
 //! write is what no store on sled can go below, and its RSS what sled alone holds.
 //!
@@ -11,6 +11,9 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use oncegate::action::{now_millis, Record, State};
+use oncegate::store::sled::action_keys;
 
 use super::proc;
 
@@ -114,18 +117,22 @@ fn run(duration: Duration, rate: Option<f64>) -> Floor {
     let cpu_before = proc::cpu_ticks("self");
     let started = Instant::now();
     let (mut writes, mut at_100k) = (0u64, 0u64);
+    // A succeeded action, kept a day: its keys are the store's own (`action_keys`).
+    let mut action = Record::new(String::new(), String::new());
+    action.state = State::Succeeded;
     while started.elapsed() < duration {
-        let id = format!("{:032x}", u128::from(writes) * 0x9E37_79B9_7F4A_7C15);
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64;
-        let index = |prefix: &[u8], n: u64| [prefix, &n.to_be_bytes()[..], id.as_bytes()].concat();
-        assert!(db.get(format!("a/{id}")).unwrap().is_none());
-        db.insert(format!("a/{id}"), record.as_slice()).unwrap();
-        db.insert(format!("b/{id}"), &body[..]).unwrap();
-        db.insert(index(b"c/", now), &[]).unwrap();
-        db.insert(index(b"e/", now / 60_000 + 1_440), &[]).unwrap();
+        action.id = format!("{:032x}", u128::from(writes) * 0x9E37_79B9_7F4A_7C15);
+        action.created_at = now_millis();
+        action.expires_at = action.created_at + 24 * 3_600_000;
+        let keys = action_keys(&action);
+        let (rec, rest) = keys.split_first().unwrap();
+        let (body_key, indexes) = rest.split_first().unwrap();
+        assert!(db.get(rec).unwrap().is_none());
+        db.insert(rec, record.as_slice()).unwrap();
+        db.insert(body_key, &body[..]).unwrap();
+        for k in indexes {
+            db.insert(k, &[]).unwrap();
+        }
         writes += 1;
         if writes == 100_000 {
             at_100k = proc::rss_kib("self");

@@ -359,6 +359,14 @@ fn index_keys(r: &Record) -> impl Iterator<Item = Vec<u8>> + '_ {
     .flatten()
 }
 
+/// Every key the store writes for `r` with a small stored body: the record, the body and the
+/// index entries (public for the benches' `sled alone` floor, which writes the same keys).
+pub fn action_keys(r: &Record) -> Vec<Vec<u8>> {
+    let mut keys = vec![rec_key(&r.id), body_key(&r.id)];
+    keys.extend(index_keys(r));
+    keys
+}
+
 /// The indexes a store opened by an earlier version may lack are built once; this key records it.
 const INDEXES_KEY: &[u8] = b"m/indexes";
 const INDEXES_VERSION: &[u8] = b"4";
