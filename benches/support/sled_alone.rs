@@ -1,9 +1,10 @@
 //! The floor under the embedded store: sled 0.34.7, configured as the store configures it, making
 //! only the sled operations one durable write ends in, on one thread: a lookup of the record (a
 //! claim looks before it decides), then the inserts of the record, its small body and its creation
-//! and expiry index entries, with the keys the store derives (`action_keys`) and the side-by-side bench's sizes (a record is
-//! about 1 KiB of JSON there). No write-ahead log, fsync, JSON, write log or HTTP. Its CPU per
-//! write is what no store on sled can go below, and its RSS what sled alone holds.
+//! and expiry index entries, with the keys the store derives (`action_keys`) and the side-by-side
+//! bench's sizes (a record is about 1 KiB of JSON there). No write-ahead log, fsync, JSON, write
+//! log or HTTP. Its CPU per write is what no store on sled can go below, and its RSS what sled
+//! alone holds.
 //!
 //! Run it in a process of its own (the benches start themselves again with `BENCH_SLED_ALONE`), so
 //! the RSS is sled's and the allocator's only.
