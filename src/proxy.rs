@@ -44,6 +44,11 @@ use crate::upstream::{
 };
 
 /// Statuses after which sending the same write again unchanged is not expected to work.
+/// The largest response head (header names and values) stored for replay. A succeeded write
+/// whose head is larger reaches its client whole, but a duplicate gets 409 `already-applied`, as
+/// for a body over `max_stored_response`: it keeps records small (`store::sled::RECORD_MAX`).
+pub const STORED_HEAD_MAX: usize = 16 * 1024;
+
 const NEEDS_DECISION: &[u16] = &[400, 401, 403, 404, 405, 409, 410, 422];
 
 /// Wakes requests waiting for an in-flight attempt of the same action.
@@ -425,6 +430,7 @@ impl Proxy {
             retention_ms: job.policy.retention.as_millis() as u64,
             request: RequestInfo {
                 headers: self.redactor.headers(&job.headers),
+                headers_dropped: 0,
                 body_size: job.body.len() as u64,
                 body_sha256: hex::encode(Sha256::digest(&job.body)),
             },
@@ -723,17 +729,24 @@ impl Proxy {
                     State::Failed
                 };
                 let complete = ans.rest.is_none();
+                // A response is replayed only when all of it is kept: its body (within
+                // `max_stored_response`) and its head (within STORED_HEAD_MAX).
+                let head_size: usize = (ans.head.headers.iter())
+                    .map(|(k, v)| k.as_str().len() + v.len())
+                    .sum();
+                let kept = complete && head_size <= STORED_HEAD_MAX;
                 let (stored, ext) = if state == State::Succeeded {
                     let stored = StoredResponse {
                         status: status.as_u16(),
-                        headers: ans
-                            .head
-                            .headers
-                            .iter()
-                            .map(|(k, v)| (k.as_str().to_string(), latin1(v.as_bytes())))
-                            .collect(),
+                        headers: if kept {
+                            (ans.head.headers.iter())
+                                .map(|(k, v)| (k.as_str().to_string(), latin1(v.as_bytes())))
+                                .collect()
+                        } else {
+                            Vec::new()
+                        },
                         size: ans.body.len() as u64,
-                        body: if complete {
+                        body: if kept {
                             BodyRef::Inline
                         } else {
                             BodyRef::Absent
@@ -749,7 +762,7 @@ impl Proxy {
                     (None, None)
                 };
                 let needs = state == State::Failed && NEEDS_DECISION.contains(&status.as_u16());
-                let body = (state == State::Succeeded && complete).then(|| ans.body.clone());
+                let body = (state == State::Succeeded && kept).then(|| ans.body.clone());
                 let req = settle(state, stored, ext, needs, body);
                 let rec = self.settle(req, &rec).await?;
                 let outcome = match state {

@@ -42,6 +42,12 @@ pub fn tls_acceptor(tls: &TlsConfig) -> Result<TlsAcceptor, String> {
     Ok(TlsAcceptor::from(Arc::new(cfg)))
 }
 
+/// The largest HTTP/1 request head (request line and headers) accepted; a larger one gets 431
+/// from hyper (HTTP/2 header lists: hyper's 16 KiB). hyper's default is about 400 KiB. A write's
+/// path and headers go into its record and write-log entry, which this keeps within the embedded
+/// store's bounds (`store::sled::RECORD_MAX`); nginx accepts 32 KiB by default.
+pub const HEAD_MAX: usize = 64 * 1024;
+
 /// How one listener serves.
 #[derive(Clone)]
 pub struct Listen {
@@ -69,7 +75,8 @@ where
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(opts.header_timeout);
+        .header_read_timeout(opts.header_timeout)
+        .max_buf_size(HEAD_MAX);
     builder.http2().timer(TokioTimer::new());
     let builder = Arc::new(builder);
     let graceful = GracefulShutdown::new();

@@ -273,6 +273,31 @@ async fn too_many_headers_get_431() {
 }
 
 #[tokio::test]
+async fn a_request_head_over_64_kib_gets_431_and_one_under_is_served() {
+    let (up, proxy) = setup("").await;
+    let long = "a".repeat(66 * 1024);
+    let req = format!("POST /pay/v1/charges?q={long} HTTP/1.1\r\nHost: a\r\nIdempotency-Key: k1\r\nContent-Length: 2\r\n\r\n{{}}");
+    let (resp, _) = raw(proxy.addr, req.as_bytes(), Duration::from_secs(5)).await;
+    assert!(
+        resp.starts_with("HTTP/1.1 431"),
+        "{}",
+        &resp[..resp.len().min(200)]
+    );
+    assert_eq!(up.count(), 0, "nothing was sent or recorded");
+
+    let fits = "a".repeat(60 * 1024);
+    let req =
+        format!("GET /pay/x HTTP/1.1\r\nHost: a\r\nX-Big: {fits}\r\nConnection: close\r\n\r\n");
+    let (resp, _) = raw(proxy.addr, req.as_bytes(), Duration::from_secs(5)).await;
+    assert!(
+        resp.starts_with("HTTP/1.1 200"),
+        "{}",
+        &resp[..resp.len().min(200)]
+    );
+    assert_eq!(up.count(), 1);
+}
+
+#[tokio::test]
 async fn http2_clients_are_served() {
     let (up, proxy) = setup("").await;
     let r = TestClient::http2().get(&proxy.url("/pay/v1/x?a=1")).await;

@@ -586,6 +586,30 @@ async fn a_response_over_max_stored_response_reaches_the_client_but_is_not_repla
 }
 
 #[tokio::test]
+async fn a_response_head_over_16_kib_reaches_the_client_but_is_not_replayed() {
+    let (up, proxy) = setup("").await;
+    let big = "v".repeat(17 * 1024);
+    up.push(Behavior::json(201, r#"{"id":"big"}"#).with_header("x-big", &big));
+    up.push(Behavior::json(201, r#"{"id":"small"}"#).with_header("x-small", "v"));
+    let c = TestClient::default();
+    let url = proxy.url("/pay/v1/charges");
+    let r = c.post(&url, &[(KEY, "head-big")], "a").await;
+    assert_eq!(r.status, 201);
+    assert_eq!(r.header("x-big"), Some(big.as_str()));
+    let r = c.post(&url, &[(KEY, "head-big")], "a").await;
+    assert_eq!(r.status, 409);
+    assert_eq!(r.problem(), "already-applied");
+    // A head under the bound is replayed, headers included.
+    let r = c.post(&url, &[(KEY, "head-small")], "b").await;
+    assert_eq!(r.status, 201);
+    let r = c.post(&url, &[(KEY, "head-small")], "b").await;
+    assert_eq!(r.status, 201);
+    assert_eq!(r.header("x-small"), Some("v"));
+    assert_eq!(r.header("idempotent-replayed"), Some("true"));
+    assert_eq!(up.count(), 2);
+}
+
+#[tokio::test]
 async fn stored_responses_survive_a_restart_large_ones_included() {
     let up = FakeUpstream::start().await;
     let tmp = tempfile::tempdir().unwrap();
