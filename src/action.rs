@@ -93,6 +93,10 @@ pub struct Try {
     /// The upstream's `request-id` / `x-request-id`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request_id: Option<String>,
+    /// The body was dropped to keep the record within the embedded store's bound
+    /// (`store::sled::RECORD_MAX`); everything else about the try is kept.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub body_dropped: bool,
 }
 
 /// One time the proxy sent (or tried to send) the action upstream.
@@ -107,6 +111,14 @@ pub struct Attempt {
     pub state: Option<State>,
     #[serde(default)]
     pub tries: Vec<Try>,
+    /// Tries dropped, oldest first, to keep the record within the embedded store's bound; the
+    /// attempt's last try is always kept.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub tries_dropped: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Where a stored body lives.
@@ -145,6 +157,9 @@ pub struct StoredResponse {
 pub struct RequestInfo {
     /// Redacted headers.
     pub headers: Vec<(String, String)>,
+    /// Headers dropped, last first, to keep the record within the embedded store's bound.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub headers_dropped: u32,
     pub body_size: u64,
     pub body_sha256: String,
 }
@@ -317,6 +332,7 @@ impl Record {
             ended_at: None,
             state: None,
             tries: Vec::new(),
+            tries_dropped: 0,
         });
         self.touch(now);
     }

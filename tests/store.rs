@@ -774,3 +774,73 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
     assert!(s.get("o1").await.unwrap().is_none());
     s.close().await.unwrap();
 }
+
+/// SPEC §6 keeps every try with up to 4 KiB of the upstream's body. Before the store bounded
+/// records, twelve attempts of three such tries made sled write leaves as blob files, the path that
+/// did not survive SIGKILLs (docs/decisions.md). Now a record over `RECORD_MAX` sheds the oldest
+/// bodies, marked, and sled writes no blob file.
+#[tokio::test]
+async fn sled_keeps_records_with_many_large_tries_out_of_blob_files() {
+    use oncegate::store::sled::RECORD_MAX;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let s = open_sled(&dir, Default::default());
+    let (records, attempts, tries) = (400u32, 12u32, 3usize);
+    let error_body = |i: usize| format!("{i:04}").repeat(1024);
+    for n in 0..records {
+        let id = format!("big{n}");
+        for a in 1..=attempts {
+            let now = T0 + Millis::from(a) * 2;
+            let mut req = claim_req(record(&id, "f", None), now - 1, 10_000);
+            req.max_attempts = attempts;
+            assert!(matches!(s.claim(req).await.unwrap(), Claim::Claimed(_)));
+            let settlement = Settlement {
+                state: State::Failed,
+                tries: (0..tries)
+                    .map(|t| Try {
+                        at: now,
+                        status: Some(503),
+                        body: Some(error_body(a as usize * 10 + t)),
+                        ..Default::default()
+                    })
+                    .collect(),
+                response: None,
+                external_id: None,
+                needs_decision: false,
+                now,
+            };
+            let body = None;
+            s.settle(SettleRequest {
+                id: id.clone(),
+                attempt: a,
+                settlement,
+                body,
+            })
+            .await
+            .unwrap();
+        }
+    }
+    s.close().await.unwrap();
+    drop(s);
+    let blobs = std::fs::read_dir(dir.join("blobs")).map_or(0, |d| d.count());
+    assert_eq!(blobs, 0, "sled wrote blob files");
+
+    // Every try is still there; the oldest bodies gave way, the newest are whole.
+    let s = open_sled(&dir, Default::default());
+    let r = s.get("big7").await.unwrap().unwrap();
+    assert!(serde_json::to_vec(&r).unwrap().len() <= RECORD_MAX);
+    assert_eq!(r.evidence.len(), attempts as usize);
+    let all: Vec<&Try> = r.evidence.iter().flat_map(|a| &a.tries).collect();
+    assert_eq!(all.len(), attempts as usize * tries);
+    assert!(all.iter().all(|t| t.status == Some(503)));
+    let kept = all.iter().filter(|t| t.body.is_some()).count();
+    assert!(kept >= 10 && kept < all.len(), "{kept} bodies kept");
+    let (dropped, whole) = all.split_at(all.len() - kept);
+    assert!(dropped.iter().all(|t| t.body_dropped && t.body.is_none()));
+    assert!(whole.iter().all(|t| !t.body_dropped));
+    assert_eq!(
+        all.last().unwrap().body.as_deref(),
+        Some(error_body(attempts as usize * 10 + tries - 1).as_str())
+    );
+    s.close().await.unwrap();
+}

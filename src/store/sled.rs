@@ -62,6 +62,12 @@ const MAX_BATCH: usize = 1024;
 /// harness with 2 MiB segments: the store no longer opened). With 8 MiB segments every page we
 /// store stays in the log: records, bodies ≤ 64 KiB and log blocks ≤ 64 KiB, 16 to a page.
 const SEGMENT_SIZE: usize = 8 << 20;
+/// The largest record value given to sled. A leaf splits only once it holds more than 16
+/// entries, so 17 records of this size (1,904 KiB, plus keys) stay under a quarter segment
+/// (2 MiB, less headers), past which sled writes a page as a blob file; so do stored bodies
+/// (`INLINE_BODY_MAX`) and log blocks (`LOG_BLOCK_MAX`). Past it, a record sheds evidence: see
+/// [`encode_bounded`].
+pub const RECORD_MAX: usize = 112 * 1024;
 /// A log block is closed at this size and the next entries start a new one.
 const LOG_BLOCK_MAX: usize = 64 * 1024;
 /// sled's page cache (its default is 1 GiB): the proxy's memory is mostly this.
@@ -406,6 +412,98 @@ fn log_key(seq: u64) -> Vec<u8> {
     let mut k = b"l/".to_vec();
     k.extend_from_slice(&seq.to_be_bytes());
     k
+}
+
+/// Encodes a record within [`RECORD_MAX`]. A record over it sheds evidence until it fits: the
+/// tries' bodies, oldest first, except the last try's; then the request's headers, last first;
+/// then whole tries, oldest first (each attempt keeps its last); then the last try's body. Each
+/// dropped piece is marked in the record.
+/// Returns the record as stored and its encoding.
+pub fn encode_bounded(mut r: Record) -> (Record, Vec<u8>) {
+    let encode = |r: &Record| serde_json::to_vec(r).expect("records always serialize");
+    let mut v = encode(&r);
+    if v.len() <= RECORD_MAX {
+        return (r, v);
+    }
+    let size = v.len();
+    let tries: Vec<(usize, usize)> = r
+        .evidence
+        .iter()
+        .enumerate()
+        .flat_map(|(a, at)| (0..at.tries.len()).map(move |t| (a, t)))
+        .collect();
+    let last = tries.last().copied();
+    fn drop_body(t: &mut crate::action::Try) -> usize {
+        t.body.take().map_or(0, |b| {
+            t.body_dropped = true;
+            b.len()
+        })
+    }
+    // Each step sheds about `excess` bytes (counted from the pieces' raw sizes) and says whether
+    // it shed anything; it runs again until the encoding fits or it has nothing left.
+    type Step<'a> = &'a dyn Fn(&mut Record, usize) -> bool;
+    let steps: [Step; 4] = [
+        &|r, mut excess| {
+            let mut shed = false;
+            for &(a, t) in tries.iter().filter(|&&at| Some(at) != last) {
+                if excess == 0 {
+                    break;
+                }
+                let n = drop_body(&mut r.evidence[a].tries[t]);
+                excess = excess.saturating_sub(n);
+                shed |= n > 0;
+            }
+            shed
+        },
+        &|r, mut excess| {
+            let mut shed = false;
+            while excess > 0 {
+                let Some((k, val)) = r.request.headers.pop() else {
+                    break;
+                };
+                excess = excess.saturating_sub(k.len() + val.len());
+                r.request.headers_dropped += 1;
+                shed = true;
+            }
+            shed
+        },
+        &|r, mut excess| {
+            let mut shed = false;
+            for a in r.evidence.iter_mut() {
+                while excess > 0 && a.tries.len() > 1 {
+                    let t = a.tries.remove(0);
+                    excess = excess.saturating_sub(serde_json::to_vec(&t).map_or(0, |v| v.len()));
+                    a.tries_dropped += 1;
+                    shed = true;
+                }
+            }
+            shed
+        },
+        // Whole tries may have gone: the last try is still its attempt's last.
+        &|r, _| {
+            r.evidence
+                .iter_mut()
+                .rev()
+                .find_map(|a| a.tries.last_mut())
+                .is_some_and(|t| drop_body(t) > 0)
+        },
+    ];
+    for step in steps {
+        while step(&mut r, v.len() - RECORD_MAX) {
+            v = encode(&r);
+            if v.len() <= RECORD_MAX {
+                tracing::debug!(id = %r.id, size, "record shed evidence to fit the store's bound");
+                return (r, v);
+            }
+        }
+    }
+    // Only a very long path and response head with very many attempts get here.
+    tracing::warn!(
+        id = %r.id,
+        size = v.len(),
+        "record exceeds the store's bound even without its tries' evidence"
+    );
+    (r, v)
 }
 
 fn decode(key: &[u8], v: &[u8]) -> Result<Record, StoreError> {
@@ -1802,10 +1900,8 @@ impl Writer {
         if old.map(|o| o.state) != Some(new.state) {
             self.count(old.map(|o| o.state), Some(new.state));
         }
-        pending.put(
-            rec_key(&new.id),
-            serde_json::to_vec(&new).expect("records always serialize"),
-        );
+        let (new, value) = encode_bounded(new);
+        pending.put(rec_key(&new.id), value);
         let before: Vec<Vec<u8>> = old.map(|o| index_keys(o).collect()).unwrap_or_default();
         let after: Vec<Vec<u8>> = index_keys(&new).collect();
         for k in before.iter().filter(|k| !after.contains(k)) {
@@ -2159,5 +2255,94 @@ mod tests {
         }
         assert_eq!(c.map.len(), CACHE_ENTRIES);
         assert!(!c.map.contains_key("00000000"), "the oldest goes first");
+    }
+
+    fn with_tries(attempts: usize, tries: usize, body: usize) -> Record {
+        let mut r = fresh("fp");
+        for n in 0..attempts {
+            r.evidence.push(crate::action::Attempt {
+                n: n as u32 + 1,
+                started_at: 1,
+                ended_at: Some(2),
+                state: Some(State::Failed),
+                tries: (0..tries)
+                    .map(|t| crate::action::Try {
+                        at: 2,
+                        status: Some(503),
+                        error: Some(format!("attempt {n} try {t}")),
+                        body: Some("b".repeat(body)),
+                        ..Default::default()
+                    })
+                    .collect(),
+                tries_dropped: 0,
+            });
+        }
+        r
+    }
+
+    #[test]
+    fn a_small_record_is_stored_as_it_is() {
+        let r = with_tries(5, 3, 4096);
+        let (stored, v) = encode_bounded(r.clone());
+        assert_eq!(stored, r);
+        assert_eq!(v, serde_json::to_vec(&r).expect("encodes"));
+    }
+
+    #[test]
+    fn a_record_sheds_headers_then_whole_tries_then_the_last_body() {
+        // Request headers over the bound: every try body goes, then headers, last first.
+        let mut r = with_tries(2, 2, 4096);
+        r.request.headers = (0..40)
+            .map(|i| (format!("x-h{i:02}"), "v".repeat(4096)))
+            .collect();
+        let (stored, v) = encode_bounded(r);
+        assert!(v.len() <= RECORD_MAX);
+        let tries: Vec<_> = stored.evidence.iter().flat_map(|a| &a.tries).collect();
+        assert!(tries[..3]
+            .iter()
+            .all(|t| t.body_dropped && t.body.is_none()));
+        assert!(tries[3].body.is_some(), "the last try's body goes last");
+        let kept = stored.request.headers.len();
+        assert_eq!(kept as u32 + stored.request.headers_dropped, 40);
+        assert!(kept > 0 && stored.request.headers[kept - 1].0 == format!("x-h{:02}", kept - 1));
+
+        // Tries beyond what bodiless evidence fits: whole tries go, oldest first, each attempt
+        // keeping its last.
+        let r = with_tries(20, 200, 10);
+        let (stored, v) = encode_bounded(r);
+        assert!(v.len() <= RECORD_MAX);
+        let first = &stored.evidence[0];
+        assert!(first.tries_dropped > 0);
+        assert_eq!(first.tries.len() + first.tries_dropped as usize, 200);
+        assert_eq!(
+            first.tries.last().expect("kept").error.as_deref(),
+            Some("attempt 0 try 199")
+        );
+        assert!(stored.evidence.iter().all(|a| !a.tries.is_empty()));
+        assert_eq!(stored.evidence.last().expect("kept").tries_dropped, 0);
+    }
+
+    #[test]
+    fn the_largest_record_a_safe_policy_makes_fits_the_bound() {
+        // The worst a request can bring: a head at the server's limit, all path. The worst a
+        // succeeded response leaves: a head at the stored limit. Every attempt a policy within
+        // `SLED_SAFE_ATTEMPTS` allows, each with long errors, request ids and 4 KiB bodies.
+        let attempts = crate::config::SLED_SAFE_ATTEMPTS as usize;
+        let mut r = with_tries(attempts, 3, 4096);
+        r.path = "p".repeat(crate::server::HEAD_MAX);
+        for t in r.evidence.iter_mut().flat_map(|a| a.tries.iter_mut()) {
+            t.error = Some("e".repeat(200));
+            t.request_id = Some("r".repeat(64));
+        }
+        r.response = Some(crate::action::StoredResponse {
+            status: 201,
+            headers: vec![("x".into(), "h".repeat(crate::proxy::STORED_HEAD_MAX - 1))],
+            size: 2,
+            body: BodyRef::Inline,
+            source: crate::action::Source::Upstream,
+        });
+        let (stored, v) = encode_bounded(r);
+        assert!(v.len() <= RECORD_MAX, "{} bytes", v.len());
+        assert_eq!(stored.evidence.len(), attempts);
     }
 }
