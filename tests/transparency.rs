@@ -342,6 +342,54 @@ class = "deny"
 }
 
 #[tokio::test]
+async fn reads_on_one_connection_time_out_each_at_its_own_limit() {
+    // One client connection (the pool reuses it), so its requests share the connection's timer.
+    let (up, proxy) = setup(
+        r#"
+[[upstreams.routes]]
+path = "/v1/stall-short"
+timeout = "300ms"
+"#,
+    )
+    .await;
+    let stall = || Behavior::Delay(Duration::from_secs(5), Box::new(Behavior::status(200)));
+    up.on("/v1/stall", stall());
+    let c = TestClient::default();
+    let timed = |path: &'static str| {
+        let (c, url) = (&c, proxy.url(path));
+        async move {
+            let start = std::time::Instant::now();
+            let r = c.get(&url).await;
+            (r, start.elapsed())
+        }
+    };
+    let (r, _) = timed("/pay/v1/fast").await;
+    assert_eq!(r.status, 200);
+    // The default limit (1 s), then a shorter one than the timer is set for, then a longer one
+    // again: each times out at its own limit, never before it.
+    for (path, limit) in [
+        ("/pay/v1/stall", 1000),
+        ("/pay/v1/stall-short", 300),
+        ("/pay/v1/stall", 1000),
+    ] {
+        let (r, took) = timed(path).await;
+        assert_eq!(r.status, 504, "{path}");
+        assert_eq!(r.problem(), "upstream-timeout");
+        let limit = Duration::from_millis(limit);
+        assert!(
+            took >= limit,
+            "{path}: timed out after {took:?}, before {limit:?}"
+        );
+        assert!(
+            took < limit + Duration::from_millis(1500),
+            "{path}: {took:?}"
+        );
+    }
+    let (r, _) = timed("/pay/v1/fast").await;
+    assert_eq!(r.status, 200);
+}
+
+#[tokio::test]
 async fn reads_are_tried_again_on_retry_statuses() {
     let (up, proxy) = setup("").await;
     up.push(Behavior::status(503));
