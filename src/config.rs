@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{HeaderName, Method, StatusCode, Uri};
+use http::{HeaderName, HeaderValue, Method, StatusCode, Uri};
 use serde::Deserialize;
 
 use crate::route::{Class, Glob};
@@ -118,6 +118,26 @@ pub struct LookupConfig {
     pub method: String,
     pub path: String,
     pub found: String,
+    /// Headers every lookup sends, each read at start from the environment variable named here
+    /// (`{ authorization = "PAY_LOOKUP_AUTH" }`): background and admin lookups have no caller
+    /// whose credentials they could carry.
+    #[serde(default)]
+    pub headers_env: std::collections::BTreeMap<String, String>,
+    /// `headers_env`, resolved.
+    #[serde(skip)]
+    pub headers: LookupHeaders,
+}
+
+/// A lookup's own headers: credentials, so never printed.
+#[derive(Clone, Default, PartialEq)]
+pub struct LookupHeaders(pub Vec<(HeaderName, HeaderValue)>);
+
+impl std::fmt::Debug for LookupHeaders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map()
+            .entries(self.0.iter().map(|(n, _)| (n.as_str(), "[redacted]")))
+            .finish()
+    }
 }
 
 fn default_lookup_method() -> String {
@@ -434,7 +454,25 @@ fn lookup(l: &LookupConfig, key: &str) -> Result<LookupConfig, ConfigError> {
             "must be a JSON pointer (\"/id\")",
         ));
     }
-    Ok(l.clone())
+    let mut out = l.clone();
+    for (h, var) in &l.headers_env {
+        let at = format!("{key}.headers_env.{h}");
+        let name = header_name(h, &at)?;
+        let value = std::env::var(var)
+            .ok()
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| invalid(&at, format!("the environment variable {var} is not set")))?;
+        // The value is a secret: the error names the variable, never what it holds.
+        let mut value = HeaderValue::from_str(&value).map_err(|_| {
+            invalid(
+                &at,
+                format!("the environment variable {var} is not a valid header value"),
+            )
+        })?;
+        value.set_sensitive(true);
+        out.headers.0.push((name, value));
+    }
+    Ok(out)
 }
 
 /// One classification rule, resolved.
@@ -842,6 +880,47 @@ mod tests {
         // PostgreSQL keeps records whole, so nothing to say.
         let pg = text(60).replace("path = \"s\"", "backend = \"postgres\"\nurl_env = \"X\"");
         assert!(cautions(&pg).is_empty());
+    }
+
+    #[test]
+    fn lookup_credentials_come_from_the_environment_and_are_never_printed() {
+        let text = |var: &str| {
+            format!(
+                r#"
+                [server]
+                [[upstreams]]
+                name = "pay"
+                prefix = "/pay"
+                url = "http://127.0.0.1:1"
+                lookup = {{ path = "/v1/x/{{key}}", found = "/id", headers_env = {{ Authorization = "{var}" }} }}
+                "#
+            )
+        };
+        let err = Config::parse(&text("ONCEGATE_TEST_UNSET_LOOKUP_VAR"))
+            .expect_err("an unset variable is a config error")
+            .to_string();
+        assert!(
+            err.contains("upstreams[0].lookup.headers_env.Authorization"),
+            "{err}"
+        );
+        assert!(err.contains("ONCEGATE_TEST_UNSET_LOOKUP_VAR"), "{err}");
+
+        std::env::set_var("ONCEGATE_TEST_LOOKUP_VAR", "Bearer sk_config_9a2e");
+        let c = Config::parse(&text("ONCEGATE_TEST_LOOKUP_VAR")).expect("valid");
+        let l = c.upstreams[0].policy.lookup.as_ref().expect("a lookup");
+        assert_eq!(l.headers.0.len(), 1);
+        assert_eq!(l.headers.0[0].0, "authorization");
+        assert_eq!(l.headers.0[0].1, "Bearer sk_config_9a2e");
+        assert!(!format!("{c:?}").contains("sk_config_9a2e"));
+
+        std::env::set_var("ONCEGATE_TEST_BAD_LOOKUP_VAR", "line\nbreak sk_bad");
+        let err = Config::parse(&text("ONCEGATE_TEST_BAD_LOOKUP_VAR"))
+            .expect_err("not a header value")
+            .to_string();
+        assert!(
+            err.contains("not a valid header value") && !err.contains("sk_bad"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -115,6 +115,10 @@ pub async fn lookup(
     ] {
         h.remove(name);
     }
+    // The lookup's own credentials, when configured, over the caller's.
+    for (name, value) in &cfg.headers.0 {
+        h.insert(name.clone(), value.clone());
+    }
     let answer = match Outgoing::new(up, &method, &h, &rest, query.as_deref(), None) {
         Ok(out) => upstreams.fetch(up, policy, &out, policy.timeout).await,
         Err(e) => Err(e.to_string()),
@@ -252,6 +256,8 @@ mod tests {
             method: "GET".into(),
             path: "/v1/charges?key={key}".into(),
             found: "/data/0/id".into(),
+            headers_env: Default::default(),
+            headers: Default::default(),
         };
         let ok = StatusCode::OK;
         assert_eq!(

@@ -152,6 +152,51 @@ async fn background_lookups_settle_unknown_actions() {
 }
 
 #[tokio::test]
+async fn background_lookups_carry_the_lookups_own_credentials_and_never_show_them() {
+    // The service's status endpoint wants credentials, and a background lookup has no caller.
+    let secret = "Bearer sk_lookup_7d1f";
+    std::env::set_var("ONCEGATE_TEST_LOOKUP_AUTH", secret);
+    let extra = r#"lookup = { method = "GET", path = "/v1/lookup/{key}", found = "/id", headers_env = { authorization = "ONCEGATE_TEST_LOOKUP_AUTH" } }
+timeout = "300ms"
+external_id = "/id"
+lookup_interval = "100ms""#;
+    let up = FakeUpstream::start().await;
+    up.on("/v1/lookup/", Behavior::json(200, r#"{"id":"ch_auth"}"#));
+    let proxy = TestProxy::start(&config(&up.url(), extra)).await;
+    up.push(Behavior::Hang);
+    let r = TestClient::default()
+        .post(&proxy.url("/pay/v1/charges"), &[(KEY, "ch-auth")], "a=1")
+        .await;
+    assert_eq!(r.problem(), "outcome-unknown");
+    let id = r.header("oncegate-action").unwrap().to_string();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let action = loop {
+        let a = proxy.admin("GET", &format!("/v1/actions/{id}"), "").await;
+        if a.json()["state"] == "succeeded" {
+            break a;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never settled");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(action.json()["external_id"], "ch_auth");
+    let lookups: Vec<_> = up
+        .received()
+        .into_iter()
+        .filter(|r| r.target.starts_with("/v1/lookup/"))
+        .collect();
+    assert!(!lookups.is_empty());
+    assert!(lookups
+        .iter()
+        .all(|r| r.header("authorization") == Some(secret)));
+    // Nowhere to be read back: not the action, not the write log.
+    let log = proxy.admin("GET", "/v1/log", "").await;
+    assert!(String::from_utf8_lossy(&log.body).contains(&id));
+    for text in [&action.body, &log.body] {
+        assert!(!String::from_utf8_lossy(text).contains("sk_lookup_7d1f"));
+    }
+}
+
+#[tokio::test]
 async fn an_operator_resolves_unknown_actions_and_only_those() {
     let (up, proxy, id) = unknown_write("timeout = \"300ms\"", "k-op").await;
     let resolve = |outcome: &str| {
