@@ -687,12 +687,10 @@ async fn sled_moves_a_log_kept_in_sled_by_an_older_store_into_files() {
     let dir = tmp.path().join("s");
     let chain = Chain::new(None);
     {
-        // As the store configures sled (its segment size cannot change across opens).
-        let db = ::sled::Config::new()
-            .path(&dir)
-            .segment_size(8 << 20)
-            .open()
-            .unwrap();
+        // As the store configures sled (its segment size cannot change across opens), which
+        // also means no flusher thread: one would hold sled's file lock for a moment after the
+        // drop, and the store's open below would fail to take it.
+        let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
         // A pruned log: it starts at entry 11, after the anchor's `prev`.
         let mut prev = "ab".repeat(32);
         db.insert("m/log_anchor", serde_json::to_vec(&(11u64, &prev)).unwrap())
@@ -746,11 +744,7 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
     {
         // What an older version left: records, no expiry or creation index, no marker, and
         // `succeeded` actions in the state index.
-        let db = ::sled::Config::new()
-            .path(&dir)
-            .segment_size(8 << 20)
-            .open()
-            .unwrap();
+        let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
         db.insert("s/succeeded/o1", &[]).unwrap();
         let index: Vec<_> = ["e/", "c/"]
             .iter()
@@ -843,4 +837,27 @@ async fn sled_keeps_records_with_many_large_tries_out_of_blob_files() {
         Some(error_body(attempts as usize * 10 + tries - 1).as_str())
     );
     s.close().await.unwrap();
+}
+
+/// Two stores on one folder: the second waits briefly for sled's lock (sled lets go of it a
+/// moment after a close), then fails with a message that says what to do.
+#[tokio::test]
+async fn sled_refuses_a_folder_another_store_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let first = open_sled(&dir, Default::default());
+    let Err(e) = oncegate::store::sled::SledStore::open(&dir, Default::default()) else {
+        panic!("two stores opened one folder");
+    };
+    let msg = e.to_string();
+    assert!(msg.contains("could not acquire lock"), "{msg}");
+    assert!(
+        msg.contains("If another oncegate uses this folder"),
+        "{msg}"
+    );
+    // Once the first is closed and gone, the folder opens again.
+    first.close().await.unwrap();
+    drop(first);
+    let again = open_sled(&dir, Default::default());
+    again.close().await.unwrap();
 }

@@ -271,6 +271,29 @@ pub fn sled_config(dir: &Path) -> sled::Config {
         .flush_every_ms(None)
 }
 
+/// How long an open waits for sled's file lock before it reports the folder as in use.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Opens sled in `dir`. sled 0.34 lets go of its file lock only when the last of its IO threads
+/// drops its handle, which can be a moment after the store was closed: an open right after a
+/// close in the same process (a test, an embedder) waits for it, up to [`LOCK_WAIT`]. A folder
+/// another process holds still fails, after that wait.
+fn open_sled(dir: &Path) -> sled::Result<sled::Db> {
+    let start = std::time::Instant::now();
+    loop {
+        match sled_config(dir).open() {
+            // sled 0.34.7 (pinned) reports it as this text, with kind `Other`.
+            Err(sled::Error::Io(e))
+                if e.to_string().starts_with("could not acquire lock")
+                    && start.elapsed() < LOCK_WAIT =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            r => return r,
+        }
+    }
+}
+
 fn unavailable(e: impl std::fmt::Display) -> StoreError {
     StoreError::Unavailable(e.to_string())
 }
@@ -589,7 +612,7 @@ impl SledStore {
         }
         remove_unfinished_snapshots(dir)
             .map_err(|e| fail("remove unfinished sled snapshots", &e))?;
-        let db = sled_config(dir).open().map_err(|e| fail("sled", &e))?;
+        let db = open_sled(dir).map_err(|e| fail("sled", &e))?;
         let log = File::open(dir.join("db")).map_err(|e| fail("open sled log file", &e))?;
         // Batches acknowledged since sled's last checkpoint are in the write-ahead log: replayed
         // into sled, made durable there, and the log starts afresh.
