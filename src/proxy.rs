@@ -43,12 +43,12 @@ use crate::upstream::{
     full, is_applied, strip_hop_by_hop, AttemptResult, Outgoing, Prefixed, ProxyBody, Upstreams,
 };
 
-/// Statuses after which sending the same write again unchanged is not expected to work.
 /// The largest response head (header names and values) stored for replay. A succeeded write
 /// whose head is larger reaches its client whole, but a duplicate gets 409 `already-applied`, as
 /// for a body over `max_stored_response`: it keeps records small (`store::sled::RECORD_MAX`).
 pub const STORED_HEAD_MAX: usize = 16 * 1024;
 
+/// Statuses after which sending the same write again unchanged is not expected to work.
 const NEEDS_DECISION: &[u16] = &[400, 401, 403, 404, 405, 409, 410, 422];
 
 /// Wakes requests waiting for an in-flight attempt of the same action.
@@ -728,13 +728,14 @@ impl Proxy {
                 } else {
                     State::Failed
                 };
-                let complete = ans.rest.is_none();
-                // A response is replayed only when all of it is kept: its body (within
-                // `max_stored_response`) and its head (within STORED_HEAD_MAX).
-                let head_size: usize = (ans.head.headers.iter())
-                    .map(|(k, v)| k.as_str().len() + v.len())
-                    .sum();
-                let kept = complete && head_size <= STORED_HEAD_MAX;
+                // A succeeded response is replayed only when all of it is kept: its body
+                // (within `max_stored_response`) and its head (within STORED_HEAD_MAX).
+                let kept = state == State::Succeeded
+                    && ans.rest.is_none()
+                    && (ans.head.headers.iter())
+                        .map(|(k, v)| k.as_str().len() + v.len())
+                        .sum::<usize>()
+                        <= STORED_HEAD_MAX;
                 let (stored, ext) = if state == State::Succeeded {
                     let stored = StoredResponse {
                         status: status.as_u16(),
@@ -762,7 +763,7 @@ impl Proxy {
                     (None, None)
                 };
                 let needs = state == State::Failed && NEEDS_DECISION.contains(&status.as_u16());
-                let body = (state == State::Succeeded && kept).then(|| ans.body.clone());
+                let body = kept.then(|| ans.body.clone());
                 let req = settle(state, stored, ext, needs, body);
                 let rec = self.settle(req, &rec).await?;
                 let outcome = match state {

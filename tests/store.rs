@@ -788,22 +788,15 @@ async fn sled_keeps_records_with_many_large_tries_out_of_blob_files() {
             let mut req = claim_req(record(&id, "f", None), now - 1, 10_000);
             req.max_attempts = attempts;
             assert!(matches!(s.claim(req).await.unwrap(), Claim::Claimed(_)));
-            let settlement = Settlement {
-                state: State::Failed,
-                tries: (0..tries)
-                    .map(|t| Try {
-                        at: now,
-                        status: Some(503),
-                        body: Some(error_body(a as usize * 10 + t)),
-                        ..Default::default()
-                    })
-                    .collect(),
-                response: None,
-                external_id: None,
-                needs_decision: false,
-                now,
-            };
-            let body = None;
+            let (mut settlement, body) = settled(State::Failed, now, None);
+            settlement.tries = (0..tries)
+                .map(|t| Try {
+                    at: now,
+                    status: Some(503),
+                    body: Some(error_body(a as usize * 10 + t)),
+                    ..Default::default()
+                })
+                .collect();
             s.settle(SettleRequest {
                 id: id.clone(),
                 attempt: a,

@@ -60,7 +60,8 @@ const MAX_BATCH: usize = 1024;
 /// sled writes a value (or a consolidated page) larger than a quarter of a segment as a separate
 /// blob file, and blob files do not survive a SIGKILL reliably in sled 0.34 (seen in the torture
 /// harness with 2 MiB segments: the store no longer opened). With 8 MiB segments every page we
-/// store stays in the log: records, bodies ≤ 64 KiB and log blocks ≤ 64 KiB, 16 to a page.
+/// store stays in the log: records ≤ `RECORD_MAX`, bodies ≤ 64 KiB and log blocks ≤ 64 KiB,
+/// at most 17 to a leaf.
 const SEGMENT_SIZE: usize = 8 << 20;
 /// The largest record value given to sled. A leaf splits only once it holds more than 16
 /// entries, so 17 records of this size (1,904 KiB, plus keys) stay under a quarter segment
@@ -442,7 +443,7 @@ fn log_key(seq: u64) -> Vec<u8> {
 /// then whole tries, oldest first (each attempt keeps its last); then the last try's body. Each
 /// dropped piece is marked in the record.
 /// Returns the record as stored and its encoding.
-pub fn encode_bounded(mut r: Record) -> (Record, Vec<u8>) {
+fn encode_bounded(mut r: Record) -> (Record, Vec<u8>) {
     let encode = |r: &Record| serde_json::to_vec(r).expect("records always serialize");
     let mut v = encode(&r);
     if v.len() <= RECORD_MAX {
