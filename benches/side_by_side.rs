@@ -10,8 +10,8 @@
 //! nginx is installed with apt-get when missing; without it the nginx column says so.
 //! For profiling: `BENCH_ONLY='writes, 64|replays'` runs the workloads whose names contain one of
 //! the alternatives (the preloads only when it names `stored`, the floor only when it names
-//! `floor`), `BENCH_SECS=20` lengthens each
-//! run, `BENCH_HOLD=60` keeps the proxy up, idle, after the workloads (for gdb or /proc).
+//! `floor`), `BENCH_SECS=20` lengthens each run, `BENCH_ROUNDS=7` interleaves more rounds (5 by
+//! default), `BENCH_HOLD=60` keeps the proxy up, idle, after the workloads (for gdb or /proc).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "support/proc.rs"]
@@ -664,6 +664,61 @@ fn machine() -> String {
 /// The write rate of the paced `sled alone` run: about the mixed workload's rate of new writes.
 const FLOOR_RATE: u64 = 4_000;
 
+/// The targets that set a throughput against nginx's, with the factor each needs.
+const THROUGHPUT_TARGETS: [(&str, f64); 3] = [
+    ("read GET, 64 connections", 1.0),
+    ("unique durable writes, 64 connections", 0.5),
+    ("duplicate replays, 64 connections", 1.0),
+];
+
+/// The proxy CPU per request (µs) that a throughput of `factor` × nginx's leaves on this machine:
+/// its cores, less what the load generator and upstream (this process) use per request, measured
+/// in the nginx run. A proxy that needs more cannot reach the target here, however it schedules.
+fn budget(per: &HashMap<&str, Result_>, factor: f64) -> Option<f64> {
+    let n = per.get("nginx").filter(|r| r.requests > 0)?;
+    let target = n.rps() * factor;
+    let driver = n.driver_cpu_secs * 1e6 / n.requests as f64;
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get()) as f64;
+    Some((cores * 1e6 - target * driver) / target)
+}
+
+/// The report's section on what each throughput target leaves the proxy, against what nginx,
+/// bare hyper and oncegate used per request in the same run.
+fn budgets(md: &mut String, results: &[(&Spec, HashMap<&str, Result_>)]) {
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let mut rows = String::new();
+    for (name, factor) in THROUGHPUT_TARGETS {
+        let Some((_, per)) = results.iter().find(|(w, _)| w.name == name) else {
+            continue;
+        };
+        let (Some(b), Some(n)) = (budget(per, factor), per.get("nginx")) else {
+            continue;
+        };
+        let cpu = |t: &str| {
+            per.get(t)
+                .filter(|r| r.requests > 0)
+                .map_or("-".into(), |r| {
+                    format!("{:.0}", r.cpu_secs * 1e6 / r.requests as f64)
+                })
+        };
+        rows.push_str(&format!(
+            "| {name} | {factor}× nginx = {:.0} req/s | {:.0} | {b:.0} | {} | {} | {} |\n",
+            n.rps() * factor,
+            n.driver_cpu_secs * 1e6 / n.requests as f64,
+            cpu("nginx"),
+            cpu("bare hyper"),
+            cpu("oncegate"),
+        ));
+    }
+    if rows.is_empty() {
+        return;
+    }
+    md.push_str(&format!(
+        "\n## What each throughput target leaves the proxy\n\nAt the target's rate, {cores} cores less what the load generator and upstream use per request (measured in the nginx run) leave the proxy at most the budget below, in µs of CPU per request, with every core busy all the time. A proxy whose CPU per request is over it cannot reach the target on this machine; bare hyper's is what any proxy on hyper's server and pooled client pays before doing anything of its own.\n\n| workload | target | load generator and upstream | budget for the proxy | nginx | bare hyper | oncegate |\n|---|---|---:|---:|---:|---:|---:|\n"
+    ));
+    md.push_str(&rows);
+}
+
 fn main() {
     if let Ok(up) = std::env::var("BENCH_BARE_PROXY") {
         return bare_proxy(up.parse().unwrap());
@@ -683,7 +738,11 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(if quick { 1.0 } else { 3.0 });
-    let rounds = if quick { 1 } else { 3 };
+    // `BENCH_ROUNDS` interleaves more rounds (for comparing small changes on a noisy machine).
+    let rounds = std::env::var("BENCH_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(if quick { 1 } else { 5 });
     let preloads: Vec<usize> = if quick {
         vec![1_000, 10_000]
     } else {
@@ -949,6 +1008,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             dp50
         ));
     }
+    budgets(&mut md, &results);
     md.push_str("\n## Durability and storage\n\n");
     for (conns, (flushes, writes)) in &flushes_per_write {
         md.push_str(&format!(
@@ -1004,15 +1064,9 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
                     bare + fast.cpu_us_per_write
                 ));
             }
-            if let Some(n) = per.get("nginx").filter(|r| r.requests > 0) {
-                // What 0.5× nginx leaves the proxy: the machine's cores, less what the load
-                // generator and upstream (this process) use per request at that rate.
-                let target = n.rps() / 2.0;
-                let driver = n.driver_cpu_secs * 1e6 / n.requests as f64;
-                let cores = std::thread::available_parallelism().map_or(1, |c| c.get()) as f64;
+            if let Some(b) = budget(per, 0.5) {
                 md.push_str(&format!(
-                    "- the budget at the target (0.5× nginx, {target:.0} writes/s): the load generator and upstream use {driver:.0} µs of CPU per request (measured in the nginx run), so {cores:.0} cores leave the proxy at most ({cores:.0} s − {target:.0} × {driver:.0} µs) / {target:.0} = {:.0} µs per write, with every core busy all the time\n",
-                    (cores * 1e6 - target * driver) / target
+                    "- the budget at the target (above): at most {b:.0} µs of proxy CPU per write\n"
                 ));
             }
         }
