@@ -317,6 +317,14 @@ impl Result_ {
     fn rps(&self) -> f64 {
         self.requests as f64 / self.seconds.max(1e-9)
     }
+    /// Proxy CPU per request, in µs (none before a request).
+    fn cpu_us(&self) -> Option<f64> {
+        (self.requests > 0).then(|| self.cpu_secs * 1e6 / self.requests as f64)
+    }
+    /// CPU per request of this process (load generator and upstream), in µs.
+    fn driver_us(&self) -> Option<f64> {
+        (self.requests > 0).then(|| self.driver_cpu_secs * 1e6 / self.requests as f64)
+    }
     fn q(&self, q: f64) -> f64 {
         self.hist
             .as_ref()
@@ -643,9 +651,7 @@ fn machine() -> String {
         .unwrap_or("unknown")
         .trim()
         .to_string();
-    let cores = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(0);
+    let cores = cores();
     let mem = std::fs::read_to_string("/proc/meminfo")
         .unwrap_or_default()
         .lines()
@@ -664,10 +670,18 @@ fn machine() -> String {
 /// The write rate of the paced `sled alone` run: about the mixed workload's rate of new writes.
 const FLOOR_RATE: u64 = 4_000;
 
+/// The machine's cores, which load generator, upstream and proxy share.
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The unique-writes target: this share of nginx's throughput.
+const WRITE_TARGET: f64 = 0.5;
+
 /// The targets that set a throughput against nginx's, with the factor each needs.
 const THROUGHPUT_TARGETS: [(&str, f64); 3] = [
     ("read GET, 64 connections", 1.0),
-    ("unique durable writes, 64 connections", 0.5),
+    ("unique durable writes, 64 connections", WRITE_TARGET),
     ("duplicate replays, 64 connections", 1.0),
 ];
 
@@ -675,17 +689,14 @@ const THROUGHPUT_TARGETS: [(&str, f64); 3] = [
 /// its cores, less what the load generator and upstream (this process) use per request, measured
 /// in the nginx run. A proxy that needs more cannot reach the target here, however it schedules.
 fn budget(per: &HashMap<&str, Result_>, factor: f64) -> Option<f64> {
-    let n = per.get("nginx").filter(|r| r.requests > 0)?;
+    let n = per.get("nginx")?;
     let target = n.rps() * factor;
-    let driver = n.driver_cpu_secs * 1e6 / n.requests as f64;
-    let cores = std::thread::available_parallelism().map_or(1, |c| c.get()) as f64;
-    Some((cores * 1e6 - target * driver) / target)
+    Some((cores() as f64 * 1e6 - target * n.driver_us()?) / target)
 }
 
 /// The report's section on what each throughput target leaves the proxy, against what nginx,
 /// bare hyper and oncegate used per request in the same run.
 fn budgets(md: &mut String, results: &[(&Spec, HashMap<&str, Result_>)]) {
-    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let mut rows = String::new();
     for (name, factor) in THROUGHPUT_TARGETS {
         let Some((_, per)) = results.iter().find(|(w, _)| w.name == name) else {
@@ -695,16 +706,12 @@ fn budgets(md: &mut String, results: &[(&Spec, HashMap<&str, Result_>)]) {
             continue;
         };
         let cpu = |t: &str| {
-            per.get(t)
-                .filter(|r| r.requests > 0)
-                .map_or("-".into(), |r| {
-                    format!("{:.0}", r.cpu_secs * 1e6 / r.requests as f64)
-                })
+            (per.get(t).and_then(Result_::cpu_us)).map_or("-".into(), |us| format!("{us:.0}"))
         };
         rows.push_str(&format!(
             "| {name} | {factor}× nginx = {:.0} req/s | {:.0} | {b:.0} | {} | {} | {} |\n",
             n.rps() * factor,
-            n.driver_cpu_secs * 1e6 / n.requests as f64,
+            n.driver_us().unwrap_or(0.0),
             cpu("nginx"),
             cpu("bare hyper"),
             cpu("oncegate"),
@@ -714,7 +721,8 @@ fn budgets(md: &mut String, results: &[(&Spec, HashMap<&str, Result_>)]) {
         return;
     }
     md.push_str(&format!(
-        "\n## What each throughput target leaves the proxy\n\nAt the target's rate, {cores} cores less what the load generator and upstream use per request (measured in the nginx run) leave the proxy at most the budget below, in µs of CPU per request, with every core busy all the time. A proxy whose CPU per request is over it cannot reach the target on this machine; bare hyper's is what any proxy on hyper's server and pooled client pays before doing anything of its own.\n\n| workload | target | load generator and upstream | budget for the proxy | nginx | bare hyper | oncegate |\n|---|---|---:|---:|---:|---:|---:|\n"
+        "\n## What each throughput target leaves the proxy\n\nAt the target's rate, {} cores less what the load generator and upstream use per request (measured in the nginx run) leave the proxy at most the budget below, in µs of CPU per request, with every core busy all the time. A proxy whose CPU per request is over it cannot reach the target on this machine; bare hyper's is what any proxy on hyper's server and pooled client pays before doing anything of its own.\n\n| workload | target | load generator and upstream | budget for the proxy | nginx | bare hyper | oncegate |\n|---|---|---:|---:|---:|---:|---:|\n",
+        cores()
     ));
     md.push_str(&rows);
 }
@@ -866,15 +874,9 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             .iter()
             .map(|t| {
                 let r = &per[t.name];
-                if t.pid.is_some() && r.requests > 0 {
-                    format!(
-                        "{} {:.0} req/s ({:.0} µs CPU/req)",
-                        t.name,
-                        r.rps(),
-                        r.cpu_secs * 1e6 / r.requests as f64
-                    )
-                } else {
-                    format!("{} {:.0} req/s", t.name, r.rps())
+                match r.cpu_us().filter(|_| t.pid.is_some()) {
+                    Some(us) => format!("{} {:.0} req/s ({us:.0} µs CPU/req)", t.name, r.rps()),
+                    None => format!("{} {:.0} req/s", t.name, r.rps()),
                 }
             })
             .collect();
@@ -967,11 +969,9 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
                 } else {
                     "-".into()
                 },
-                if t.pid.is_some() && r.requests > 0 {
-                    format!("{:.0}", r.cpu_secs * 1e6 / r.requests as f64)
-                } else {
-                    "-".into()
-                },
+                r.cpu_us()
+                    .filter(|_| t.pid.is_some())
+                    .map_or("-".into(), |us| format!("{us:.0}")),
             ));
         }
     }
@@ -1052,11 +1052,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         ));
         let find = |name: &str| results.iter().find(|(s, _)| s.name == name).map(|(_, p)| p);
         if let Some(per) = find("unique durable writes, 64 connections") {
-            let cpu = |t: &str| {
-                per.get(t)
-                    .filter(|r| r.requests > 0)
-                    .map(|r| r.cpu_secs * 1e6 / r.requests as f64)
-            };
+            let cpu = |t: &str| per.get(t).and_then(Result_::cpu_us);
             if let (Some(og), Some(bare)) = (cpu("oncegate"), cpu("bare hyper")) {
                 md.push_str(&format!(
                     "- CPU per unique write at 64 connections: oncegate {og:.0} µs; the floor, bare hyper's forwarding plus sled alone, {bare:.0} + {:.0} = {:.0} µs\n",
@@ -1064,7 +1060,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
                     bare + fast.cpu_us_per_write
                 ));
             }
-            if let Some(b) = budget(per, 0.5) {
+            if let Some(b) = budget(per, WRITE_TARGET) {
                 md.push_str(&format!(
                     "- the budget at the target (above): at most {b:.0} µs of proxy CPU per write\n"
                 ));
