@@ -598,6 +598,7 @@ async fn preload(dir: &Path, n: usize) {
                 store
                     .claim(ClaimRequest {
                         fresh,
+                        key_source: oncegate::action::KeySource::Header,
                         max_attempts: 5,
                         owner: "preload".into(),
                         lease: 1000,

@@ -46,6 +46,7 @@ async fn one_write(s: &dyn Store) {
     let now = now_millis();
     s.claim(ClaimRequest {
         fresh: r,
+        key_source: KeySource::Header,
         max_attempts: 5,
         owner: "b".into(),
         lease: 60_000,

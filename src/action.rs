@@ -191,7 +191,11 @@ pub struct Record {
     pub created_at: Millis,
     pub updated_at: Millis,
     pub retention_ms: u64,
-    pub expires_at: Millis,
+    /// When a settled (`succeeded` or `failed`) record may be deleted: `retention` after it
+    /// settled. `None` while `in_flight` or `unknown`: such an action is never released by time
+    /// alone (SPEC §5).
+    #[serde(default)]
+    pub expires_at: Option<Millis>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub external_id: Option<String>,
     #[serde(default)]
@@ -227,6 +231,10 @@ pub struct Resolve {
     pub actor: String,
     pub reason: String,
     pub now: Millis,
+    /// A lookup that found nothing settles `not applied` only when the last send is at least
+    /// this old (SPEC §9 `absent_after`): a lagging index or a slow upstream may still show it.
+    /// Judged here, inside the store's atomic step and with the store's clock.
+    pub absent_after: Option<Millis>,
 }
 
 /// Why a resolution was not applied.
@@ -236,6 +244,13 @@ pub enum ResolveError {
     NotFound(String),
     #[error("action {id} is {state}, not unknown")]
     NotUnknown { id: String, state: &'static str },
+    /// Not found yet, but the last send is younger than `absent_after`: it stays unknown.
+    #[error("action {id} was last sent {age_ms} ms ago, less than absent_after ({absent_after_ms} ms): not found yet is not proof that it was not applied")]
+    TooEarly {
+        id: String,
+        age_ms: Millis,
+        absent_after_ms: Millis,
+    },
 }
 
 /// Settles an `unknown` action as applied (`succeeded`) or not applied (`failed`, so that the next
@@ -251,6 +266,16 @@ pub fn apply_resolve(
             id: id.to_string(),
             state: r.state.as_str(),
         });
+    }
+    if let (false, Some(wait)) = (res.applied, res.absent_after) {
+        let age = res.now.saturating_sub(r.last_sent().unwrap_or(0));
+        if age < wait {
+            return Err(ResolveError::TooEarly {
+                id: id.to_string(),
+                age_ms: age,
+                absent_after_ms: wait,
+            });
+        }
     }
     if let Some(a) = r.evidence.last_mut() {
         a.ended_at.get_or_insert(res.now);
@@ -301,7 +326,7 @@ impl Record {
             created_at: 0,
             updated_at: 0,
             retention_ms: 24 * 3_600_000,
-            expires_at: 0,
+            expires_at: None,
             external_id: None,
             needs_decision: false,
             request: RequestInfo::default(),
@@ -311,13 +336,33 @@ impl Record {
         }
     }
 
-    fn touch(&mut self, now: Millis) {
-        self.updated_at = now;
-        self.expires_at = now.saturating_add(self.retention_ms);
+    /// Whether the action has settled: `succeeded` or `failed`.
+    pub fn is_settled(&self) -> bool {
+        matches!(self.state, State::Succeeded | State::Failed)
     }
 
+    /// Records a change at `now`. Retention counts from the settlement; an unsettled record has
+    /// no expiry.
+    fn touch(&mut self, now: Millis) {
+        self.updated_at = now;
+        self.expires_at = self
+            .is_settled()
+            .then(|| now.saturating_add(self.retention_ms));
+    }
+
+    /// Whether a settled record's retention has passed. `in_flight` and `unknown` records never
+    /// expire, whatever their `expires_at` says (a record written by an older version may carry
+    /// one).
     pub fn is_expired(&self, now: Millis) -> bool {
-        now >= self.expires_at
+        self.is_settled() && self.expires_at.is_some_and(|e| now >= e)
+    }
+
+    /// The latest moment the write may have left the proxy: the newest of the last attempt's
+    /// start, end and tries. `None` when it was never sent.
+    pub fn last_sent(&self) -> Option<Millis> {
+        let a = self.evidence.last()?;
+        let tries = a.tries.iter().map(|t| t.at);
+        Some(tries.chain(a.ended_at).fold(a.started_at, Millis::max))
     }
 
     fn start_attempt(&mut self, owner: &str, lease: Millis, now: Millis) {
@@ -350,15 +395,37 @@ impl Record {
     }
 }
 
+/// Where the key of an action came from (SPEC §4.1). It decides what a different fingerprint
+/// under the same key means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeySource {
+    /// The client's `Idempotency-Key`: a different request under it is a reuse.
+    Header,
+    /// `Oncegate-Task` + `Oncegate-Step`: one step is one action, whatever body the agent
+    /// regenerated for it.
+    TaskStep,
+    /// The request's own fingerprint.
+    Fingerprint,
+}
+
 /// A request to claim an action for a new attempt (SPEC §5 step 2).
 #[derive(Debug, Clone)]
 pub struct ClaimRequest {
     /// The record to create when none exists (state and attempt fields are set by the claim).
     pub fresh: Record,
+    pub key_source: KeySource,
     pub max_attempts: u32,
     pub owner: String,
     pub lease: Millis,
     pub now: Millis,
+}
+
+impl ClaimRequest {
+    /// Whether this request reuses the key of `existing` for a different request (422
+    /// `key-reused`). Under a task-step key a different body is the same action (SPEC §4.1).
+    pub fn reuses_key(&self, existing: &Record) -> bool {
+        self.key_source != KeySource::TaskStep && existing.fingerprint != self.fresh.fingerprint
+    }
 }
 
 /// What a claim found.
@@ -391,7 +458,7 @@ pub fn decide_claim(current: Option<Record>, req: &ClaimRequest) -> (Claim, Opti
             r.start_attempt(&req.owner, req.lease, req.now);
             (Claim::Claimed(r.clone()), Some(r))
         }
-        Some(r) if r.fingerprint != req.fresh.fingerprint => (Claim::KeyReused(r), None),
+        Some(r) if req.reuses_key(&r) => (Claim::KeyReused(r), None),
         Some(r) if r.state == State::Failed && r.attempts >= req.max_attempts => {
             (Claim::Exhausted(r), None)
         }
@@ -504,6 +571,7 @@ pub(crate) mod tests {
     fn req(fp: &str, now: Millis) -> ClaimRequest {
         ClaimRequest {
             fresh: fresh(fp),
+            key_source: KeySource::Header,
             max_attempts: 2,
             owner: "me".into(),
             lease: 100,
@@ -538,7 +606,7 @@ pub(crate) mod tests {
         };
         assert_eq!(
             (r.state, r.attempts, r.expires_at),
-            (State::InFlight, 1, 1010)
+            (State::InFlight, 1, None)
         );
         let w = w.expect("a claim writes");
         // In flight: a duplicate sees it and writes nothing.
@@ -562,6 +630,97 @@ pub(crate) mod tests {
         // Expired: a new action, attempt 1.
         let (c, _) = decide_claim(Some(failed), &req("f", 14 + 1000));
         assert!(matches!(c, Claim::Claimed(ref r) if r.attempts == 1 && r.evidence.len() == 1));
+    }
+
+    #[test]
+    fn unsettled_actions_never_expire_and_retention_counts_from_the_settlement() {
+        // Retention 1000 ms. An attempt still running long after it: a duplicate waits on it.
+        let (_, w) = decide_claim(None, &req("f", 10));
+        let running = w.expect("claim writes");
+        let mut long = req("f", 10 + 5_000);
+        long.lease = 100_000;
+        let (c, w) = decide_claim(Some(running.clone()), &req("f", 10 + 50));
+        assert!(matches!(c, Claim::Existing(_)) && w.is_none());
+        let mut live = running.clone();
+        live.lease_until = Some(1_000_000);
+        let (c, w) = decide_claim(Some(live), &long);
+        assert!(
+            matches!(c, Claim::Existing(ref r) if r.state == State::InFlight) && w.is_none(),
+            "an attempt running past retention is not claimed again: {c:?}"
+        );
+        // Unknown, an hour later: still unknown, never a new action.
+        let unknown =
+            apply_settle(Some(running), "id1", 1, settle(State::Unknown, 20)).expect("settles");
+        assert_eq!(unknown.expires_at, None);
+        let (c, w) = decide_claim(Some(unknown.clone()), &req("f", 3_600_000));
+        assert!(
+            matches!(c, Claim::Existing(ref r) if r.state == State::Unknown) && w.is_none(),
+            "{c:?}"
+        );
+        // A record written by an older version with an expiry in the past: still unknown.
+        let old = Record {
+            expires_at: Some(5),
+            ..unknown
+        };
+        assert!(!old.is_expired(3_600_000));
+        // Settled at 3_600_000: it expires 1000 ms later, not 1000 ms after its creation.
+        let done = apply_resolve(
+            Some(old),
+            "id1",
+            Resolve {
+                applied: true,
+                external_id: None,
+                response: None,
+                body: None,
+                actor: "admin".into(),
+                reason: "checked".into(),
+                now: 3_600_000,
+                absent_after: None,
+            },
+        )
+        .expect("resolves");
+        assert_eq!(done.expires_at, Some(3_601_000));
+        assert!(!done.is_expired(3_600_999) && done.is_expired(3_601_000));
+    }
+
+    #[test]
+    fn a_task_step_key_is_one_action_whatever_the_body() {
+        let (_, w) = decide_claim(None, &req("f", 10));
+        let done = apply_settle(w, "id1", 1, settle(State::Succeeded, 11)).expect("settles");
+        let mut regenerated = req("a regenerated body", 12);
+        regenerated.key_source = KeySource::TaskStep;
+        assert!(
+            matches!(decide_claim(Some(done.clone()), &regenerated).0, Claim::Existing(ref r) if r.state == State::Succeeded)
+        );
+        // The same under a client's key is a reuse.
+        regenerated.key_source = KeySource::Header;
+        assert!(matches!(
+            decide_claim(Some(done), &regenerated).0,
+            Claim::KeyReused(_)
+        ));
+    }
+
+    #[test]
+    fn not_found_settles_not_applied_only_after_absent_after() {
+        let (_, w) = decide_claim(None, &req("f", 10));
+        let unknown = apply_settle(w, "id1", 1, settle(State::Unknown, 2_000)).expect("settles");
+        assert_eq!(unknown.last_sent(), Some(2_000));
+        let absent = |now| Resolve {
+            applied: false,
+            external_id: None,
+            response: None,
+            body: None,
+            actor: "lookup".into(),
+            reason: "404".into(),
+            now,
+            absent_after: Some(10_000),
+        };
+        assert!(matches!(
+            apply_resolve(Some(unknown.clone()), "id1", absent(2_300)),
+            Err(ResolveError::TooEarly { .. })
+        ));
+        let failed = apply_resolve(Some(unknown), "id1", absent(12_000)).expect("old enough");
+        assert_eq!(failed.state, State::Failed);
     }
 
     #[test]

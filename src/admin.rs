@@ -371,6 +371,8 @@ impl Admin {
             actor: "admin".into(),
             reason,
             now: (self.proxy.clock)(),
+            // An operator's word settles it either way, at once.
+            absent_after: None,
         };
         match self
             .proxy

@@ -117,7 +117,20 @@ pub struct LookupConfig {
     #[serde(default = "default_lookup_method")]
     pub method: String,
     pub path: String,
+    /// A JSON pointer to the created object's id in the answer.
     pub found: String,
+    /// A JSON pointer to the created object itself (default: the whole answer): what a replay
+    /// of a write settled by this lookup answers, so that a typed SDK gets the object the write
+    /// would have returned (Stripe's search: `/data/0`).
+    #[serde(default)]
+    pub object: String,
+    /// The status of that replay (default 200).
+    #[serde(default = "default_lookup_status")]
+    pub status: u16,
+    /// How long after the last send an answer that finds nothing means "not applied"; before
+    /// that the action stays unknown (search indexes lag, the upstream may still be working).
+    #[serde(default = "default_absent_after")]
+    pub absent_after: Dur,
     /// Headers every lookup sends, each read at start from the environment variable named here
     /// (`{ authorization = "PAY_LOOKUP_AUTH" }`): background and admin lookups have no caller
     /// whose credentials they could carry.
@@ -142,6 +155,14 @@ impl std::fmt::Debug for LookupHeaders {
 
 fn default_lookup_method() -> String {
     "GET".into()
+}
+
+fn default_lookup_status() -> u16 {
+    200
+}
+
+fn default_absent_after() -> Dur {
+    Dur(Duration::from_secs(600))
 }
 
 /// Declares a struct holding the overridable policy keys of SPEC §12 (all optional), plus the
@@ -452,6 +473,18 @@ fn lookup(l: &LookupConfig, key: &str) -> Result<LookupConfig, ConfigError> {
         return Err(invalid(
             format!("{key}.found"),
             "must be a JSON pointer (\"/id\")",
+        ));
+    }
+    if !l.object.is_empty() && !l.object.starts_with('/') {
+        return Err(invalid(
+            format!("{key}.object"),
+            "must be a JSON pointer (\"/data/0\"), or empty for the whole answer",
+        ));
+    }
+    if !(200..=299).contains(&l.status) {
+        return Err(invalid(
+            format!("{key}.status"),
+            "must be a 2xx status: the replay of an applied write",
         ));
     }
     let mut out = l.clone();

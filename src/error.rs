@@ -137,7 +137,7 @@ pub fn action_json(r: &Record) -> Value {
         "attempts": r.attempts,
         "created_at": rfc3339(r.created_at),
         "updated_at": rfc3339(r.updated_at),
-        "expires_at": rfc3339(r.expires_at),
+        "expires_at": r.expires_at.map(rfc3339),
         "external_id": r.external_id,
     })
 }

@@ -15,13 +15,7 @@ pub enum KeyError {
     Required,
 }
 
-/// Where the key of an action came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KeySource {
-    Header,
-    TaskStep,
-    Fingerprint,
-}
+pub use crate::action::KeySource;
 
 /// The identity of one write.
 #[derive(Debug, Clone, PartialEq, Eq)]

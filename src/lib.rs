@@ -116,6 +116,7 @@ pub fn store_options(config: &Config, metrics: &Metrics) -> Result<StoreOptions,
         flush_latency: Some(metrics.flush_latency.clone()),
         wal_checkpoint_bytes: None,
         log_segment_bytes: None,
+        caller_clock: false,
     })
 }
 

@@ -7,10 +7,11 @@ use http::header::HeaderMap;
 use http::{Method, StatusCode};
 use serde_json::Value;
 
-use crate::action::{BodyRef, Clock, Millis, Record, Resolve, Source, State, StoredResponse};
+use crate::action::{
+    BodyRef, Clock, Millis, Record, Resolve, ResolveError, Source, State, StoredResponse,
+};
 use crate::config::{LookupConfig, Policy, Upstream};
 use crate::log::{Actor, Event, LogEvent};
-use crate::redact::latin1;
 use crate::store::{Store, StoreError};
 use crate::upstream::{Outgoing, Upstreams};
 
@@ -48,26 +49,48 @@ fn encode_key(key: &str) -> String {
     out
 }
 
+/// What a lookup's answer says of the write.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Found {
+    /// The created object exists: its id and the object itself (at `object`; `None`: the whole
+    /// answer, kept byte for byte).
+    Applied {
+        external_id: String,
+        object: Option<Value>,
+    },
+    /// Nothing was found (404, or a 2xx without `found`).
+    Absent,
+}
+
 /// How the upstream's answer settles the action (pure; table-tested).
-pub fn judge(
-    cfg: &LookupConfig,
-    status: StatusCode,
-    body: &[u8],
-) -> Result<Option<String>, String> {
+pub fn judge(cfg: &LookupConfig, status: StatusCode, body: &[u8]) -> Result<Found, String> {
     if status == StatusCode::NOT_FOUND {
-        return Ok(None);
+        return Ok(Found::Absent);
     }
     if !status.is_success() {
         return Err(format!("lookup answered {status}"));
     }
-    let found = serde_json::from_slice::<Value>(body)
-        .ok()
-        .and_then(|v| v.pointer(&cfg.found).cloned())
-        .filter(|v| !v.is_null());
-    Ok(found.map(|v| match v {
-        Value::String(s) => s,
+    let Ok(answer) = serde_json::from_slice::<Value>(body) else {
+        return Ok(Found::Absent);
+    };
+    let Some(id) = answer.pointer(&cfg.found).filter(|v| !v.is_null()) else {
+        return Ok(Found::Absent);
+    };
+    let external_id = match id {
+        Value::String(s) => s.clone(),
         other => other.to_string(),
-    }))
+    };
+    let object =
+        match cfg.object.as_str() {
+            "" => None,
+            at => Some(answer.pointer(at).cloned().ok_or_else(|| {
+                format!("the lookup found {external_id} but nothing at object {at}")
+            })?),
+        };
+    Ok(Found::Applied {
+        external_id,
+        object,
+    })
 }
 
 /// The route policy that governs a stored action now.
@@ -140,26 +163,33 @@ pub async fn lookup(
         Err(reason) => return verdict_for(reason),
     };
     let res = match found {
-        Some(external_id) => Resolve {
-            applied: true,
-            external_id: Some(external_id.clone()),
-            response: Some(StoredResponse {
-                status: head.status.as_u16(),
-                headers: head
-                    .headers
-                    .iter()
-                    .map(|(k, v)| (k.as_str().to_string(), latin1(v.as_bytes())))
-                    .collect(),
-                size: body.len() as u64,
-                body: BodyRef::Inline,
-                source: Source::Lookup,
-            }),
-            body: Some(body),
-            actor: "lookup".into(),
-            reason: format!("lookup {} {} found {external_id}", cfg.method, cfg.path),
-            now,
-        },
-        None => Resolve {
+        Found::Applied {
+            external_id,
+            object,
+        } => {
+            // The replay answers what the write itself would have: the created object.
+            let body = match object {
+                Some(o) => bytes::Bytes::from(serde_json::to_vec(&o).expect("JSON serializes")),
+                None => body,
+            };
+            Resolve {
+                applied: true,
+                external_id: Some(external_id.clone()),
+                response: Some(StoredResponse {
+                    status: cfg.status,
+                    headers: vec![("content-type".into(), "application/json".into())],
+                    size: body.len() as u64,
+                    body: BodyRef::Inline,
+                    source: Source::Lookup,
+                }),
+                body: Some(body),
+                actor: "lookup".into(),
+                reason: format!("lookup {} {} found {external_id}", cfg.method, cfg.path),
+                now,
+                absent_after: None,
+            }
+        }
+        Found::Absent => Resolve {
             applied: false,
             external_id: None,
             response: None,
@@ -170,12 +200,15 @@ pub async fn lookup(
                 cfg.method, cfg.path, head.status
             ),
             now,
+            absent_after: Some(cfg.absent_after.0.as_millis() as Millis),
         },
     };
     let applied = res.applied;
     match store.resolve(record.id.clone(), res, Event::Lookup).await {
         Ok(r) if applied => Ok(Verdict::Applied(r)),
         Ok(r) => Ok(Verdict::NotApplied(r)),
+        // Found nothing yet, too soon after the send to say it was not applied.
+        Err(StoreError::Resolve(e @ ResolveError::TooEarly { .. })) => verdict_for(e.to_string()),
         // Settled meanwhile by someone else: report what it is now.
         Err(StoreError::Resolve(e)) => Ok(Verdict::Unknown(e.to_string())),
         Err(e) => Err(e),
@@ -252,28 +285,50 @@ mod tests {
 
     #[test]
     fn judging_answers() {
-        let cfg = LookupConfig {
+        let mut cfg = LookupConfig {
             method: "GET".into(),
             path: "/v1/charges?key={key}".into(),
             found: "/data/0/id".into(),
+            object: String::new(),
+            status: 200,
+            absent_after: crate::config::Dur(Duration::from_secs(600)),
             headers_env: Default::default(),
             headers: Default::default(),
         };
         let ok = StatusCode::OK;
+        let applied = |id: &str, object: Option<Value>| {
+            Ok(Found::Applied {
+                external_id: id.into(),
+                object,
+            })
+        };
+        let page = serde_json::json!({"object": "search_result", "data": [{"id": "ch_1", "object": "charge"}]});
         assert_eq!(
-            judge(&cfg, ok, br#"{"data":[{"id":"ch_1"}]}"#),
-            Ok(Some("ch_1".into()))
+            judge(&cfg, ok, page.to_string().as_bytes()),
+            applied("ch_1", None)
         );
         assert_eq!(
             judge(&cfg, ok, br#"{"data":[{"id":7}]}"#),
-            Ok(Some("7".into()))
+            applied("7", None)
         );
-        assert_eq!(judge(&cfg, ok, br#"{"data":[]}"#), Ok(None));
-        assert_eq!(judge(&cfg, ok, br#"{"data":[{"id":null}]}"#), Ok(None));
-        assert_eq!(judge(&cfg, ok, b"not json"), Ok(None));
-        assert_eq!(judge(&cfg, StatusCode::NOT_FOUND, b""), Ok(None));
+        assert_eq!(judge(&cfg, ok, br#"{"data":[]}"#), Ok(Found::Absent));
+        assert_eq!(
+            judge(&cfg, ok, br#"{"data":[{"id":null}]}"#),
+            Ok(Found::Absent)
+        );
+        assert_eq!(judge(&cfg, ok, b"not json"), Ok(Found::Absent));
+        assert_eq!(judge(&cfg, StatusCode::NOT_FOUND, b""), Ok(Found::Absent));
         assert!(judge(&cfg, StatusCode::INTERNAL_SERVER_ERROR, b"").is_err());
         assert!(judge(&cfg, StatusCode::UNAUTHORIZED, b"").is_err());
+        // `object` picks the created object out of a search result.
+        cfg.object = "/data/0".into();
+        assert_eq!(
+            judge(&cfg, ok, page.to_string().as_bytes()),
+            applied(
+                "ch_1",
+                Some(serde_json::json!({"id": "ch_1", "object": "charge"}))
+            )
+        );
     }
 
     #[test]

@@ -475,7 +475,8 @@ impl Proxy {
         waiter: &mut Option<Arc<Notify>>,
     ) -> Result<Next, ProxyError> {
         let wait_until = tokio::time::Instant::now() + job.policy.in_flight_wait;
-        let mut looked_up = false;
+        // What this request's lookup concluded, when it ran and settled nothing.
+        let mut looked_up: Option<String> = None;
         loop {
             // Registered only once a wait is needed, so other answers leave nothing behind.
             let notify = waiter.clone().unwrap_or_default();
@@ -486,6 +487,7 @@ impl Proxy {
                 .store
                 .claim(ClaimRequest {
                     fresh: fresh.clone(),
+                    key_source: job.identity.source,
                     max_attempts: job.policy.max_attempts,
                     owner: self.owner.clone(),
                     lease: Self::lease(&job.policy),
@@ -521,9 +523,9 @@ impl Proxy {
                         retry_after_secs: secs,
                     });
                 }
-                State::Unknown if job.policy.lookup.is_some() && !looked_up => {
+                State::Unknown if job.policy.lookup.is_some() && looked_up.is_none() => {
                     // SPEC §9: a duplicate asks the upstream (with its own credentials) first.
-                    looked_up = true;
+                    looked_up = Some(String::from("the lookup could not run"));
                     let verdict = lookup::lookup(
                         &self.upstreams,
                         self.store.as_ref(),
@@ -536,19 +538,27 @@ impl Proxy {
                     match verdict {
                         Ok(v) => {
                             self.metrics.lookup(v.label());
-                            // Settled (or settled meanwhile): claim again and act on the new state.
-                            continue;
+                            if let lookup::Verdict::Unknown(why) = v {
+                                looked_up = Some(why);
+                            }
                         }
                         Err(e) => tracing::warn!(error = %e, "lookup could not settle"),
                     }
+                    // Settled (or settled meanwhile): claim again and act on the new state.
                     continue;
                 }
                 State::Unknown => {
+                    let mut reason = String::from(
+                        "an earlier attempt may have been applied; nothing is sent until it is settled",
+                    );
+                    if let Some(why) = looked_up {
+                        reason = format!("{reason} (status lookup: {why})");
+                    }
                     return Err(ProxyError::OutcomeUnknown {
                         ctx: self.ctx(rec).await,
                         lost_now: false,
-                        reason: "an earlier attempt may have been applied; nothing is sent until it is settled".into(),
-                    })
+                        reason,
+                    });
                 }
                 // A claim never leaves a claimable `failed` record as `Existing`.
                 State::Failed => return Err(ProxyError::AttemptsExhausted(self.ctx(rec).await)),
@@ -674,7 +684,7 @@ impl Proxy {
                 let every = Duration::from_millis((lease / 3).max(100));
                 loop {
                     tokio::time::sleep(every).await;
-                    if let Err(e) = store.renew(&id, &owner, clock() + lease).await {
+                    if let Err(e) = store.renew(&id, &owner, lease, clock()).await {
                         tracing::warn!(error = %e, "could not renew the lease of an attempt");
                     }
                 }

@@ -116,6 +116,10 @@ pub struct StoreOptions {
     /// sled: start a new write-ahead log file (and checkpoint sled) after this many bytes
     /// (default [`wal::CHECKPOINT_BYTES`]; smaller in tests).
     pub wal_checkpoint_bytes: Option<u64>,
+    /// PostgreSQL: judge leases, send times and expiry by the `now` each call passes instead of
+    /// the database's clock. Only for tests that move time forward; a fleet must share one clock
+    /// (SPEC §13).
+    pub caller_clock: bool,
     /// sled: start a new write log file after this many bytes (default
     /// [`logfiles::SEGMENT_BYTES`]; smaller in tests). Pruning removes whole files.
     pub log_segment_bytes: Option<u64>,
@@ -172,13 +176,15 @@ pub trait Store: Send + Sync + 'static {
         event: Event,
     ) -> BoxFuture<'_, Result<Record, StoreError>>;
 
-    /// Extends the lease of an in-flight attempt this owner is running. Returns whether the
-    /// attempt was still this owner's. Stores used by one process need no leases.
+    /// Extends the lease of an in-flight attempt this owner is running to `lease` from now (the
+    /// store's now: a shared store reads its own clock, never the proxy's `now`). Returns whether
+    /// the attempt was still this owner's. Stores used by one process need no leases.
     fn renew(
         &self,
         _id: &str,
         _owner: &str,
-        _until: Millis,
+        _lease: Millis,
+        _now: Millis,
     ) -> BoxFuture<'_, Result<bool, StoreError>> {
         Box::pin(async { Ok(true) })
     }

@@ -119,6 +119,122 @@ async fn an_unknown_action_is_not_forgotten_before_its_retention() {
     );
 }
 
+/// Every store a test should hold for: sled, and PostgreSQL when a server is configured (judging
+/// time by the proxy's controlled clock, as `caller_clock` allows).
+async fn every_store(
+    test: &str,
+) -> Vec<(
+    &'static str,
+    Arc<dyn oncegate::store::Store>,
+    tempfile::TempDir,
+)> {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut stores = vec![("sled", sled(&tmp.path().join("s")), tmp)];
+    if let Some(base) = support::postgres_base(test) {
+        let url = support::fresh_database(&base).await;
+        let options = oncegate::store::StoreOptions {
+            caller_clock: true,
+            ..Default::default()
+        };
+        let pg = oncegate::store::postgres::PostgresStore::open(&url, options)
+            .await
+            .unwrap();
+        stores.push(("postgres", Arc::new(pg), tempfile::tempdir().unwrap()));
+    }
+    stores
+}
+
+#[tokio::test]
+async fn a_retry_after_retention_while_the_first_attempt_runs_is_not_sent() {
+    // retention 2s, timeout 10s; the upstream holds the write for longer than the retention and
+    // the agent retries at 3s: records are never released while in flight (SPEC §5, §13).
+    for (name, store, tmp) in
+        every_store("a_retry_after_retention_while_the_first_attempt_runs_is_not_sent").await
+    {
+        let up = FakeUpstream::start().await;
+        let (now, proxy) = on_controlled_clock(
+            &up,
+            "retention = \"2s\"\ntimeout = \"10s\"",
+            store.clone(),
+            tmp.path(),
+        )
+        .await;
+        let gate = Arc::new(Notify::new());
+        up.push(Behavior::Gate(
+            gate.clone(),
+            Box::new(Behavior::json(201, r#"{"id":"ch_1"}"#)),
+        ));
+        let url = proxy.url("/pay/v1/charges");
+        let first = {
+            let url = url.clone();
+            tokio::spawn(async move { TestClient::default().post(&url, &[(KEY, "K")], "a").await })
+        };
+        up.wait_for(1).await;
+        now.fetch_add(3_000, Ordering::SeqCst);
+        assert_eq!(
+            store.expire(now.load(Ordering::SeqCst)).await.unwrap(),
+            0,
+            "{name}"
+        );
+        let r = TestClient::default().post(&url, &[(KEY, "K")], "a").await;
+        assert_eq!(r.problem(), "in-flight", "{name}: {:?}", r.body);
+        assert_eq!(up.count(), 1, "{name}: the retry was not sent");
+        gate.notify_one();
+        assert_eq!(first.await.unwrap().status, 201, "{name}");
+        // Retention counts from the settlement: 1.9s after it, still a replay.
+        now.fetch_add(1_900, Ordering::SeqCst);
+        let r = TestClient::default().post(&url, &[(KEY, "K")], "a").await;
+        assert_eq!(r.header("oncegate-outcome"), Some("replayed"), "{name}");
+        assert_eq!(up.count(), 1, "{name}");
+        proxy.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn an_unknown_action_is_never_released_by_expiry() {
+    for (name, store, tmp) in every_store("an_unknown_action_is_never_released_by_expiry").await {
+        let up = FakeUpstream::start().await;
+        let (now, proxy) = on_controlled_clock(
+            &up,
+            "timeout = \"200ms\"\nretention = \"1h\"",
+            store.clone(),
+            tmp.path(),
+        )
+        .await;
+        up.push(Behavior::Hang);
+        let c = TestClient::default();
+        let url = proxy.url("/pay/v1/c");
+        assert_eq!(
+            c.post(&url, &[(KEY, "u")], "a").await.problem(),
+            "outcome-unknown"
+        );
+        // A day later, past any retention: the sweeper keeps it, and a retry is not sent.
+        now.fetch_add(24 * HOUR, Ordering::SeqCst);
+        assert_eq!(
+            store.expire(now.load(Ordering::SeqCst)).await.unwrap(),
+            0,
+            "{name}"
+        );
+        let r = c.post(&url, &[(KEY, "u")], "a").await;
+        assert_eq!(r.problem(), "outcome-unknown", "{name}");
+        assert_eq!(up.count(), 1, "{name}");
+        let id = r.header("oncegate-action").unwrap().to_string();
+        // Settled by an operator, it expires retention after the settlement.
+        let done = proxy
+            .admin(
+                "POST",
+                &format!("/v1/actions/{id}/resolve"),
+                r#"{"outcome":"applied","reason":"seen in the dashboard"}"#,
+            )
+            .await;
+        assert_eq!(done.status, 200, "{name}: {:?}", done.body);
+        let t = now.load(Ordering::SeqCst);
+        assert_eq!(store.expire(t + HOUR - 1).await.unwrap(), 0, "{name}");
+        assert_eq!(store.expire(t + HOUR).await.unwrap(), 1, "{name}");
+        proxy.stop().await;
+    }
+}
+
 #[tokio::test]
 async fn a_drain_lets_running_attempts_finish_and_records_them() {
     let up = FakeUpstream::start().await;

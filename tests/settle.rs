@@ -4,6 +4,8 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -62,18 +64,49 @@ async fn a_duplicate_of_an_unknown_write_is_settled_by_lookup_and_replays_its_an
     assert_eq!(a["resolution"]["actor"], "lookup");
 }
 
+/// A proxy on a fresh sled store whose clock the test moves (ms since the epoch).
+async fn on_controlled_clock(extra: &str) -> (FakeUpstream, TestProxy, Arc<AtomicU64>) {
+    let up = FakeUpstream::start().await;
+    let now = Arc::new(AtomicU64::new(1_800_000_000_000));
+    let read = now.clone();
+    let clock: oncegate::action::Clock = Arc::new(move || read.load(Ordering::SeqCst));
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.keep().join("s");
+    let store = Arc::new(oncegate::store::sled::SledStore::open(&dir, Default::default()).unwrap());
+    let proxy = TestProxy::start_with_clock(&config(&up.url(), extra), store, &dir, clock).await;
+    (up, proxy, now)
+}
+
 #[tokio::test]
-async fn a_lookup_that_finds_nothing_lets_the_next_attempt_go_with_the_same_key() {
-    let (up, proxy, _) = unknown_write(LOOKUP, "ch-key-2").await;
+async fn a_lookup_that_finds_nothing_keeps_the_write_unknown_until_absent_after() {
+    // The route times out; the upstream is still working on the write. A retry moments later
+    // asks the lookup, which finds nothing *yet* (SPEC §9): the write must not go again.
+    let (up, proxy, now) = on_controlled_clock(LOOKUP).await;
+    up.push(Behavior::Hang);
+    let c = TestClient::default();
+    let url = proxy.url("/pay/v1/charges");
+    let first = c.post(&url, &[(KEY, "ch-key-2")], "amount=5").await;
+    assert_eq!(first.problem(), "outcome-unknown");
     up.on("/v1/lookup/", Behavior::status(404));
+    now.fetch_add(2_300, Ordering::SeqCst);
+    let r = c.post(&url, &[(KEY, "ch-key-2")], "amount=5").await;
+    assert_eq!(r.status, 409, "{:?}", r.body);
+    assert_eq!(r.problem(), "outcome-unknown");
+    assert!(
+        r.json()["detail"]
+            .as_str()
+            .unwrap()
+            .contains("absent_after"),
+        "{:?}",
+        r.json()
+    );
+    assert_eq!(up.count_method("GET"), 1, "the lookup ran");
+    assert_eq!(up.count_method("POST"), 1, "the write was not sent again");
+    // Ten minutes after the last send, not found means not applied: the next attempt goes, with
+    // the same key.
+    now.fetch_add(10 * 60_000, Ordering::SeqCst);
     up.push(Behavior::json(201, r#"{"id":"ch_2"}"#));
-    let r = TestClient::default()
-        .post(
-            &proxy.url("/pay/v1/charges"),
-            &[(KEY, "ch-key-2")],
-            "amount=5",
-        )
-        .await;
+    let r = c.post(&url, &[(KEY, "ch-key-2")], "amount=5").await;
     assert_eq!(r.status, 201);
     assert_eq!(r.header("oncegate-outcome"), Some("sent"));
     assert_eq!(up.count_method("POST"), 2);
@@ -89,9 +122,9 @@ async fn a_lookup_that_fails_or_stalls_leaves_the_action_unknown() {
     for lookup_behavior in [
         Behavior::json(500, "{}"),
         Behavior::Hang,
+        // A 2xx without the field is "not found": too early to say not applied.
         Behavior::json(200, r#"{"id":null}"#),
     ] {
-        let is_null = matches!(&lookup_behavior, Behavior::Respond { status: 200, .. });
         let (up, proxy, id) = unknown_write(LOOKUP, "ch-key-3").await;
         up.on("/v1/lookup/", lookup_behavior);
         let r = TestClient::default()
@@ -101,11 +134,6 @@ async fn a_lookup_that_fails_or_stalls_leaves_the_action_unknown() {
                 "amount=5",
             )
             .await;
-        if is_null {
-            // A 2xx without the field settles it as not applied: the next attempt goes out.
-            assert_eq!(up.count_method("POST"), 2);
-            continue;
-        }
         assert_eq!(r.status, 409);
         assert_eq!(r.problem(), "outcome-unknown");
         assert_eq!(up.count_method("POST"), 1);
@@ -115,6 +143,38 @@ async fn a_lookup_that_fails_or_stalls_leaves_the_action_unknown() {
             .json();
         assert_eq!(a["state"], "unknown");
     }
+}
+
+#[tokio::test]
+async fn a_lookup_replays_the_created_object_not_the_search_result() {
+    // Stripe's search answers a list; `object` picks the charge, as `charges.create` returns it.
+    let extra = format!("{LOOKUP}\n").replace(
+        r#"found = "/id" }"#,
+        r#"found = "/data/0/id", object = "/data/0", status = 200 }"#,
+    );
+    let (up, proxy, _) = unknown_write(&extra, "ch-key-4").await;
+    up.on(
+        "/v1/lookup/",
+        Behavior::json(
+            200,
+            r#"{"object":"search_result","data":[{"id":"ch_9","object":"charge","amount":5}],"has_more":false}"#,
+        ),
+    );
+    let r = TestClient::default()
+        .post(
+            &proxy.url("/pay/v1/charges"),
+            &[(KEY, "ch-key-4")],
+            "amount=5",
+        )
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("oncegate-replay-source"), Some("lookup"));
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    assert_eq!(
+        r.json(),
+        serde_json::json!({"id": "ch_9", "object": "charge", "amount": 5})
+    );
+    assert_eq!(up.count_method("POST"), 1);
 }
 
 #[tokio::test]

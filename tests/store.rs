@@ -30,6 +30,7 @@ fn record(id: &str, fp: &str, task: Option<&str>) -> Record {
 fn claim_req(r: Record, now: Millis, lease: Millis) -> ClaimRequest {
     ClaimRequest {
         fresh: r,
+        key_source: KeySource::Header,
         max_attempts: 2,
         owner: "proxy-a".into(),
         lease,
@@ -166,9 +167,9 @@ async fn an_expired_lease_makes_the_action_unknown(s: S) {
         .await
         .unwrap();
     // Renewed: still in flight after the first lease.
-    assert!(s.renew("d1", "proxy-a", T0 + 5_000).await.unwrap());
+    assert!(s.renew("d1", "proxy-a", 1_000, T0 + 4_000).await.unwrap());
     assert!(
-        !s.renew("d1", "proxy-b", T0 + 9_000).await.unwrap(),
+        !s.renew("d1", "proxy-b", 1_000, T0 + 8_000).await.unwrap(),
         "only the owner renews"
     );
     let c = s
@@ -208,6 +209,7 @@ async fn resolves_only_unknown_actions(s: S) {
         actor: "admin".into(),
         reason: "checked".into(),
         now: T0 + 2,
+        absent_after: None,
     };
     let r = s
         .resolve("e1".into(), res(true), Event::Resolved)
@@ -411,7 +413,13 @@ async fn sled_store() -> (S, tempfile::TempDir) {
 async fn postgres_store(test: &str) -> Option<S> {
     let base = support::postgres_base(test)?;
     let url = support::fresh_database(&base).await;
-    let s = oncegate::store::postgres::PostgresStore::open(&url, Default::default())
+    // The suite moves time by the `now` it passes; the database's own clock is tested in
+    // `postgres_judges_leases_by_the_database_clock`.
+    let options = oncegate::store::StoreOptions {
+        caller_clock: true,
+        ..Default::default()
+    };
+    let s = oncegate::store::postgres::PostgresStore::open(&url, options)
         .await
         .unwrap();
     Some(Arc::new(s))

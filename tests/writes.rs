@@ -250,35 +250,45 @@ async fn the_same_key_from_two_principals_is_two_actions() {
 }
 
 #[tokio::test]
-async fn a_regenerated_body_for_a_done_step_is_refused_and_shows_completed_work() {
+async fn a_regenerated_body_for_a_done_step_is_the_same_action_and_replays_it() {
     let (up, proxy) = setup("external_id = \"/id\"").await;
     let c = TestClient::default();
     let url = proxy.url("/pay/v1/workspaces");
     let step = |s: &'static str| [("oncegate-task", "onboard-acme"), ("oncegate-step", s)];
     up.push(Behavior::json(201, r#"{"id":"ws_1"}"#));
-    let r = c
+    let first = c
         .post(&url, &step("create-workspace"), r#"{"name":"Acme"}"#)
         .await;
-    assert_eq!(r.status, 201);
-    assert!(r.header(KEY).unwrap().starts_with("ts-"));
+    assert_eq!(first.status, 201);
+    assert!(first.header(KEY).unwrap().starts_with("ts-"));
     up.push(Behavior::json(201, r#"{"id":"inv_1"}"#));
     c.post(&url, &step("invite-owner"), r#"{"email":"o@acme.test"}"#)
         .await;
-    // The agent restarted and regenerated the first step's body with other words.
+    // The agent restarted and regenerated the first step's body with other words (SPEC §4.1):
+    // one step of one task is one action, so it gets the first answer, and nothing is sent.
     let r = c
         .post(&url, &step("create-workspace"), r#"{"name":"ACME Inc"}"#)
         .await;
-    assert_eq!(r.status, 422);
-    assert_eq!(r.problem(), "key-reused");
-    let p = r.json();
-    assert_eq!(p["action"]["task"], "onboard-acme");
-    let completed = p["completed"].as_array().unwrap();
-    let steps: Vec<(&str, &str)> = completed
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    assert_eq!(r.header("oncegate-outcome"), Some("replayed"));
+    assert_eq!(r.body, r#"{"id":"ws_1"}"#);
+    assert_eq!(r.header("oncegate-action"), first.header("oncegate-action"));
+    assert_eq!(up.count(), 2);
+    // The upstream saw the task/step key.
+    assert_eq!(up.received()[0].header(KEY), r.header(KEY));
+    // The task view shows both steps done, as a resumed worker reads it.
+    let view = c
+        .get(&proxy.url("/_oncegate/tasks/onboard-acme"))
+        .await
+        .json();
+    let steps: Vec<(&str, &str)> = view["actions"]
+        .as_array()
+        .unwrap()
         .iter()
-        .map(|c| {
+        .map(|a| {
             (
-                c["step"].as_str().unwrap(),
-                c["external_id"].as_str().unwrap(),
+                a["step"].as_str().unwrap(),
+                a["external_id"].as_str().unwrap(),
             )
         })
         .collect();
@@ -286,10 +296,39 @@ async fn a_regenerated_body_for_a_done_step_is_refused_and_shows_completed_work(
         steps,
         [("create-workspace", "ws_1"), ("invite-owner", "inv_1")]
     );
-    assert_eq!(completed[0]["status"], 201);
-    assert_eq!(up.count(), 2);
-    // The upstream saw the task/step key.
-    assert_eq!(up.received()[0].header(KEY), r.header(KEY));
+}
+
+#[tokio::test]
+async fn a_storm_of_regenerated_bodies_for_one_step_sends_once() {
+    let (up, proxy) = setup("in_flight_wait = \"5s\"").await;
+    up.set_default(Behavior::Delay(
+        Duration::from_millis(200),
+        Box::new(Behavior::json(201, r#"{"id":"tk_1"}"#)),
+    ));
+    let url = proxy.url("/pay/v1/tickets");
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..50 {
+        let url = url.clone();
+        calls.spawn(async move {
+            TestClient::default()
+                .post(
+                    &url,
+                    &[
+                        ("oncegate-task", "support-42"),
+                        ("oncegate-step", "create_ticket"),
+                        ("content-type", "application/json"),
+                    ],
+                    &format!(r#"{{"title":"Printer on fire","draft":{i}}}"#),
+                )
+                .await
+        });
+    }
+    let mut statuses = Vec::new();
+    while let Some(r) = calls.join_next().await {
+        statuses.push(r.unwrap().status.as_u16());
+    }
+    assert!(statuses.iter().all(|s| *s == 201), "{statuses:?}");
+    assert_eq!(up.count(), 1, "one ticket, however the agent worded it");
 }
 
 #[tokio::test]

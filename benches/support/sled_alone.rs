@@ -124,7 +124,7 @@ fn run(duration: Duration, rate: Option<f64>) -> Floor {
     while started.elapsed() < duration {
         action.id = format!("{:032x}", u128::from(writes) * 0x9E37_79B9_7F4A_7C15);
         action.created_at = now_millis();
-        action.expires_at = action.created_at + 24 * 3_600_000;
+        action.expires_at = Some(action.created_at + 24 * 3_600_000);
         let keys = action_keys(&action);
         let (rec, rest) = keys.split_first().unwrap();
         let (body_key, indexes) = rest.split_first().unwrap();

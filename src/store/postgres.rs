@@ -66,10 +66,35 @@ INSERT INTO oncegate_log_head (id, seq, hash) VALUES (1, 0, '0000000000000000000
     r#"
 CREATE INDEX oncegate_actions_created ON oncegate_actions (created_at, id);
 "#,
+    // SPEC §5: only settled actions expire; an in-flight or unknown one has no expiry.
+    r#"
+ALTER TABLE oncegate_actions ALTER COLUMN expires_at DROP NOT NULL;
+UPDATE oncegate_actions SET expires_at = NULL WHERE state IN ('in_flight', 'unknown');
+"#,
 ];
+
+/// The database's clock, in milliseconds since the epoch. Every time a decision compares (lease
+/// ends, send times, expiry) is the database's, never a proxy's (SPEC §13): a proxy whose clock
+/// is wrong cannot judge another's attempt over.
+const DB_NOW: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
+
+/// The time a decision is judged by: the database's, or the caller's `given` time when the
+/// store was opened with [`StoreOptions::caller_clock`].
+async fn judge_time(tx: &Transaction<'_>, given: Option<Millis>) -> Result<Millis, StoreError> {
+    if let Some(t) = given {
+        return Ok(t);
+    }
+    let row = tx
+        .query_one(&format!("SELECT {DB_NOW}"), &[])
+        .await
+        .map_err(db)?;
+    Ok(row.get::<_, i64>(0).max(0) as Millis)
+}
 
 pub struct PostgresStore {
     pool: Pool,
+    /// Judge times by the `now` each call passes instead of the database's clock (tests).
+    caller_clock: bool,
     chain: Chain,
     log_retention: Option<Duration>,
     flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
@@ -146,12 +171,18 @@ impl PostgresStore {
             .map_err(unavailable)?;
         let store = PostgresStore {
             pool,
+            caller_clock: options.caller_clock,
             chain: options.chain,
             log_retention: options.log_retention,
             flush_latency: options.flush_latency,
         };
         store.migrate().await?;
         Ok(store)
+    }
+
+    /// The caller's time, when the store judges by it; `None`: the database's clock.
+    fn given(&self, now: Millis) -> Option<Millis> {
+        self.caller_clock.then_some(now)
     }
 
     /// Versioned migrations under an advisory lock, so that proxies starting together agree.
@@ -229,7 +260,7 @@ async fn write(tx: &Transaction<'_>, r: &Record, body: Option<&Bytes>) -> Result
         &r.owner,
         &lease,
         &(r.created_at as i64),
-        &(r.expires_at as i64),
+        &r.expires_at.map(|e| e as i64),
         &encode(r),
         &body,
     ];
@@ -287,8 +318,11 @@ async fn append(
 impl Store for PostgresStore {
     fn claim(&self, req: ClaimRequest) -> BoxFuture<'_, Result<Claim, StoreError>> {
         let chain = self.chain.clone();
+        let given = self.given(req.now);
         Box::pin(self.tx(move |tx| {
             Box::pin(async move {
+                let mut req = req;
+                req.now = judge_time(tx, given).await?;
                 // A new action is inserted atomically; a race loses to the row that exists.
                 let (fresh_claim, fresh_write) = decide_claim(None, &req);
                 let fresh = fresh_write.expect("a new action is always written");
@@ -306,7 +340,7 @@ impl Store for PostgresStore {
                             &fresh.owner,
                             &lease,
                             &(fresh.created_at as i64),
-                            &(fresh.expires_at as i64),
+                            &fresh.expires_at.map(|e| e as i64),
                             &encode(&fresh),
                         ],
                     )
@@ -339,6 +373,7 @@ impl Store for PostgresStore {
 
     fn settle(&self, req: SettleRequest) -> BoxFuture<'_, Result<Record, StoreError>> {
         let chain = self.chain.clone();
+        let given = self.given(req.settlement.now);
         Box::pin(self.tx(move |tx| {
             Box::pin(async move {
                 let SettleRequest {
@@ -354,6 +389,7 @@ impl Store for PostgresStore {
                         resp.body.clone()
                     };
                 }
+                settlement.now = judge_time(tx, given).await?;
                 let current = lock(tx, &id).await?;
                 let new = apply_settle(current, &id, attempt, settlement)?;
                 write(tx, &new, body.as_ref()).await?;
@@ -370,6 +406,7 @@ impl Store for PostgresStore {
         event: Event,
     ) -> BoxFuture<'_, Result<Record, StoreError>> {
         let chain = self.chain.clone();
+        let given = self.given(res.now);
         Box::pin(self.tx(move |tx| {
             Box::pin(async move {
                 let body = res.body.take();
@@ -382,6 +419,7 @@ impl Store for PostgresStore {
                     Actor::Admin
                 };
                 let reason = res.reason.clone();
+                res.now = judge_time(tx, given).await?;
                 let current = lock(tx, &id).await?;
                 let new = apply_resolve(current, &id, res)?;
                 write(tx, &new, body.as_ref()).await?;
@@ -395,16 +433,18 @@ impl Store for PostgresStore {
         &self,
         id: &str,
         owner: &str,
-        until: Millis,
+        lease: Millis,
+        now: Millis,
     ) -> BoxFuture<'_, Result<bool, StoreError>> {
         let (id, owner) = (id.to_string(), owner.to_string());
+        let given = self.given(now).map(|t| t as i64);
         Box::pin(async move {
             let c = self.pool.get().await.map_err(pool_err)?;
+            let sql = format!(
+                "UPDATE oncegate_actions SET lease_until = COALESCE($4, {DB_NOW}) + $3 WHERE id = $1 AND owner = $2 AND state = 'in_flight'"
+            );
             let n = c
-                .execute(
-                    "UPDATE oncegate_actions SET lease_until = $3 WHERE id = $1 AND owner = $2 AND state = 'in_flight'",
-                    &[&id, &owner, &(until as i64)],
-                )
+                .execute(sql.as_str(), &[&id, &owner, &(lease as i64), &given])
                 .await
                 .map_err(db)?;
             Ok(n == 1)
@@ -590,6 +630,7 @@ impl Store for PostgresStore {
         owner: Option<String>,
         now: Millis,
     ) -> BoxFuture<'_, Result<usize, StoreError>> {
+        let given = self.given(now);
         Box::pin(async move {
             // Shared store: a proxy recovers its own attempts (at its drain deadline) or anyone's
             // whose lease expired (at start and from the sweeper); never a live proxy's.
@@ -600,8 +641,8 @@ impl Store for PostgresStore {
                     .await,
                 None => c
                     .query(
-                        "SELECT id FROM oncegate_actions WHERE state = 'in_flight' AND lease_until < $1",
-                        &[&(now as i64)],
+                        &format!("SELECT id FROM oncegate_actions WHERE state = 'in_flight' AND lease_until < COALESCE($1, {DB_NOW})"),
+                        &[&given.map(|t| t as i64)],
                     )
                     .await,
             }
@@ -617,6 +658,7 @@ impl Store for PostgresStore {
                 let changed = self
                     .tx(move |tx| {
                         Box::pin(async move {
+                            let now = judge_time(tx, given).await?;
                             let Some(r) = lock(tx, &id).await? else { return Ok(false) };
                             let due = match &owner {
                                 Some(o) => r.owner.as_ref() == Some(o),
@@ -647,6 +689,7 @@ impl Store for PostgresStore {
     }
 
     fn expire(&self, now: Millis) -> BoxFuture<'_, Result<usize, StoreError>> {
+        let given = self.given(now);
         Box::pin(async move {
             // Leases are swept here too: any instance turns a dead proxy's attempts unknown.
             self.recover(None, now).await?;
@@ -654,9 +697,11 @@ impl Store for PostgresStore {
             let retention = self.log_retention;
             self.tx(move |tx| {
                 Box::pin(async move {
+                    let now = judge_time(tx, given).await?;
+                    // Only settled actions expire (SPEC §5), by the database's clock.
                     let rows = tx
                         .query(
-                            "DELETE FROM oncegate_actions WHERE expires_at <= $1 AND state <> 'in_flight' RETURNING id, record",
+                            "DELETE FROM oncegate_actions WHERE expires_at <= $1 AND state IN ('succeeded', 'failed') RETURNING id, record",
                             &[&(now as i64)],
                         )
                         .await

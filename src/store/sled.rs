@@ -318,8 +318,8 @@ fn task_key(task: &str, id: &str) -> Vec<u8> {
     format!("t/{task}\0{id}").into_bytes()
 }
 
-/// The expiry index groups actions by the minute they expire in: an action's claim and its
-/// outcome (each moves `expires_at`) usually land in one bucket, so its entry is written once.
+/// The expiry index groups settled actions by the minute they expire in (an action in flight or
+/// unknown has no entry: it never expires).
 const EXPIRY_BUCKET: Millis = 60_000;
 /// The expiry index's prefix; an entry is `e/{bucket:be64}{id}`.
 const EXPIRY_PREFIX: &[u8] = b"e/";
@@ -381,7 +381,7 @@ fn index_keys(r: &Record) -> impl Iterator<Item = Vec<u8>> + '_ {
     [
         state_indexed(r.state).then(|| state_key(r.state, &r.id)),
         r.task.as_ref().map(|t| task_key(t, &r.id)),
-        Some(expiry_key(r.expires_at, &r.id)),
+        r.expires_at.map(|e| expiry_key(e, &r.id)),
         Some(created_key(r.created_at, &r.id)),
         body_file(r).map(|sha| file_key(sha, &r.id)),
     ]
@@ -739,7 +739,7 @@ impl SledStore {
         }
         // What the cache holds is durable: the syncer puts a change in only after its
         // write-ahead log frame is (lease renewals aside, which only ever extend a lease).
-        if r.fingerprint != req.fresh.fingerprint {
+        if req.reuses_key(&r) {
             return Some(Claim::KeyReused(Record::clone(&r)));
         }
         match r.state {
@@ -965,9 +965,11 @@ impl Store for SledStore {
         &self,
         id: &str,
         owner: &str,
-        until: Millis,
+        lease: Millis,
+        now: Millis,
     ) -> BoxFuture<'_, Result<bool, StoreError>> {
         let (id, owner) = (id.to_string(), owner.to_string());
+        let until = now.saturating_add(lease);
         Box::pin(self.call(move |tx| Op::Renew(id, owner, until, tx)))
     }
 
@@ -1995,10 +1997,9 @@ impl Writer {
             let Some(r) = self.read(pending, &id)? else {
                 continue;
             };
-            // Never expire an attempt that is still running; skip entries of an older expiry.
+            // Only settled records expire (`is_expired`); skip entries of an older expiry.
             if !r.is_expired(now)
-                || r.state == State::InFlight
-                || expiry_key(r.expires_at, &id) != **k
+                || r.expires_at.map(|e| expiry_key(e, &id)).as_deref() != Some(&**k)
             {
                 continue;
             }

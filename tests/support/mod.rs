@@ -789,9 +789,10 @@ mod faulty {
             &self,
             id: &str,
             owner: &str,
-            until: Millis,
+            lease: Millis,
+            now: Millis,
         ) -> BoxFuture<'_, Result<bool, StoreError>> {
-            self.inner.renew(id, owner, until)
+            self.inner.renew(id, owner, lease, now)
         }
         fn log(&self, after: u64, limit: usize) -> BoxFuture<'_, Result<Vec<Entry>, StoreError>> {
             self.inner.log(after, limit)
