@@ -185,6 +185,126 @@ async fn a_proxy_killed_mid_attempt_is_unknown_on_the_other_after_its_lease() {
     assert_eq!(up.count(), 1, "B never sent it again");
 }
 
+/// A lookup that finds nothing yet (a lagging search index, or an upstream still working).
+const LOOKUP_404: &str = r#"lookup = { path = "/v1/lookup/{key}", found = "/id" }"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_proxy_past_its_lease_never_lets_the_other_send_again() {
+    let up = FakeUpstream::start().await;
+    let extra = format!("timeout = \"4s\"\nretries = 0\n{LOOKUP_404}");
+    let Some(f) = fleet("a_paused_proxy_past_its_lease", &up, &extra).await else {
+        return;
+    };
+    up.on("/v1/lookup/", Behavior::status(404));
+    let (a, b) = (f.proxy().await, f.proxy().await);
+    let gate = Arc::new(Notify::new());
+    up.push(Behavior::Gate(
+        gate.clone(),
+        Box::new(Behavior::json(201, r#"{"id":"ch_p"}"#)),
+    ));
+    let url = a.url("/pay/v1/charges");
+    let first = tokio::spawn(async move {
+        TestClient::default()
+            .post(&url, &[(KEY, "k-paused")], "x")
+            .await
+    });
+    up.wait_for(1).await;
+    // A stops (a long GC pause, a frozen VM) past its lease (4s + 2s): B judges it over.
+    let pid = a.child.id().to_string();
+    let signal = |sig: &str| {
+        std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap()
+    };
+    signal("-STOP");
+    let c = TestClient::default();
+    let burl = b.url("/pay/v1/charges");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let r = loop {
+        let r = c.post(&burl, &[(KEY, "k-paused")], "x").await;
+        if r.problem() != "in-flight" {
+            break r;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the lease never expired"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    // Its lookup finds nothing *yet*: that is no proof, so the write stays unknown (SPEC §9).
+    assert_eq!(r.problem(), "outcome-unknown", "{:?}", r.json());
+    assert!(up.count_method("GET") >= 1, "B asked the lookup");
+    assert_eq!(up.count_method("POST"), 1, "B never sent it again");
+    // A wakes up. Whether its answer or its own timeout comes first (the pause outlasted it),
+    // what A records is what B then answers: a replay, or still unknown; never a second send.
+    signal("-CONT");
+    gate.notify_one();
+    let first = first.await.unwrap();
+    let again = c.post(&burl, &[(KEY, "k-paused")], "x").await;
+    match first.status.as_u16() {
+        201 => assert_eq!(again.header("oncegate-outcome"), Some("replayed")),
+        504 => assert_eq!(again.problem(), "outcome-unknown"),
+        other => panic!("A answered {other}: {:?}", first.body),
+    }
+    assert_eq!(up.count_method("POST"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_whose_clock_runs_ahead_does_not_judge_another_attempt_over() {
+    // Two proxies on one database; B's clock is 90 s ahead. Leases are judged by the database's
+    // clock (SPEC §13), so B sees A's running attempt as in flight, not as a dead one.
+    let Some(base) = support::postgres_base("a_proxy_whose_clock_runs_ahead") else {
+        return;
+    };
+    let db_url = support::fresh_database(&base).await;
+    let up = FakeUpstream::start().await;
+    up.on("/v1/lookup/", Behavior::status(404));
+    let cfg = config(&up.url(), &format!("timeout = \"10s\"\n{LOOKUP_404}"));
+    let tmp = tempfile::tempdir().unwrap();
+    let store = || async {
+        let s = oncegate::store::postgres::PostgresStore::open(&db_url, Default::default())
+            .await
+            .unwrap();
+        Arc::new(s) as Arc<dyn oncegate::store::Store>
+    };
+    let a = support::TestProxy::start_with_store(&cfg, store().await, tmp.path()).await;
+    let ahead: oncegate::action::Clock = Arc::new(|| oncegate::action::now_millis() + 90_000);
+    let b = support::TestProxy::start_with_clock(&cfg, store().await, tmp.path(), ahead).await;
+    let gate = Arc::new(Notify::new());
+    up.push(Behavior::Gate(
+        gate.clone(),
+        Box::new(Behavior::json(201, r#"{"id":"ch_s"}"#)),
+    ));
+    let url = a.url("/pay/v1/charges");
+    let first = tokio::spawn(async move {
+        TestClient::default()
+            .post(&url, &[(KEY, "k-skew")], "x")
+            .await
+    });
+    up.wait_for(1).await;
+    let r = TestClient::default()
+        .post(&b.url("/pay/v1/charges"), &[(KEY, "k-skew")], "x")
+        .await;
+    assert_eq!(r.problem(), "in-flight", "{:?}", r.json());
+    assert_eq!(up.count_method("POST"), 1);
+    // B's sweeper, ahead too, does not turn it unknown either.
+    assert_eq!(
+        b.store
+            .recover(None, oncegate::action::now_millis() + 90_000)
+            .await
+            .unwrap(),
+        0
+    );
+    gate.notify_one();
+    assert_eq!(first.await.unwrap().status, 201);
+    let r = TestClient::default()
+        .post(&b.url("/pay/v1/charges"), &[(KEY, "k-skew")], "x")
+        .await;
+    assert_eq!(r.header("oncegate-outcome"), Some("replayed"));
+    assert_eq!(up.count_method("POST"), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn when_the_database_is_down_writes_get_503_reads_flow_and_the_proxy_recovers() {
     let up = FakeUpstream::start().await;
