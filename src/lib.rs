@@ -162,6 +162,12 @@ fn sweep_interval(config: &Config) -> std::time::Duration {
         )
 }
 
+/// How long before the end of the drain running attempts are cut, to record them and answer
+/// their clients: a tenth of `drain_timeout`, at most one second.
+fn cut_margin(drain: std::time::Duration) -> std::time::Duration {
+    (drain / 10).min(std::time::Duration::from_secs(1))
+}
+
 /// Runs the proxy until `shutdown` resolves, then drains: stops accepting, lets open requests
 /// and running attempts finish within `drain_timeout`, and makes the store durable.
 pub async fn run(
@@ -221,7 +227,6 @@ pub async fn run(
     if let Ok(addr) = listeners.proxy.local_addr() {
         tracing::info!(%addr, upstreams = config.upstreams.len(), "oncegate listening");
     }
-    let started = tokio::time::Instant::now();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
@@ -272,22 +277,35 @@ pub async fn run(
         let proxy = proxy.clone();
         move |req| proxy.clone().handle(req)
     };
+    // The drain runs from the shutdown signal: at `drain_timeout` less a margin, attempts still
+    // running are cut (recorded unknown, their clients answered 504), so that the answers are
+    // out before the connections' own drain ends at `drain_timeout`.
+    let drain = config.server.drain_timeout;
+    let cut_at = drain.saturating_sub(cut_margin(drain));
+    let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel();
+    let shutdown = {
+        let proxy = proxy.clone();
+        async move {
+            shutdown.await;
+            let _ = signalled_tx.send(tokio::time::Instant::now());
+            tokio::spawn(async move {
+                tokio::time::sleep(cut_at).await;
+                proxy.cut_attempts();
+            });
+        }
+    };
     let drained = server::serve(listeners.proxy, listen, handler, shutdown).await;
+    let signalled = signalled_rx
+        .await
+        .unwrap_or_else(|_| tokio::time::Instant::now());
     let _ = stop_tx.send(true);
     background.abort();
     sweeper.abort();
-    // Attempts whose clients left still run in their own tasks: give them the rest of the drain.
+    // Actions whose clients left still run in their own tasks: give them the rest of the drain.
     proxy.attempts().close();
-    let left = config
-        .server
-        .drain_timeout
-        .saturating_sub(started.elapsed().min(config.server.drain_timeout));
-    let attempts_done = tokio::time::timeout(
-        left.max(std::time::Duration::from_millis(1)),
-        proxy.attempts().wait(),
-    )
-    .await
-    .is_ok();
+    let attempts_done = tokio::time::timeout_at(signalled + drain, proxy.attempts().wait())
+        .await
+        .is_ok();
     if let Some(t) = admin_task {
         let _ = t.await;
     }

@@ -22,6 +22,7 @@ use hyper::body::Incoming;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
@@ -47,6 +48,20 @@ use crate::upstream::{
 /// whose head is larger reaches its client whole, but a duplicate gets 409 `already-applied`, as
 /// for a body over `max_stored_response`: it keeps records small (`store::sled::RECORD_MAX`).
 pub const STORED_HEAD_MAX: usize = 16 * 1024;
+
+/// How long the outcome of an attempt is retried against a store that cannot take it: longer
+/// than a routine database restart (SPEC §6).
+pub const SETTLE_PATIENCE: Duration = Duration::from_secs(30);
+
+/// A task aborted when its handle is dropped: a lease renewer ends with its attempt, however
+/// the attempt ends (a panic included).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
 
 /// Statuses after which sending the same write again unchanged is not expected to work.
 const NEEDS_DECISION: &[u16] = &[400, 401, 403, 404, 405, 409, 410, 422];
@@ -101,6 +116,8 @@ pub struct Proxy {
     waiters: Waiters,
     /// Attempts running in their own tasks; drained on shutdown.
     attempts: TaskTracker,
+    /// Cancelled at the drain deadline: attempts still running are cut and recorded unknown.
+    deadline: CancellationToken,
 }
 
 /// What a claim leads to.
@@ -192,11 +209,17 @@ impl Proxy {
             store,
             waiters: Waiters::default(),
             attempts: TaskTracker::new(),
+            deadline: CancellationToken::new(),
         })
     }
 
     pub fn attempts(&self) -> &TaskTracker {
         &self.attempts
+    }
+
+    /// Cuts the attempts still running: the drain deadline has come.
+    pub fn cut_attempts(&self) {
+        self.deadline.cancel();
     }
 
     /// Serves one request. Errors are logged here, once, and answered as problems.
@@ -447,6 +470,11 @@ impl Proxy {
     }
 
     /// Phase `claim`: decides what this request gets (SPEC §5 step 2), then acts on it.
+    ///
+    /// From the claim on, the work belongs to the action, not to the client's connection (SPEC
+    /// §5 step 4): it runs in a task of its own, so a client that goes away while its claim is
+    /// being made durable (or its attempt runs) cancels nothing, and the action never stays
+    /// `in_flight` with no attempt behind it.
     async fn claim(self: &Arc<Self>, job: WriteJob) -> Result<Response<ProxyBody>, ProxyError> {
         // A duplicate of a write that succeeded, held in memory: the answer a claim would give,
         // without building the fresh record or asking the writer.
@@ -455,6 +483,32 @@ impl Proxy {
                 return self.replay(&rec, body).await;
             }
         }
+        let me = self.clone();
+        let claimed = Arc::new(Mutex::new(None));
+        let slot = claimed.clone();
+        let span = tracing::Span::current();
+        let task = self
+            .attempts
+            .spawn(async move { me.claim_and_act(job, slot).await }.instrument(span));
+        match task.await {
+            Ok(r) => r,
+            Err(e) => {
+                let claimed = claimed
+                    .lock()
+                    .expect("the claimed slot is never poisoned: it is only set")
+                    .take();
+                self.after_panic(e, claimed).await
+            }
+        }
+    }
+
+    /// The claim and what follows it, in the action's own task. `claimed` receives the record
+    /// once this task owns an attempt, for [`Proxy::after_panic`].
+    async fn claim_and_act(
+        self: Arc<Self>,
+        job: WriteJob,
+        claimed: Arc<Mutex<Option<Record>>>,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
         let fresh = self.fresh_record(&job);
         let mut waiter = None;
         let next = self.decide(&job, &fresh, &mut waiter).await;
@@ -462,9 +516,59 @@ impl Proxy {
             self.waiters.release(&fresh.id, w);
         }
         match next? {
-            Next::Attempt(rec) => self.attempt(job, rec).await,
+            Next::Attempt(rec) => {
+                if let Ok(mut slot) = claimed.lock() {
+                    *slot = Some(rec.clone());
+                }
+                self.run_attempt(job, rec).await
+            }
             Next::Replay(rec) => self.replay(&rec, None).await,
         }
+    }
+
+    /// The action's task ended in a panic (a bug). If it had claimed an attempt, the request may
+    /// have left: the action is recorded `unknown` and the client told so (SPEC §6), never
+    /// "nothing was sent".
+    async fn after_panic(
+        &self,
+        e: tokio::task::JoinError,
+        claimed: Option<Record>,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        tracing::error!(error = %e, "the task of a write ended without an answer");
+        let Some(rec) = claimed else {
+            // It ended before owning an attempt: nothing was sent.
+            return Err(ProxyError::StoreUnavailable {
+                error: format!("internal error before the write was sent: {e}"),
+                ctx: None,
+            });
+        };
+        let reason = format!(
+            "internal error during the attempt ({e}); the request may have reached the upstream"
+        );
+        let req = SettleRequest {
+            id: rec.id.clone(),
+            attempt: rec.attempts,
+            settlement: Settlement {
+                state: State::Unknown,
+                tries: vec![Try {
+                    at: (self.clock)(),
+                    phase: Some(crate::action::Phase::Send),
+                    error: Some(reason.clone()),
+                    ..Try::default()
+                }],
+                response: None,
+                external_id: None,
+                needs_decision: false,
+                now: (self.clock)(),
+            },
+            body: None,
+        };
+        let rec = self.settle(req, &rec).await?;
+        Err(ProxyError::OutcomeUnknown {
+            ctx: self.ctx(rec).await,
+            lost_now: true,
+            reason,
+        })
     }
 
     /// Claims the action, waiting up to `in_flight_wait` for a running attempt to end.
@@ -611,10 +715,10 @@ impl Proxy {
             Some(b) => b,
             None => match self.store.body(rec).await {
                 Ok(Some(b)) => b,
-                // A stored response whose body cannot be read: the write is applied all the same.
-                Ok(None) | Err(_) => {
-                    return Err(ProxyError::AlreadyApplied(self.ctx(rec.clone()).await))
-                }
+                // The body is gone for good: the write is applied all the same.
+                Ok(None) => return Err(ProxyError::AlreadyApplied(self.ctx(rec.clone()).await)),
+                // It cannot be read at this moment: ask again later, and get the replay (SPEC §6).
+                Err(e) => return Err(store_unavailable(e, None)),
             },
         };
         let mut resp = replay(rec, body);
@@ -627,26 +731,7 @@ impl Proxy {
         Ok(resp)
     }
 
-    /// Phases `send`, `settle` and `answer`, in a task of their own.
-    async fn attempt(
-        self: &Arc<Self>,
-        job: WriteJob,
-        rec: Record,
-    ) -> Result<Response<ProxyBody>, ProxyError> {
-        let me = self.clone();
-        let span = tracing::Span::current();
-        let task = self
-            .attempts
-            .spawn(async move { me.run_attempt(job, rec).await }.instrument(span));
-        match task.await {
-            Ok(r) => r,
-            Err(e) => Err(ProxyError::StoreUnavailable {
-                error: format!("attempt task failed: {e}"),
-                ctx: None,
-            }),
-        }
-    }
-
+    /// Phases `send`, `settle` and `answer`, in the action's task.
     async fn run_attempt(
         self: Arc<Self>,
         job: WriteJob,
@@ -680,7 +765,7 @@ impl Proxy {
         let renewer = {
             let (store, id, owner) = (self.store.clone(), rec.id.clone(), self.owner.clone());
             let (lease, clock) = (Self::lease(policy), self.clock.clone());
-            tokio::spawn(async move {
+            AbortOnDrop(tokio::spawn(async move {
                 let every = Duration::from_millis((lease / 3).max(100));
                 loop {
                     tokio::time::sleep(every).await;
@@ -688,23 +773,37 @@ impl Proxy {
                         tracing::warn!(error = %e, "could not renew the lease of an attempt");
                     }
                 }
-            })
+            }))
         };
         let mut tries: Vec<Try> = Vec::new();
         let result = match out {
             Ok(out) => {
                 let started = std::time::Instant::now();
-                let r = self
-                    .upstreams
-                    .send_write(
-                        &job.upstream,
-                        policy,
-                        &out,
-                        body,
-                        self.config.server.max_stored_response,
-                        &mut tries,
-                    )
-                    .await;
+                let send = self.upstreams.send_write(
+                    &job.upstream,
+                    policy,
+                    &out,
+                    body,
+                    self.config.server.max_stored_response,
+                    &mut tries,
+                );
+                // At the drain deadline an attempt still waiting for its answer is cut: its
+                // outcome is recorded unknown and its client answered 504, before the proxy
+                // stops (SPEC §5 step 6), rather than a dropped connection.
+                let cut = tokio::select! {
+                    r = send => Ok(r),
+                    () = self.deadline.cancelled() => Err(crate::action::Phase::Response),
+                };
+                let r = cut.unwrap_or_else(|phase| {
+                    let error = "the proxy stopped (drain_timeout) during this attempt".to_string();
+                    tries.push(Try {
+                        at: crate::action::now_millis(),
+                        phase: Some(phase),
+                        error: Some(error.clone()),
+                        ..Try::default()
+                    });
+                    AttemptResult::Lost { phase, error }
+                });
                 self.metrics
                     .upstream_latency(job.upstream.label, started.elapsed().as_secs_f64());
                 r
@@ -712,7 +811,7 @@ impl Proxy {
             // Nothing can be sent: treated as a try that did not reach the upstream.
             Err(e) => AttemptResult::Unreachable(format!("cannot build the upstream request: {e}")),
         };
-        renewer.abort();
+        drop(renewer);
         let now = (self.clock)();
         let attempt = rec.attempts;
         let settle = |state, response, external_id, needs_decision, body| SettleRequest {
@@ -813,20 +912,23 @@ impl Proxy {
     }
 
     /// Phase `settle`: the outcome is durable before the client hears it. The outcome is known
-    /// here, so a store that blinks (a database connection cut) is given a few more tries
-    /// before the action is left for recovery as unknown.
+    /// here, so a store that is away for a while (a database restart) is given up to
+    /// [`SETTLE_PATIENCE`] before the action is left for recovery as unknown (SPEC §6). A store
+    /// that broke for good (the embedded store after a failed write) is not waited for.
     async fn settle(&self, req: SettleRequest, claimed: &Record) -> Result<Record, ProxyError> {
         let id = req.id.clone();
+        let give_up = tokio::time::Instant::now() + SETTLE_PATIENCE;
+        let mut wait = Duration::from_millis(50);
         let mut result = self.store.settle(req.clone()).await;
-        for wait in [100, 400, 1000] {
-            match &result {
-                Err(StoreError::Unavailable(e)) => {
-                    tracing::warn!(error = %e, "recording the outcome failed; trying again");
-                    tokio::time::sleep(Duration::from_millis(wait)).await;
-                    result = self.store.settle(req.clone()).await;
-                }
-                _ => break,
+        while let Err(StoreError::Unavailable(e)) = &result {
+            let now = tokio::time::Instant::now();
+            if now >= give_up {
+                break;
             }
+            tracing::warn!(error = %e, "recording the outcome failed; trying again");
+            tokio::time::sleep(wait.min(give_up - now)).await;
+            wait = (wait * 2).min(Duration::from_secs(1));
+            result = self.store.settle(req.clone()).await;
         }
         self.waiters.wake(&id);
         match result {

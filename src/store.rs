@@ -21,9 +21,13 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    /// The store cannot record anything now (I/O error, closed, database down).
+    /// The store cannot record anything now (a database down or restarting); it may again soon.
     #[error("store unavailable: {0}")]
     Unavailable(String),
+    /// The store failed and takes no change until the proxy restarts (a write error or failed
+    /// fdatasync of the embedded store: what is on disk can no longer be trusted to follow).
+    #[error("the store takes no changes until restarted: {0}")]
+    Broken(String),
     #[error(transparent)]
     Settle(#[from] SettleError),
     #[error(transparent)]

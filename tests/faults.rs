@@ -278,7 +278,7 @@ async fn attempts_still_running_at_the_drain_deadline_are_recorded_unknown() {
     let proxy = TestProxy::start_with_store(&cfg, store.clone(), tmp.path()).await;
     up.push(Behavior::Hang);
     let url = proxy.url("/pay/v1/c");
-    let _client = tokio::spawn(async move {
+    let client = tokio::spawn(async move {
         TestClient::default()
             .post(&url, &[(KEY, "stuck")], "a")
             .await
@@ -287,6 +287,11 @@ async fn attempts_still_running_at_the_drain_deadline_are_recorded_unknown() {
     tokio::time::timeout(Duration::from_secs(10), proxy.stop())
         .await
         .expect("the drain is bounded by drain_timeout");
+    // The client is told, not dropped: its write may have been applied.
+    let r = client.await.unwrap();
+    assert_eq!(r.status, 504, "{:?}", r.body);
+    assert_eq!(r.problem(), "outcome-unknown");
+    assert_eq!(r.json()["duplicate_risk"], true);
     // Read what the stopped proxy left behind, before any restart recovery.
     let store = sled(&dir);
     let all = store.scan(Default::default(), 10).await.unwrap();
@@ -328,6 +333,175 @@ async fn a_store_that_fails_after_sending_never_answers_success_and_the_action_i
     let r = c.post(&proxy.url("/pay/v1/c"), &[(KEY, "sf")], "a").await;
     assert_eq!(r.problem(), "outcome-unknown");
     assert_eq!(up.count(), 1);
+}
+
+#[tokio::test]
+async fn the_drain_deadline_runs_from_the_shutdown_not_from_the_start() {
+    // drain_timeout 1s, and a proxy up for longer than that: a write that needs 300 ms when the
+    // shutdown comes still gets its whole drain, and its answer.
+    let up = FakeUpstream::start().await;
+    let cfg = config(&up.url(), "timeout = \"10s\"")
+        .replace("drain_timeout = \"5s\"", "drain_timeout = \"1s\"");
+    let proxy = TestProxy::start(&cfg).await;
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    up.push(Behavior::Delay(
+        Duration::from_millis(300),
+        Box::new(Behavior::json(201, r#"{"id":"late"}"#)),
+    ));
+    let url = proxy.url("/pay/v1/c");
+    let client = tokio::spawn(async move {
+        TestClient::default()
+            .post(&url, &[(KEY, "drain-late")], "a")
+            .await
+    });
+    up.wait_for(1).await;
+    let store = proxy.store.clone();
+    proxy.stop().await;
+    let r = client.await.unwrap();
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    assert_eq!(r.header("oncegate-outcome"), Some("sent"));
+    let all = store.scan(Default::default(), 10).await;
+    // The store is closed after the stop; what matters is what the client heard.
+    drop(all);
+}
+
+#[tokio::test]
+async fn an_outcome_is_recorded_through_a_store_outage_longer_than_a_database_restart() {
+    // A PostgreSQL restart takes seconds; the outcome is known and must not become unknown.
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let faulty = Arc::new(FaultyStore::new(sled(&tmp.path().join("s"))));
+    let proxy =
+        TestProxy::start_with_store(&config(&up.url(), ""), faulty.clone(), tmp.path()).await;
+    up.push(Behavior::json(201, r#"{"id":"ch_r"}"#));
+    faulty.away_settles.store(true, Ordering::SeqCst);
+    let back = {
+        let faulty = faulty.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(2_500)).await;
+            faulty.away_settles.store(false, Ordering::SeqCst);
+        })
+    };
+    let c = TestClient::default();
+    let r = c
+        .post(&proxy.url("/pay/v1/c"), &[(KEY, "restart")], "a")
+        .await;
+    back.await.unwrap();
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    assert_eq!(r.header("oncegate-outcome"), Some("sent"));
+    let again = c
+        .post(&proxy.url("/pay/v1/c"), &[(KEY, "restart")], "a")
+        .await;
+    assert_eq!(again.header("oncegate-outcome"), Some("replayed"));
+    assert_eq!(up.count(), 1);
+}
+
+#[tokio::test]
+async fn a_replay_whose_body_cannot_be_read_now_asks_to_come_back_not_already_applied() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let faulty = Arc::new(FaultyStore::new(sled(&tmp.path().join("s"))));
+    let proxy =
+        TestProxy::start_with_store(&config(&up.url(), ""), faulty.clone(), tmp.path()).await;
+    up.push(Behavior::json(201, r#"{"id":"ch_b"}"#));
+    let c = TestClient::default();
+    let url = proxy.url("/pay/v1/c");
+    assert_eq!(c.post(&url, &[(KEY, "body")], "a").await.status, 201);
+    faulty.away_bodies.store(true, Ordering::SeqCst);
+    let r = c.post(&url, &[(KEY, "body")], "a").await;
+    assert_eq!(r.status, 503, "{:?}", r.body);
+    assert_eq!(r.problem(), "store-unavailable");
+    assert_eq!(r.json()["duplicate_risk"], false);
+    faulty.away_bodies.store(false, Ordering::SeqCst);
+    let r = c.post(&url, &[(KEY, "body")], "a").await;
+    assert_eq!(r.header("oncegate-outcome"), Some("replayed"));
+    assert_eq!(r.body, r#"{"id":"ch_b"}"#);
+    assert_eq!(up.count(), 1);
+}
+
+#[tokio::test]
+async fn an_attempt_that_panics_is_unknown_and_says_it_may_have_been_applied() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let faulty = Arc::new(FaultyStore::new(sled(&tmp.path().join("s"))));
+    let proxy =
+        TestProxy::start_with_store(&config(&up.url(), ""), faulty.clone(), tmp.path()).await;
+    up.push(Behavior::json(201, r#"{"id":"ch_p"}"#));
+    faulty.panic_settles.store(true, Ordering::SeqCst);
+    let c = TestClient::default();
+    let url = proxy.url("/pay/v1/c");
+    let r = c.post(&url, &[(KEY, "panic")], "a").await;
+    assert_eq!(r.status, 504, "{:?}", r.body);
+    assert_eq!(r.problem(), "outcome-unknown");
+    assert_eq!(r.json()["duplicate_risk"], true);
+    assert_eq!(r.json()["action"]["state"], "unknown");
+    // A retry is not sent: the write reached the upstream.
+    let r = c.post(&url, &[(KEY, "panic")], "a").await;
+    assert_eq!(r.problem(), "outcome-unknown");
+    assert_eq!(up.count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_go_away_right_after_sending_leave_no_action_without_its_attempt() {
+    use tokio::io::AsyncWriteExt;
+    let up = FakeUpstream::start().await;
+    up.set_default(Behavior::json(201, r#"{"ok":true}"#));
+    let proxy = TestProxy::start(&config(&up.url(), "")).await;
+    const N: usize = 200;
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..N {
+        let addr = proxy.addr;
+        tasks.spawn(async move {
+            let body = format!("n={i}");
+            let req = format!(
+                "POST /pay/v1/c HTTP/1.1\r\nhost: x\r\nidempotency-key: gone-{i}\r\ncontent-type: application/x-www-form-urlencoded\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            let s = tokio::net::TcpSocket::new_v4().unwrap();
+            // Reset the connection when it is dropped (SO_LINGER 0): the proxy sees it while
+            // claiming. Zero lingers without blocking.
+            s.set_zero_linger().unwrap();
+            let mut s = s.connect(addr).await.unwrap();
+            s.write_all(req.as_bytes()).await.unwrap();
+            drop(s);
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+    // Every claimed action goes on to its attempt: none is left in flight with nothing sent.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let in_flight = proxy
+            .store
+            .scan(
+                oncegate::store::Filter {
+                    state: Some(oncegate::action::State::InFlight),
+                    ..Default::default()
+                },
+                N,
+            )
+            .await
+            .unwrap();
+        if in_flight.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} actions stay in flight with no attempt behind them",
+            in_flight.len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let all = proxy.store.scan(Default::default(), N).await.unwrap();
+    assert!(all
+        .iter()
+        .all(|r| r.state == oncegate::action::State::Succeeded));
+    assert_eq!(
+        all.len(),
+        up.count(),
+        "each recorded action was sent exactly once"
+    );
 }
 
 #[tokio::test]

@@ -127,7 +127,8 @@ impl Answer {
     }
 
     fn send(self, commit: &Result<(), String>) {
-        let err = |e: &String| StoreError::Unavailable(e.clone());
+        // A batch that could not be made durable broke the store (`Shared::fail`) until restart.
+        let err = |e: &String| StoreError::Broken(e.clone());
         match (self, commit) {
             (Answer::Failed(f), _) => f(),
             (Answer::None, _) => {}

@@ -736,8 +736,16 @@ impl Drop for ChildProxy {
 /// A store that fails on demand, as a full disk or a lost database would.
 pub struct FaultyStore {
     inner: Arc<dyn oncegate::store::Store>,
+    /// Claims fail as on a full disk.
     pub fail_claims: std::sync::atomic::AtomicBool,
+    /// Settlements fail for good, as on a full disk (the embedded store breaks).
     pub fail_settles: std::sync::atomic::AtomicBool,
+    /// Settlements fail for now, as while a database restarts.
+    pub away_settles: std::sync::atomic::AtomicBool,
+    /// The next settlement panics (a bug in the proxy's attempt task).
+    pub panic_settles: std::sync::atomic::AtomicBool,
+    /// Stored bodies cannot be read for now.
+    pub away_bodies: std::sync::atomic::AtomicBool,
 }
 
 impl FaultyStore {
@@ -746,6 +754,9 @@ impl FaultyStore {
             inner,
             fail_claims: Default::default(),
             fail_settles: Default::default(),
+            away_settles: Default::default(),
+            panic_settles: Default::default(),
+            away_bodies: Default::default(),
         }
     }
 }
@@ -761,6 +772,14 @@ mod faulty {
         StoreError::Unavailable("No space left on device (os error 28)".into())
     }
 
+    fn broken() -> StoreError {
+        StoreError::Broken("write-ahead log write: No space left on device (os error 28)".into())
+    }
+
+    fn away() -> StoreError {
+        StoreError::Unavailable("database: connection refused".into())
+    }
+
     impl Store for FaultyStore {
         fn claim(&self, r: ClaimRequest) -> BoxFuture<'_, Result<Claim, StoreError>> {
             if self.fail_claims.load(Ordering::SeqCst) {
@@ -770,7 +789,13 @@ mod faulty {
         }
         fn settle(&self, r: SettleRequest) -> BoxFuture<'_, Result<Record, StoreError>> {
             if self.fail_settles.load(Ordering::SeqCst) {
-                return Box::pin(async { Err(full()) });
+                return Box::pin(async { Err(broken()) });
+            }
+            if self.away_settles.load(Ordering::SeqCst) {
+                return Box::pin(async { Err(away()) });
+            }
+            if self.panic_settles.swap(false, Ordering::SeqCst) {
+                panic!("a bug while settling (FaultyStore::panic_settles)");
             }
             self.inner.settle(r)
         }
@@ -813,6 +838,9 @@ mod faulty {
             &'a self,
             r: &'a Record,
         ) -> BoxFuture<'a, Result<Option<bytes::Bytes>, StoreError>> {
+            if self.away_bodies.load(Ordering::SeqCst) {
+                return Box::pin(async { Err(away()) });
+            }
             self.inner.body(r)
         }
         fn scan(&self, f: Filter, l: usize) -> BoxFuture<'_, Result<Vec<Record>, StoreError>> {
