@@ -123,6 +123,13 @@ pub enum ProxyError {
     },
 }
 
+/// Tells the SDKs not to retry on their own: `x-should-retry` (OpenAI, Anthropic) and
+/// `Stripe-Should-Retry` (Stripe); each honours only its own.
+pub fn no_retry(h: &mut http::HeaderMap) {
+    h.insert("x-should-retry", HeaderValue::from_static("false"));
+    h.insert("stripe-should-retry", HeaderValue::from_static("false"));
+}
+
 /// The `action` member of a problem (and of the tasks views).
 pub fn action_json(r: &Record) -> Value {
     json!({
@@ -201,7 +208,9 @@ impl ProxyError {
             duplicate_risk,
             retry,
             next_step: next_step.to_string(),
-            no_retry_headers: false,
+            // SPEC §8: every problem but `in-flight`, `body-timeout` and `store-unavailable`
+            // tells the SDKs not to retry it themselves.
+            no_retry_headers: true,
         };
         match self {
             ProxyError::NoRoute(_) => s(
@@ -256,7 +265,7 @@ impl ProxyError {
                 Outcome::Rejected,
                 false,
                 Retry::AfterCorrection,
-                "Send one Content-Length or Transfer-Encoding, not both.",
+                "Correct the request as the detail says (its framing or its path), then send it again.",
             ),
             ProxyError::KeyReused(c) => s(
                 "key-reused",
@@ -267,55 +276,49 @@ impl ProxyError {
                 Retry::AfterCorrection,
                 "This key already names a different request: resend the original request to get its result, or use a new key for a new write.",
             ),
-            ProxyError::InFlight { .. } => s(
-                "in-flight",
-                "Write in flight",
-                StatusCode::CONFLICT,
-                Outcome::InFlight,
-                true,
-                Retry::Later,
-                "Wait and send the same request again with the same key: it will get this attempt's result.",
-            ),
-            ProxyError::OutcomeUnknown { lost_now, .. } => Shape {
-                no_retry_headers: true,
+            ProxyError::InFlight { .. } => Shape {
+                no_retry_headers: false,
                 ..s(
-                    "outcome-unknown",
-                    "Outcome unknown",
-                    if *lost_now {
-                        StatusCode::GATEWAY_TIMEOUT
-                    } else {
-                        StatusCode::CONFLICT
-                    },
-                    Outcome::Unknown,
-                    true,
-                    Retry::AfterResolution,
-                    "Do not send this write again under a new key. Check at the service whether it happened (by its key), then settle it: POST /v1/actions/{id}/lookup or /resolve on the admin API.",
-                )
-            },
-            ProxyError::AttemptsExhausted(_) => Shape {
-                no_retry_headers: true,
-                ..s(
-                    "attempts-exhausted",
-                    "Attempts exhausted",
+                    "in-flight",
+                    "Write in flight",
                     StatusCode::CONFLICT,
-                    Outcome::Rejected,
-                    false,
-                    Retry::AfterCorrection,
-                    "Every attempt failed without applying the write; read the evidence, correct the request, and send it with a new key.",
-                )
-            },
-            ProxyError::UpstreamUnreachable { .. } => Shape {
-                no_retry_headers: true,
-                ..s(
-                    "upstream-unreachable",
-                    "Upstream unreachable",
-                    StatusCode::BAD_GATEWAY,
-                    Outcome::NotApplied,
-                    false,
+                    Outcome::InFlight,
+                    true,
                     Retry::Later,
-                    "Nothing reached the service; sending the same request again later with the same key is safe.",
+                    "Wait and send the same request again with the same key: it will get this attempt's result.",
                 )
             },
+            ProxyError::OutcomeUnknown { lost_now, .. } => s(
+                "outcome-unknown",
+                "Outcome unknown",
+                if *lost_now {
+                    StatusCode::GATEWAY_TIMEOUT
+                } else {
+                    StatusCode::CONFLICT
+                },
+                Outcome::Unknown,
+                true,
+                Retry::AfterResolution,
+                "Do not send this write again under a new key. Check at the service whether it happened (by its key), then settle it: POST /v1/actions/{id}/lookup or /resolve on the admin API.",
+            ),
+            ProxyError::AttemptsExhausted(_) => s(
+                "attempts-exhausted",
+                "Attempts exhausted",
+                StatusCode::CONFLICT,
+                Outcome::Rejected,
+                false,
+                Retry::AfterCorrection,
+                "Every attempt failed without applying the write; read the evidence, correct the request, and send it with a new key.",
+            ),
+            ProxyError::UpstreamUnreachable { .. } => s(
+                "upstream-unreachable",
+                "Upstream unreachable",
+                StatusCode::BAD_GATEWAY,
+                Outcome::NotApplied,
+                false,
+                Retry::Later,
+                "Nothing reached the service; sending the same request again later with the same key is safe.",
+            ),
             ProxyError::UpstreamTimeout(_) => s(
                 "upstream-timeout",
                 "Upstream timeout",
@@ -343,19 +346,22 @@ impl ProxyError {
                 Retry::Never,
                 "This write was applied; use its external_id instead of sending it again.",
             ),
-            ProxyError::StoreUnavailable { ctx, .. } => s(
-                "store-unavailable",
-                "Store unavailable",
-                StatusCode::SERVICE_UNAVAILABLE,
-                if ctx.is_some() { Outcome::Unknown } else { Outcome::Rejected },
-                ctx.is_some(),
-                if ctx.is_some() { Retry::AfterResolution } else { Retry::Later },
-                if ctx.is_some() {
-                    "The service was called but the proxy could not record its answer; once the store is back the action shows as unknown: settle it before sending again."
-                } else {
-                    "Nothing was sent; try again when the store is back."
-                },
-            ),
+            ProxyError::StoreUnavailable { ctx, .. } => Shape {
+                no_retry_headers: false,
+                ..s(
+                    "store-unavailable",
+                    "Store unavailable",
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    if ctx.is_some() { Outcome::Unknown } else { Outcome::Rejected },
+                    ctx.is_some(),
+                    if ctx.is_some() { Retry::AfterResolution } else { Retry::Later },
+                    if ctx.is_some() {
+                        "The service was called but the proxy could not record its answer; once the store is back the action shows as unknown: settle it before sending again."
+                    } else {
+                        "Nothing was sent; try again when the store is back."
+                    },
+                )
+            },
         }
     }
 
@@ -378,6 +384,9 @@ impl ProxyError {
     pub fn into_response(self) -> Response<ProxyBody> {
         let shape = self.shape();
         let ctx = self.ctx();
+        let next_step = shape
+            .next_step
+            .replace("{id}", ctx.map(|c| c.record.id.as_str()).unwrap_or("ID"));
         let mut body = json!({
             "type": format!("urn:oncegate:problem:{}", shape.name),
             "title": shape.title,
@@ -386,7 +395,13 @@ impl ProxyError {
             "outcome": shape.outcome.as_str(),
             "duplicate_risk": shape.duplicate_risk,
             "retry": shape.retry.as_str(),
-            "next_step": shape.next_step.replace("{id}", ctx.map(|c| c.record.id.as_str()).unwrap_or("ID")),
+            // The member the Stripe, OpenAI and Anthropic SDKs read the message they show from.
+            "error": {
+                "type": "oncegate_error",
+                "code": shape.name,
+                "message": format!("{}: {next_step}", shape.title),
+            },
+            "next_step": next_step,
         });
         if let ProxyError::OutcomeUnknown { reason, .. } = &self {
             body["detail"] = Value::String(format!("{self}: {reason}"));
@@ -412,8 +427,7 @@ impl ProxyError {
             HeaderValue::from_static(shape.outcome.as_str()),
         );
         if shape.no_retry_headers {
-            h.insert("x-should-retry", HeaderValue::from_static("false"));
-            h.insert("stripe-should-retry", HeaderValue::from_static("false"));
+            no_retry(h);
         }
         if let ProxyError::InFlight {
             retry_after_secs, ..

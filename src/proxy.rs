@@ -886,6 +886,11 @@ impl Proxy {
                 };
                 let mut resp = Response::from_parts(ans.head, body);
                 write_headers(resp.headers_mut(), &rec, outcome);
+                if state == State::Unknown {
+                    // The upstream's own 5xx left the write unknown: an SDK that retried it on
+                    // its own would only meet `outcome-unknown`, and hide this answer.
+                    crate::error::no_retry(resp.headers_mut());
+                }
                 Ok(resp)
             }
             AttemptResult::Unreachable(error) => {

@@ -95,3 +95,71 @@ async fn the_openai_recipe_creates_one_batch_despite_a_stalled_first_attempt() {
     )
     .await;
 }
+
+/// What an SDK user sees when oncegate answers `outcome-unknown`: the problem's own words (its
+/// `error` member), not "Invalid response object" or a bare status; and the SDK does not retry
+/// it on its own (`Stripe-Should-Retry` / `x-should-retry`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_users_read_the_outcome_unknown_problem_in_their_sdks_words() {
+    let Some(py) = python("sdk_users_read_the_outcome_unknown_problem") else {
+        return;
+    };
+    let up = FakeUpstream::start().await;
+    up.set_default(Behavior::Hang);
+    let extra = format!(
+        "timeout = \"300ms\"\n[[upstreams]]\nname = \"stripe\"\nprefix = \"/stripe\"\nurl = \"{0}\"\ntimeout = \"300ms\"\n[[upstreams]]\nname = \"openai\"\nprefix = \"/openai\"\nurl = \"{0}\"\ntimeout = \"300ms\"",
+        up.url()
+    );
+    let proxy = TestProxy::start(&config(&up.url(), &extra)).await;
+    let code = r#"
+import os, stripe, openai
+base = os.environ["ONCEGATE_URL"]
+client = stripe.StripeClient("sk_test_example", base_addresses={"api": base + "/stripe"},
+                             max_network_retries=3, http_client=stripe.RequestsClient(timeout=5))
+try:
+    client.v1.charges.create(params={"amount": 4200, "currency": "usd", "source": "tok_visa"})
+    print("stripe: no error")
+except stripe.StripeError as e:
+    print("stripe:", type(e).__name__, "|", e.user_message, "|", e.code)
+oa = openai.OpenAI(api_key="sk-example", base_url=base + "/openai/v1", max_retries=3, timeout=5)
+try:
+    oa.batches.create(input_file_id="file-abc123", endpoint="/v1/chat/completions", completion_window="24h")
+    print("openai: no error")
+except openai.APIStatusError as e:
+    print("openai:", type(e).__name__, "|", e.message, "|", e.code)
+"#;
+    let base = proxy.url("");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(py)
+            .args(["-c", code])
+            .env("ONCEGATE_URL", base.trim_end_matches('/'))
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{stdout}");
+    for sdk in ["stripe:", "openai:"] {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(sdk))
+            .unwrap_or_else(|| panic!("{stdout}"));
+        assert!(
+            line.contains("Outcome unknown: Do not send this write again"),
+            "{sdk} shows: {line}"
+        );
+    }
+    // openai-python also carries the problem's code (stripe-python keeps `code` for card errors).
+    assert!(stdout.contains("| outcome-unknown"), "{stdout}");
+    assert_eq!(
+        up.count_method("POST"),
+        2,
+        "one write per SDK, none retried"
+    );
+}

@@ -761,3 +761,64 @@ async fn a_proxy_killed_mid_attempt_answers_unknown_after_restart_and_never_rese
     );
     assert_eq!(up.count(), 1);
 }
+
+#[tokio::test]
+async fn problems_carry_the_sdk_error_member_and_say_whether_an_sdk_may_retry() {
+    let (up, proxy) = setup("timeout = \"1s\"\nmax_attempts = 1").await;
+    let c = TestClient::default();
+    let url = proxy.url("/pay/v1/charges");
+    let no_retry = |r: &support::Resp| {
+        (
+            r.header("x-should-retry").map(str::to_string),
+            r.header("stripe-should-retry").map(str::to_string),
+        )
+    };
+    let never = (Some("false".to_string()), Some("false".to_string()));
+    // outcome-unknown: the SDK shows oncegate's words and does not retry.
+    up.push(Behavior::Hang);
+    let r = c.post(&url, &[(KEY, "u1")], "a").await;
+    assert_eq!(r.problem(), "outcome-unknown");
+    let p = r.json();
+    assert_eq!(p["error"]["type"], "oncegate_error");
+    assert_eq!(p["error"]["code"], "outcome-unknown");
+    assert_eq!(
+        p["error"]["message"].as_str().unwrap(),
+        format!("Outcome unknown: {}", p["next_step"].as_str().unwrap())
+    );
+    assert_eq!(no_retry(&r), never);
+    // An upstream 500 that left the write unknown is forwarded, and marked the same way.
+    up.push(Behavior::json(500, r#"{"error":"boom"}"#));
+    let r = c.post(&url, &[(KEY, "u2")], "a").await;
+    assert_eq!(
+        (r.status.as_u16(), r.header("oncegate-outcome")),
+        (500, Some("unknown"))
+    );
+    assert_eq!(r.body, r#"{"error":"boom"}"#);
+    assert_eq!(no_retry(&r), never);
+    // attempts-exhausted and key-reused: a retry cannot help.
+    up.push(Behavior::status(422));
+    c.post(&url, &[(KEY, "u3")], "a").await;
+    let r = c.post(&url, &[(KEY, "u3")], "a").await;
+    assert_eq!(r.problem(), "attempts-exhausted");
+    assert_eq!(no_retry(&r), never);
+    let r = c.post(&url, &[(KEY, "u3")], "b").await;
+    assert_eq!(r.problem(), "key-reused");
+    assert_eq!(no_retry(&r), never);
+    // in-flight: the SDK may come back later (with Retry-After).
+    let gate = Arc::new(Notify::new());
+    up.push(Behavior::Gate(
+        gate.clone(),
+        Box::new(Behavior::json(201, "{}")),
+    ));
+    let first = {
+        let url = url.clone();
+        tokio::spawn(async move { TestClient::default().post(&url, &[(KEY, "u4")], "a").await })
+    };
+    up.wait_for(4).await;
+    let r = c.post(&url, &[(KEY, "u4")], "a").await;
+    assert_eq!(r.problem(), "in-flight");
+    assert_eq!(no_retry(&r), (None, None));
+    assert!(r.header("retry-after").is_some());
+    gate.notify_one();
+    first.await.unwrap();
+}
