@@ -1,9 +1,9 @@
 //! Identity of an action (SPEC §4): key, fingerprint, principal and action id. Pure, no I/O.
 
 use http::HeaderMap;
-use serde_json::Value;
 use sha2::{Digest, Sha256};
 
+use crate::canonical;
 use crate::config::Policy;
 
 pub const ANONYMOUS: &str = "anonymous";
@@ -155,49 +155,26 @@ pub fn is_form(headers: &HeaderMap) -> bool {
     media_type(headers) == "application/x-www-form-urlencoded"
 }
 
-/// Removes the value at a JSON pointer, if present.
-fn remove_pointer(v: &mut Value, pointer: &str) {
-    let Some((parent, last)) = pointer.rsplit_once('/') else {
-        return;
-    };
-    let last = last.replace("~1", "/").replace("~0", "~");
-    match v.pointer_mut(parent) {
-        Some(Value::Object(m)) => {
-            m.remove(&last);
-        }
-        Some(Value::Array(a)) => {
-            if let Ok(i) = last.parse::<usize>() {
-                if i < a.len() {
-                    a.remove(i);
-                }
-            }
-        }
-        _ => {}
-    }
+pub fn is_multipart(headers: &HeaderMap) -> bool {
+    media_type(headers) == "multipart/form-data"
 }
 
-/// The body in canonical form (SPEC §4.2).
+/// The body in canonical form (SPEC §4.2); a body with none is its own bytes.
 pub fn canonical_body(headers: &HeaderMap, body: &[u8], ignore: &[String]) -> Vec<u8> {
-    if is_json(headers) {
-        if let Ok(mut v) = serde_json::from_slice::<Value>(body) {
-            for p in ignore {
-                remove_pointer(&mut v, p);
-            }
-            // serde_json's map is ordered by key (no `preserve_order`), so this sorts keys.
-            return serde_json::to_vec(&v).expect("a Value always serializes");
-        }
+    let canonical = if is_json(headers) {
+        canonical::json(body, ignore)
     } else if is_form(headers) {
-        let mut pairs: Vec<(String, String)> = form_urlencoded::parse(body)
-            .into_owned()
-            .filter(|(k, _)| !ignore.iter().any(|i| i == k))
-            .collect();
-        pairs.sort_by(|a, b| a.0.cmp(&b.0));
-        return form_urlencoded::Serializer::new(String::new())
-            .extend_pairs(pairs)
-            .finish()
-            .into_bytes();
-    }
-    body.to_vec()
+        Some(canonical::form(body, ignore))
+    } else if is_multipart(headers) {
+        headers
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(canonical::boundary)
+            .and_then(|b| canonical::multipart(body, b, ignore))
+    } else {
+        None
+    };
+    canonical.unwrap_or_else(|| body.to_vec())
 }
 
 /// Hex SHA-256 over method, `{rest}`, query and canonical body.

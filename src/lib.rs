@@ -11,6 +11,7 @@
 //! - [`config`]: TOML structs, defaults, validation, the policy cascade.
 //! - [`route`]: prefixes, route globs, read/write/deny classification (pure).
 //! - [`identity`]: key, fingerprint, principal, action id (pure).
+//! - [`canonical`]: canonical JSON, form and multipart bodies for fingerprints (pure).
 //! - [`action`]: the record, its states and the transitions every store applies.
 //! - [`store`]: the `Store` trait; [`store::sled`] the embedded store with group commit.
 //! - [`upstream`]: the client, TLS, transparency, timeouts and tries.
@@ -27,6 +28,7 @@
 
 pub mod action;
 pub mod admin;
+pub mod canonical;
 pub mod cli;
 pub mod config;
 pub mod demo;

@@ -96,6 +96,18 @@ async fn the_openai_recipe_creates_one_batch_despite_a_stalled_first_attempt() {
     .await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_upload_recipe_uploads_one_file_despite_a_stalled_first_attempt() {
+    let file = r#"{"id":"file-recipe","object":"file","bytes":72,"created_at":1700000000,"filename":"requests.jsonl","purpose":"batch","status":"processed"}"#;
+    run_recipe(
+        "openai-files",
+        "/openai",
+        Behavior::json(200, file),
+        Behavior::json(200, file),
+    )
+    .await;
+}
+
 /// What an SDK user sees when oncegate answers `outcome-unknown`: the problem's own words (its
 /// `error` member), not "Invalid response object" or a bare status; and the SDK does not retry
 /// it on its own (`Stripe-Should-Retry` / `x-should-retry`).

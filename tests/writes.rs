@@ -822,3 +822,43 @@ async fn problems_carry_the_sdk_error_member_and_say_whether_an_sdk_may_retry() 
     gate.notify_one();
     first.await.unwrap();
 }
+
+#[tokio::test]
+async fn json_writes_that_differ_only_past_float_precision_or_by_a_duplicate_key_are_two_actions() {
+    let (up, proxy) = setup("").await;
+    up.set_default(Behavior::json(201, r#"{"ok":true}"#));
+    let c = TestClient::default();
+    let url = proxy.url("/pay/v1/transfers");
+    let json = [("content-type", "application/json")];
+    for (a, b) in [
+        (
+            r#"{"amount":18446744073709551616}"#,
+            r#"{"amount":18446744073709551617}"#,
+        ),
+        (
+            r#"{"rate":0.1000000000000000001}"#,
+            r#"{"rate":0.1000000000000000002}"#,
+        ),
+        (
+            r#"{"to":"alice","to":"bob"}"#,
+            r#"{"to":"bob","to":"alice"}"#,
+        ),
+    ] {
+        let before = up.count();
+        let ra = c.post(&url, &json, a).await;
+        let rb = c.post(&url, &json, b).await;
+        assert_eq!(ra.header("oncegate-outcome"), Some("sent"), "{a}");
+        assert_eq!(
+            rb.header("oncegate-outcome"),
+            Some("sent"),
+            "{b} is a different write"
+        );
+        assert_ne!(ra.header("oncegate-action"), rb.header("oncegate-action"));
+        assert_eq!(up.count(), before + 2);
+    }
+    // The same write with its keys reordered and spaced differently is one action.
+    let r1 = c.post(&url, &json, r#"{"a":1,"b":[1,2]}"#).await;
+    let r2 = c.post(&url, &json, r#"{ "b": [1, 2], "a": 1 }"#).await;
+    assert_eq!(r2.header("oncegate-outcome"), Some("replayed"));
+    assert_eq!(r1.header("oncegate-action"), r2.header("oncegate-action"));
+}
