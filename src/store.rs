@@ -2,6 +2,7 @@
 //! store ([`sled::SledStore`]); every method returns only after its change is durable.
 
 mod files;
+pub mod history;
 pub mod logfiles;
 pub mod postgres;
 pub mod sled;

@@ -41,6 +41,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 
 use super::files::fsync_dir;
+use super::history;
 use super::logfiles::LogFiles;
 use super::wal::{self, Change, Wal};
 use super::{
@@ -615,6 +616,10 @@ impl SledStore {
         remove_unfinished_snapshots(dir)
             .map_err(|e| fail("remove unfinished sled snapshots", &e))?;
         let db = open_sled(dir).map_err(|e| fail("sled", &e))?;
+        let db_was_empty = db
+            .first()
+            .map_err(|e| fail("read the database", &e))?
+            .is_none();
         let log = File::open(dir.join("db")).map_err(|e| fail("open sled log file", &e))?;
         // Batches acknowledged since sled's last checkpoint are in the write-ahead log: replayed
         // into sled, made durable there, and the log starts afresh.
@@ -633,6 +638,14 @@ impl SledStore {
             .into_inner()
             .map_err(|_| fail("replay the write-ahead log", &"lock poisoned"))?;
         migrate_log(&db, &mut logfiles).map_err(|e| fail("move the write log", &e))?;
+        let (log_seq, log_hash) = log_head(&logfiles).map_err(|e| fail("read write log", &e))?;
+        let seen = history::Seen {
+            db_was_empty,
+            replayed,
+            log_seq,
+            log_hash,
+        };
+        history::check(dir, &db, &seen).map_err(StoreError::Unavailable)?;
         migrate_indexes(&db).map_err(|e| fail("build the expiry index", &e))?;
         let mut blobs = HashSet::new();
         sled_durable(&db, dir, &mut blobs, &log)
@@ -1782,6 +1795,12 @@ impl Writer {
         if let Some(first) = pending.log_first {
             let block = std::mem::take(&mut pending.log_block);
             pending.put(log_key(first), block);
+            // The database learns the log's head with the entries (`history`): at open, a log
+            // that ends before it was cut.
+            pending.put(
+                history::HEAD_KEY,
+                history::head_value(self.head.0, &self.head.1),
+            );
         }
         // Every batch goes through the syncer, even one that only read: what it read may be
         // a batch still on its way to being durable, and its answers wait for that.
@@ -1789,6 +1808,17 @@ impl Writer {
         let changes = std::mem::take(&mut pending.changes);
         self.seq += 1;
         let mut failed = self.shared.check().err();
+        if failed.is_none() && !history::present(&self.dir) {
+            // The folder was removed under the running proxy: what it writes next would be
+            // lost with it (SPEC §10.2).
+            let e = format!(
+                "the store folder {} is gone (its {} is missing)",
+                self.dir.display(),
+                history::ID_FILE
+            );
+            self.shared.fail(&e);
+            failed = Some(e);
+        }
         if failed.is_none() && !changes.is_empty() {
             wal::encode(&changes, &mut self.frame);
             if let Err(e) = self.wal.append(&self.frame) {

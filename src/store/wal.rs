@@ -244,6 +244,12 @@ impl Wal {
     /// Starts a new file and returns the previous one's generation, which stays until someone
     /// has made sled durable past its last frame and calls [`remove_through`].
     pub fn start_next(&mut self) -> Result<u64, String> {
+        // Frames the syncer has not made durable (notes and lease renewals wait for a later
+        // batch's fdatasync, which now goes to the new file) are made durable here: a power cut
+        // must not tear an older file, which an open would take for corruption.
+        self.file
+            .sync_data()
+            .map_err(|e| format!("fdatasync the write-ahead log before rotating: {e}"))?;
         let next = self.generation + 1;
         self.file = Arc::new(Self::create(&self.dir, next)?);
         let previous = self.generation;

@@ -1,0 +1,188 @@
+//! The embedded store knows its history (SPEC §13): with the proxy stopped, a database deleted,
+//! truncated or replaced, an id file removed or a write log cut ends the next start (exit 74,
+//! naming the part) instead of opening an empty store that sends a succeeded charge again. A
+//! store folder removed under a running proxy turns `/readyz` to 503 and refuses writes.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use support::{child_config, Behavior, ChildProxy, FakeUpstream, TestClient};
+
+const KEY: &str = "idempotency-key";
+
+/// Runs the proxy on `conf` with one charge made durable, stops it, and returns the store folder.
+async fn a_store_with_a_charge(up: &FakeUpstream, dir: &Path) -> std::path::PathBuf {
+    let conf = child_config(dir, &up.url(), "");
+    up.set_default(Behavior::json(201, r#"{"id":"ch_1"}"#));
+    let proxy = ChildProxy::spawn(&conf);
+    let r = TestClient::default()
+        .post(
+            &proxy.url("/pay/v1/charges"),
+            &[(KEY, "charge-1")],
+            "amount=5",
+        )
+        .await;
+    assert_eq!(r.status, 201);
+    assert!(proxy.terminate().success());
+    dir.join("store")
+}
+
+/// Starts the proxy and expects it to refuse: exit 74 and a message naming `part`.
+fn refuses_to_start(dir: &Path, part: &str) {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_oncegate"))
+        .args(["run", "--config"])
+        .arg(dir.join("oncegate.toml"))
+        .env_remove("ONCEGATE_ADMIN_TOKEN")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("the proxy started on a store that is not whole");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    println!("{part}: {err}");
+    assert_eq!(out.status.code(), Some(74), "{err}");
+    assert!(err.contains(part), "the message names {part}: {err}");
+    assert!(
+        err.contains("not whole") || err.contains("cannot open"),
+        "{err}"
+    );
+}
+
+/// Retrying the charge after a restart: the answer stored before, never a second send.
+async fn the_charge_replays(up: &FakeUpstream, dir: &Path) {
+    let proxy = ChildProxy::spawn(&dir.join("oncegate.toml"));
+    let r = TestClient::default()
+        .post(
+            &proxy.url("/pay/v1/charges"),
+            &[(KEY, "charge-1")],
+            "amount=5",
+        )
+        .await;
+    assert_eq!(r.header("oncegate-outcome"), Some("replayed"));
+    assert_eq!(up.count(), 1);
+}
+
+#[tokio::test]
+async fn a_deleted_database_does_not_open_as_an_empty_store() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let store = a_store_with_a_charge(&up, tmp.path()).await;
+    let db = store.join("db");
+    let kept = std::fs::read(&db).unwrap();
+    std::fs::remove_file(&db).unwrap();
+    refuses_to_start(tmp.path(), "database (db)");
+    assert_eq!(up.count(), 1);
+    // Put back, the store opens and knows the charge.
+    std::fs::write(&db, kept).unwrap();
+    the_charge_replays(&up, tmp.path()).await;
+}
+
+#[tokio::test]
+async fn a_truncated_or_overwritten_database_does_not_open() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let store = a_store_with_a_charge(&up, tmp.path()).await;
+    let db = store.join("db");
+    let kept = std::fs::read(&db).unwrap();
+    std::fs::write(&db, b"").unwrap();
+    refuses_to_start(tmp.path(), "store");
+    std::fs::write(&db, vec![0u8; kept.len()]).unwrap();
+    refuses_to_start(tmp.path(), "store");
+    assert_eq!(up.count(), 1);
+}
+
+#[tokio::test]
+async fn another_stores_database_does_not_open_in_its_place() {
+    let up = FakeUpstream::start().await;
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let store_a = a_store_with_a_charge(&up, a.path()).await;
+    let other = FakeUpstream::start().await;
+    let store_b = a_store_with_a_charge(&other, b.path()).await;
+    // B's database (and its snapshots) in A's folder: A's write log and id stay.
+    for e in std::fs::read_dir(&store_b).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().to_string();
+        if name == "db" || name == "conf" || name.starts_with("snap.") {
+            let _ = std::fs::remove_file(store_a.join(&name));
+            std::fs::copy(&p, store_a.join(&name)).unwrap();
+        }
+    }
+    refuses_to_start(a.path(), "another store");
+    assert_eq!(up.count(), 1);
+}
+
+#[tokio::test]
+async fn a_missing_id_file_or_a_cut_write_log_does_not_open() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let store = a_store_with_a_charge(&up, tmp.path()).await;
+    let id = store.join("store.id");
+    let kept = std::fs::read(&id).unwrap();
+    std::fs::remove_file(&id).unwrap();
+    refuses_to_start(tmp.path(), "store.id is missing");
+    std::fs::write(&id, kept).unwrap();
+    // The write log loses its last entries.
+    let log = std::fs::read_dir(store.join("log"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "ndjson"))
+        .max()
+        .unwrap();
+    let text = std::fs::read_to_string(&log).unwrap();
+    let cut: Vec<&str> = text.lines().collect();
+    let kept = cut[..cut.len() - 1].join("\n") + "\n";
+    std::fs::write(&log, &kept).unwrap();
+    refuses_to_start(tmp.path(), "write log ends at entry");
+    // Deleted altogether.
+    std::fs::remove_file(&log).unwrap();
+    refuses_to_start(tmp.path(), "write log");
+    assert_eq!(up.count(), 1);
+}
+
+#[tokio::test]
+async fn a_store_folder_removed_while_running_refuses_writes_and_is_not_ready() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let conf = child_config(tmp.path(), &up.url(), "");
+    up.set_default(Behavior::json(201, r#"{"id":"ch_1"}"#));
+    let proxy = ChildProxy::spawn(&conf);
+    let c = TestClient::default();
+    let ready = format!("http://{}/readyz", proxy.admin);
+    assert_eq!(c.get(&ready).await.status, 200);
+    assert_eq!(
+        c.post(&proxy.url("/pay/v1/charges"), &[(KEY, "before")], "a")
+            .await
+            .status,
+        201
+    );
+    std::fs::remove_dir_all(tmp.path().join("store")).unwrap();
+    let r = c
+        .post(&proxy.url("/pay/v1/charges"), &[(KEY, "after")], "a")
+        .await;
+    assert_eq!(r.status, 503, "{r:?}");
+    assert_eq!(r.problem(), "store-unavailable");
+    assert_eq!(r.json()["duplicate_risk"], false);
+    assert_eq!(up.count(), 1, "the write was not forwarded");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let s = c.get(&ready).await.status;
+        if s == 503 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "/readyz still {s}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Reads do not need the store.
+    assert_eq!(c.get(&proxy.url("/pay/v1/charges")).await.status, 201);
+}
