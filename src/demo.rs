@@ -237,7 +237,7 @@ name = "payments"
 prefix = "/payments"
 url = "http://{up}"
 external_id = "/id"
-lookup = {{ method = "GET", path = "/v1/charges?idempotency_key={{key}}", found = "/data/0/id" }}
+lookup = {{ method = "GET", path = "/v1/charges?idempotency_key={{key}}", found = "/data/0/id", object = "/data/0", status = 201 }}
   [[upstreams.routes]]
   methods = ["POST"]
   path = "/v1/receipts"
@@ -340,12 +340,16 @@ lookup = {{ method = "GET", path = "/v1/charges?idempotency_key={{key}}", found 
         a.status,
         a.header("oncegate-outcome"),
         a.header("oncegate-replay-source"),
-        a.body["data"][0]["id"].as_str().unwrap_or("-")
+        a.body["id"].as_str().unwrap_or("-")
     ));
     say.fact(&format!("the service holds {} charge(s)", charges()));
     say.expect(
-        a.status == 200 && a.header("oncegate-outcome") == "replayed",
+        a.status == 201 && a.header("oncegate-outcome") == "replayed",
         "the status lookup settled it as applied",
+    );
+    say.expect(
+        a.body["object"] == "charge",
+        "the agent gets the charge, as the write itself would have answered",
     );
     say.expect(charges() == 1, "no second charge");
 

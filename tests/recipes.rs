@@ -108,6 +108,79 @@ async fn the_openai_upload_recipe_uploads_one_file_despite_a_stalled_first_attem
     .await;
 }
 
+/// A charge accepted by Stripe but answered after the proxy's timeout: the SDK's retry finds it
+/// unknown, the search lookup finds the charge, and the SDK gets a `Charge` (SPEC §9 `object`),
+/// not a search result; one charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stripe_charge_recipe_recovers_a_timed_out_charge_through_the_search_lookup() {
+    let Some(py) = python("stripe-charge") else {
+        return;
+    };
+    let up = FakeUpstream::start().await;
+    let charge =
+        r#"{"id":"ch_recipe","object":"charge","amount":4200,"currency":"eur","metadata":{}}"#;
+    up.push(Behavior::Delay(
+        Duration::from_millis(2_500),
+        Box::new(Behavior::json(200, charge)),
+    ));
+    up.on(
+        "/v1/charges/search",
+        Behavior::json(
+            200,
+            &format!(r#"{{"object":"search_result","url":"/v1/charges/search","has_more":false,"data":[{charge}]}}"#),
+        ),
+    );
+    // The example config's charge route, on a short timeout.
+    let example =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config.example.toml"))
+            .unwrap();
+    let lookup = example
+        .lines()
+        .find(|l| l.trim_start().starts_with("lookup = ") && l.contains("charges/search"))
+        .unwrap()
+        .trim();
+    let extra = format!(
+        "[[upstreams]]\nname = \"stripe\"\nprefix = \"/stripe\"\nurl = \"{}\"\ntimeout = \"1500ms\"\n\
+         [[upstreams.routes]]\nmethods = [\"POST\"]\npath = \"/v1/charges\"\nclass = \"write\"\n\
+         stamp = \"metadata[oncegate_key]\"\n{lookup}",
+        up.url()
+    );
+    let proxy = TestProxy::start(&config(&up.url(), &extra)).await;
+    let code = recipe("stripe-charge");
+    let base = proxy.url("");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(py)
+            .args(["-c", &code])
+            .env("ONCEGATE_URL", base.trim_end_matches('/'))
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the recipe failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("created ch_recipe"), "{stdout}");
+    assert_eq!(up.count_method("POST"), 1, "one charge");
+    let searched: Vec<_> = up
+        .received()
+        .into_iter()
+        .filter(|r| r.method == "GET")
+        .collect();
+    assert!(!searched.is_empty(), "the lookup asked Stripe's search");
+    // The search looks for the key that was stamped into the charge's metadata.
+    let post = up
+        .received()
+        .into_iter()
+        .find(|r| r.method == "POST")
+        .unwrap();
+    let key = post.header("idempotency-key").unwrap().to_string();
+    assert!(String::from_utf8_lossy(&post.body).contains(&key));
+}
+
 /// What an SDK user sees when oncegate answers `outcome-unknown`: the problem's own words (its
 /// `error` member), not "Invalid response object" or a bare status; and the SDK does not retry
 /// it on its own (`Stripe-Should-Retry` / `x-should-retry`).

@@ -39,6 +39,8 @@ struct Faults {
     stall: f64,
     drop: f64,
     unavailable: f64,
+    /// Applied only after the proxy's timeout (then answered, too late).
+    late: f64,
 }
 
 impl Faults {
@@ -47,8 +49,13 @@ impl Faults {
         stall: 0.05,
         drop: 0.05,
         unavailable: 0.05,
+        late: 0.0,
     };
 }
+
+/// How long a late write takes to apply: past the proxy's `timeout` (150 ms), within the lookup's
+/// `absent_after` (the lookup mode's 2 s).
+const LATE: Duration = Duration::from_millis(400);
 
 /// What the upstream did with one request of a logical write.
 #[derive(Clone, Debug)]
@@ -62,6 +69,8 @@ struct Receipt {
 struct Ledger {
     receipts: Mutex<HashMap<String, Vec<Receipt>>>,
     executions: AtomicU64,
+    /// What each applied write answered, by the key it carried: the status lookup's view.
+    by_key: Mutex<HashMap<String, String>>,
 }
 
 async fn upstream_handle(
@@ -69,6 +78,28 @@ async fn upstream_handle(
     faults: Faults,
     req: http::Request<hyper::body::Incoming>,
 ) -> Result<http::Response<Full<Bytes>>, BoxError> {
+    if let Some(key) = req.uri().path().strip_prefix("/lookup/") {
+        // The status lookup: the write as the upstream holds it, or 404 (not yet, or never).
+        // A quarter of the keys cannot be looked up (503): those writes stay unknown for good,
+        // across many retentions.
+        if key.bytes().map(u32::from).sum::<u32>() % 4 == 0 {
+            let mut r = http::Response::new(Full::new(Bytes::new()));
+            *r.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+            return Ok(r);
+        }
+        let found = ledger.by_key.lock().unwrap().get(key).cloned();
+        let mut r = http::Response::new(Full::new(Bytes::from(found.clone().unwrap_or_default())));
+        if found.is_none() {
+            *r.status_mut() = http::StatusCode::NOT_FOUND;
+        }
+        return Ok(r);
+    }
+    let key = req
+        .headers()
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
     let body = req.into_body().collect().await?.to_bytes();
     let write = serde_json::from_slice::<Value>(&body)
         .ok()
@@ -91,8 +122,20 @@ async fn upstream_handle(
         *r.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
         return Ok(r);
     }
-    let exec = ledger.executions.fetch_add(1, Ordering::SeqCst);
     let roll = roll - faults.unavailable;
+    let late = roll >= 1.0 - faults.unavailable - faults.late;
+    if late {
+        // The service is slow: the write takes effect after the proxy gave up waiting.
+        tokio::time::sleep(LATE).await;
+    }
+    let exec = ledger.executions.fetch_add(1, Ordering::SeqCst);
+    let answer = format!(r#"{{"exec":{exec},"write":"{write}"}}"#);
+    ledger.by_key.lock().unwrap().insert(key, answer.clone());
+    if late {
+        let mut r = http::Response::new(Full::new(Bytes::from(answer)));
+        *r.status_mut() = http::StatusCode::CREATED;
+        return Ok(r);
+    }
     if roll < faults.stall {
         // Applied, then the answer never comes.
         tokio::time::sleep(Duration::from_secs(3600)).await;
@@ -100,8 +143,7 @@ async fn upstream_handle(
         // Applied, then the connection drops: a failing service makes hyper close it unanswered.
         return Err("drop".into());
     }
-    let body = format!(r#"{{"exec":{exec},"write":"{write}"}}"#);
-    let mut r = http::Response::new(Full::new(Bytes::from(body)));
+    let mut r = http::Response::new(Full::new(Bytes::from(answer)));
     *r.status_mut() = http::StatusCode::CREATED;
     Ok(r)
 }
@@ -140,6 +182,7 @@ struct Seen {
     /// The key suffix of the request that succeeded (only a broken client changes it).
     suffix: u64,
     unknown_at: Option<u64>,
+    unknown_answers: usize,
     exhausted: bool,
 }
 
@@ -163,6 +206,8 @@ struct Options {
     postgres: Option<String>,
     /// Milliseconds between kills, drawn from this range.
     kill_gap: (u64, u64),
+    /// A status lookup, a 1 s retention, and clients that come back to an unknown write.
+    lookup: bool,
 }
 
 #[derive(Debug, Default)]
@@ -284,6 +329,7 @@ async fn run_client(
             enum Next {
                 Done,
                 Retry,
+                Later,
                 NewKey,
             }
             let next = {
@@ -301,9 +347,13 @@ async fn run_client(
                     }
                     (_, _, "outcome-unknown") => {
                         seen.unknown_at.get_or_insert_with(tick);
+                        seen.unknown_answers += 1;
                         if opts.broken_client && mode == Mode::Key {
                             // The naive agent: a timeout means "try again", with a fresh key.
                             Next::NewKey
+                        } else if opts.lookup && seen.unknown_answers < 4 {
+                            // Comes back later: the lookup may have settled it by then.
+                            Next::Later
                         } else {
                             Next::Done
                         }
@@ -329,13 +379,19 @@ async fn run_client(
                 Next::Done => break,
                 Next::NewKey => key_suffix += 1,
                 Next::Retry => tokio::time::sleep(Duration::from_millis(5)).await,
+                Next::Later => tokio::time::sleep(Duration::from_millis(600)).await,
             }
         }
         n += 1;
     }
 }
 
-fn proxy_config(dir: &std::path::Path, upstream: SocketAddr, postgres: bool) -> std::path::PathBuf {
+fn proxy_config(
+    dir: &std::path::Path,
+    upstream: SocketAddr,
+    postgres: bool,
+    lookup: bool,
+) -> std::path::PathBuf {
     let path = dir.join("oncegate.toml");
     let store = if postgres {
         "backend = \"postgres\"\nurl_env = \"ONCEGATE_TEST_DB\"".to_string()
@@ -363,7 +419,14 @@ max_attempts = 20
 name = "pay"
 prefix = "/pay"
 url = "http://{upstream}"
-"#
+{lookup}
+"#,
+            lookup = if lookup {
+                "retention = \"1s\"\nlookup_interval = \"300ms\"\n\
+                 lookup = { path = \"/lookup/{key}\", found = \"/exec\", status = 201, absent_after = \"2s\" }"
+            } else {
+                ""
+            }
         ),
     )
     .unwrap();
@@ -382,7 +445,7 @@ async fn harness(opts: Options) -> Report {
     let tmp = tempfile::tempdir().unwrap();
     let ledger = Arc::new(Ledger::default());
     let upstream = start_upstream(ledger.clone(), opts.faults).await;
-    let cfg = proxy_config(tmp.path(), upstream, opts.postgres.is_some());
+    let cfg = proxy_config(tmp.path(), upstream, opts.postgres.is_some(), opts.lookup);
     let opts = Arc::new(opts);
     let book = Arc::new(Book::default());
     let proxy_addr = Arc::new(RwLock::new(Vec::new()));
@@ -477,7 +540,14 @@ async fn harness(opts: Options) -> Report {
     let final_tick = tick();
     for (write, mode, client_id, seen) in &writes {
         let n: usize = write.rsplit('-').next().unwrap().parse().unwrap();
-        if let Some((status, body)) = &seen.success {
+        if opts.lookup {
+            // With a 1 s retention, a write settled (by its answer or a lookup) more than a
+            // second ago is rightly a new action now: the ledger alone judges this run
+            // (duplicates, and sends after an unknown answer).
+            report.completed += usize::from(seen.success.is_some());
+            report.unknown += usize::from(seen.success.is_none() && seen.unknown_at.is_some());
+        } else if let Some((status, body)) = &seen.success {
+            report.completed += 1;
             let (h, b) = request(*mode, *client_id, n, write, seen.suffix);
             match send(&client, children[0].addr, &h, &b).await {
                 Ok((s, Some(o), again)) if s == *status && again == *body && o == "replayed" => {}
@@ -488,11 +558,12 @@ async fn harness(opts: Options) -> Report {
                     report.violations.push(msg);
                 }
             }
-            report.completed += 1;
         } else if seen.unknown_at.is_some() && !(opts.broken_client && *mode == Mode::Key) {
             let (h, b) = request(*mode, *client_id, n, write, 0);
             let r = send(&client, children[0].addr, &h, &b).await;
-            if !matches!(&r, Ok((409, Some(o), _)) if o == "unknown") {
+            // Still unknown, or (with a lookup) found at the upstream and replayed from there.
+            let settled = opts.lookup && matches!(&r, Ok((201, Some(o), _)) if o == "replayed");
+            if !settled && !matches!(&r, Ok((409, Some(o), _)) if o == "unknown") {
                 let mut msg = format!("{write}: was unknown, then {r:?}");
                 msg.truncate(300);
                 report.violations.push(msg);
@@ -519,7 +590,7 @@ async fn harness(opts: Options) -> Report {
         }
         assert!(
             got.iter().all(|r| r.at < final_tick),
-            "a receipt after the final check"
+            "a receipt of {write} after the final check ({final_tick}): {got:?}, seen {seen:?}"
         );
     }
     report.writes = writes.len();
@@ -568,6 +639,7 @@ async fn sigkills_under_load_never_duplicate_lose_or_resend_a_write() {
         proxies: 1,
         postgres: None,
         kill_gap: (30, 250),
+        lookup: false,
     })
     .await;
     assert!(
@@ -593,12 +665,14 @@ async fn the_harness_catches_a_client_that_ignores_idempotency() {
             stall: 0.3,
             drop: 0.0,
             unavailable: 0.0,
+            late: 0.0,
         },
         broken_client: true,
         writes_per_client: 30,
         proxies: 1,
         postgres: None,
         kill_gap: (30, 250),
+        lookup: false,
     })
     .await;
     assert!(
@@ -625,9 +699,44 @@ async fn two_proxies_on_postgres_survive_sigkills_without_duplicates() {
         // A dead proxy's attempts wait out their lease (about 2.3 s here) before they are
         // unknown: kills further apart let the fleet make progress in between.
         kill_gap: (300, 900),
+        lookup: false,
     })
     .await;
     assert!(report.writes > report.kills, "{report:?}");
+    assert_eq!(report.duplicates, 0, "{report:?}");
+    assert_eq!(report.lost_completed, 0, "{report:?}");
+    assert_eq!(report.resends, 0, "{report:?}");
+    assert_eq!(report.log_failures, 0, "{report:?}");
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+}
+
+/// A slow service: writes that take effect only after the proxy's timeout, a status lookup that
+/// finds them once they have (and nothing before), a 1 s retention, and clients that come back
+/// to their unknown writes, under SIGKILLs. Neither expiry nor a lookup that finds nothing yet
+/// may let a write go twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_applied_after_the_timeout_with_lookups_and_short_retention_go_once() {
+    let report = harness(Options {
+        kills: env_or("ONCEGATE_TORTURE_KILLS", 20) / 2,
+        clients: 6,
+        faults: Faults {
+            stall: 0.03,
+            drop: 0.03,
+            unavailable: 0.03,
+            late: 0.15,
+        },
+        broken_client: false,
+        writes_per_client: 0,
+        proxies: 1,
+        postgres: None,
+        kill_gap: (100, 400),
+        lookup: true,
+    })
+    .await;
+    assert!(
+        report.completed > 0 && report.unknown + report.completed > report.kills,
+        "{report:?}"
+    );
     assert_eq!(report.duplicates, 0, "{report:?}");
     assert_eq!(report.lost_completed, 0, "{report:?}");
     assert_eq!(report.resends, 0, "{report:?}");
