@@ -274,7 +274,7 @@ impl ProxyError {
                 Outcome::Rejected,
                 c.record.state != State::Failed,
                 Retry::AfterCorrection,
-                "This key already names a different request: resend the original request to get its result, or use a new key for a new write.",
+                "This key already names a different request. A retry of the same write must send the same request again (or name the step with Oncegate-Task and Oncegate-Step, under which a regenerated body is the same action); a new key is only for a genuinely different write, since the first may have been applied.",
             ),
             ProxyError::InFlight { .. } => Shape {
                 no_retry_headers: false,
