@@ -32,6 +32,28 @@ fn python(test: &str) -> Option<String> {
     }
 }
 
+/// Runs `code` with the Python at `py`, `ONCEGATE_URL` set to the proxy; returns its output,
+/// after checking that it succeeded.
+async fn run_python(py: String, code: String, proxy: &TestProxy, what: &str) -> String {
+    let base = proxy.url("");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(py)
+            .args(["-c", &code])
+            .env("ONCEGATE_URL", base.trim_end_matches('/'))
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{what} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
 async fn run_recipe(name: &str, prefix: &str, first_answer: Behavior, then: Behavior) {
     let Some(py) = python(name) else { return };
     let up = FakeUpstream::start().await;
@@ -46,23 +68,7 @@ async fn run_recipe(name: &str, prefix: &str, first_answer: Behavior, then: Beha
         up.url()
     );
     let proxy = TestProxy::start(&config(&up.url(), &extra)).await;
-    let code = recipe(name);
-    let base = proxy.url("");
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(py)
-            .args(["-c", &code])
-            .env("ONCEGATE_URL", base.trim_end_matches('/'))
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{name} recipe failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = run_python(py, recipe(name), &proxy, "the recipe").await;
     assert!(stdout.contains("created"), "{stdout}");
     let posts = up.count_method("POST");
     assert_eq!(
@@ -146,23 +152,7 @@ async fn the_stripe_charge_recipe_recovers_a_timed_out_charge_through_the_search
         up.url()
     );
     let proxy = TestProxy::start(&config(&up.url(), &extra)).await;
-    let code = recipe("stripe-charge");
-    let base = proxy.url("");
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(py)
-            .args(["-c", &code])
-            .env("ONCEGATE_URL", base.trim_end_matches('/'))
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "the recipe failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = run_python(py, recipe("stripe-charge"), &proxy, "the recipe").await;
     assert!(stdout.contains("created ch_recipe"), "{stdout}");
     assert_eq!(up.count_method("POST"), 1, "one charge");
     let searched: Vec<_> = up
@@ -213,22 +203,7 @@ try:
 except openai.APIStatusError as e:
     print("openai:", type(e).__name__, "|", e.message, "|", e.code)
 "#;
-    let base = proxy.url("");
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(py)
-            .args(["-c", code])
-            .env("ONCEGATE_URL", base.trim_end_matches('/'))
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = run_python(py, code.to_string(), &proxy, "the SDK script").await;
     println!("{stdout}");
     for sdk in ["stripe:", "openai:"] {
         let line = stdout
