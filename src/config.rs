@@ -239,6 +239,7 @@ with_policy_keys! {
         prefix: String,
         url: String,
         ca_file: Option<PathBuf>,
+        allow_encoded_slash: Option<bool>,
         lookup: Option<LookupConfig>,
         routes: Option<Vec<RawRoute>>,
     }
@@ -528,6 +529,8 @@ pub struct Upstream {
     /// The upstream base URL as written (scheme, authority and an optional base path).
     pub url: Uri,
     pub ca_file: Option<PathBuf>,
+    /// Paths may carry `%2F` inside a segment (APIs such as GitLab's); refused otherwise.
+    pub allow_encoded_slash: bool,
     /// The upstream-level policy, used when no route matches.
     pub policy: Arc<Policy>,
     pub routes: Vec<Route>,
@@ -875,6 +878,7 @@ fn resolve_upstream(
         prefix: prefix.to_string(),
         url,
         ca_file: u.ca_file.clone(),
+        allow_encoded_slash: u.allow_encoded_slash.unwrap_or(false),
         policy: Arc::new(policy),
         routes,
     })

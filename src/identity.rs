@@ -229,7 +229,15 @@ pub fn identify(req: &WriteRequest<'_>, policy: &Policy) -> Result<Identity, Key
     );
     let task = header_str(req.headers, "oncegate-task")?.map(str::to_string);
     let step = header_str(req.headers, "oncegate-step")?.map(str::to_string);
-    let (key, source) = if let Some(raw) = req.headers.get("idempotency-key") {
+    let mut keys = req.headers.get_all("idempotency-key").iter();
+    let first_key = keys.next();
+    if keys.next().is_some() {
+        // Two header lines are one list (RFC 9110 §5.3), as `a, b` on one line: not one key.
+        return Err(KeyError::Invalid(
+            "Idempotency-Key must be sent once, with one key".into(),
+        ));
+    }
+    let (key, source) = if let Some(raw) = first_key {
         (parse_key(raw.as_bytes())?, KeySource::Header)
     } else if let (Some(t), Some(s)) = (&task, &step) {
         let d = sha256_parts(&[t.as_bytes(), s.as_bytes()]);
@@ -412,6 +420,16 @@ mod tests {
         assert_eq!(id.action_id.len(), 32);
         let h = headers(&[("oncegate-task", "t"), ("oncegate-step", "has space")]);
         assert!(matches!(req(&h), Err(KeyError::Invalid(_))));
+        let h = headers(&[("idempotency-key", "a"), ("idempotency-key", "b")]);
+        assert!(
+            matches!(req(&h), Err(KeyError::Invalid(_))),
+            "two key lines"
+        );
+        let h = headers(&[("idempotency-key", "a, b")]);
+        assert!(
+            matches!(req(&h), Err(KeyError::Invalid(_))),
+            "a list on one line"
+        );
         let mut strict = p.clone();
         strict.require_key = true;
         let id = identify(

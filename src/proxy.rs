@@ -38,7 +38,7 @@ use crate::lookup;
 use crate::metrics::Metrics;
 use crate::redact::{latin1, Redactor};
 use crate::replay::replay;
-use crate::route::{route, Class, Target};
+use crate::route::{route, Class, RouteError, Target};
 use crate::store::{Filter, SettleRequest, Store, StoreError};
 use crate::upstream::{
     full, is_applied, strip_hop_by_hop, AttemptResult, Outgoing, Prefixed, ProxyBody, Upstreams,
@@ -277,8 +277,11 @@ impl Proxy {
             // moved into hyper's connection task for every request).
             return Box::pin(self.own(req, path)).await;
         }
-        let target = route(&self.config, req.method(), path)
-            .ok_or_else(|| ProxyError::NoRoute(path.to_string()))?;
+        let target =
+            route(&self.config, req.method(), path, req.headers()).map_err(|e| match e {
+                RouteError::NoRoute => ProxyError::NoRoute(path.to_string()),
+                RouteError::BadPath(why) => ProxyError::BadRequest(why),
+            })?;
         *labels = (target.upstream.label, target.class.as_str());
         let span = tracing::Span::current();
         span.record("upstream", target.upstream.name.as_str());
@@ -296,10 +299,10 @@ impl Proxy {
                 method: method.to_string(),
                 path: self.redactor.path(path, req.uri().query()),
             }),
-            _ => Box::pin(self.write(target, req, &principal)).await,
+            _ => Box::pin(self.write(&target, req, &principal)).await,
         };
         if let Err(e) = &result {
-            let shown = || self.redactor.path(target.rest, query.as_deref());
+            let shown = || self.redactor.path(&target.rest, query.as_deref());
             self.note_problem(e, target.upstream, &method, shown, &principal);
         }
         result
@@ -356,7 +359,7 @@ impl Proxy {
             t.upstream,
             &parts.method,
             parts.headers,
-            t.rest,
+            &t.rest,
             parts.uri.query(),
             None,
         )
@@ -388,7 +391,7 @@ impl Proxy {
     /// Phases `buffer` and `identify`, then `claim`.
     async fn write(
         self: &Arc<Self>,
-        t: Target<'_>,
+        t: &Target<'_>,
         req: Request<Incoming>,
         principal: &str,
     ) -> Result<Response<ProxyBody>, ProxyError> {
@@ -413,7 +416,7 @@ impl Proxy {
             &identity::WriteRequest {
                 upstream: &t.upstream.name,
                 method: parts.method.as_str(),
-                rest: t.rest,
+                rest: &t.rest,
                 query: query.as_deref().unwrap_or(""),
                 headers: &parts.headers,
                 body: &body,

@@ -1,9 +1,15 @@
 //! Routing and classification (SPEC §2, §3): which upstream a request goes to, and whether it is a
 //! read, a write or denied. Pure functions over the resolved config, table-tested.
+//!
+//! Paths are normalized first (RFC 3986 §6.2.2: percent-encoded unreserved characters decoded,
+//! dot segments removed), and the normalized path is what is routed, classified, fingerprinted
+//! and forwarded: an upstream that normalizes would otherwise run `/pay/v1/../admin` as
+//! `/admin` while a deny rule saw `/v1/../admin`.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
-use http::Method;
+use http::{HeaderMap, Method};
 
 use crate::config::{Config, Policy, Upstream};
 
@@ -79,21 +85,146 @@ fn match_segments(pat: &[String], path: &[&str]) -> bool {
 }
 
 /// Where a request goes and how it is treated.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Target<'a> {
     pub upstream: &'a Arc<Upstream>,
-    /// The path after the prefix (`{rest}` in the spec), without the query.
-    pub rest: &'a str,
+    /// The normalized path after the prefix (`{rest}` in the spec), without the query.
+    pub rest: Cow<'a, str>,
     pub class: Class,
     pub policy: &'a Arc<Policy>,
 }
 
+/// Why a request cannot be routed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RouteError {
+    /// No upstream prefix matches.
+    NoRoute,
+    /// The path cannot be normalized safely (400 `bad-request`).
+    BadPath(String),
+}
+
+/// Headers with which some frameworks tunnel another method through a `GET` or `POST`.
+const METHOD_OVERRIDES: [&str; 3] = [
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+];
+
+/// Whether the path needs any normalizing work: no `%`, `\`, or `.` segment is the common case.
+fn is_plain(path: &str) -> bool {
+    !path.contains(['%', '\\']) && !path.split('/').any(|seg| seg == "." || seg == "..")
+}
+
+fn unreserved(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~')
+}
+
+/// Decodes percent-encoded unreserved characters (the rest stay encoded, hex upper-cased), and
+/// refuses `%00`, `\` and `%5C` anywhere.
+fn decode_unreserved(path: &str) -> Result<String, RouteError> {
+    let bad = |why: &str| RouteError::BadPath(format!("the path {why}"));
+    let b = path.as_bytes();
+    let mut out = String::with_capacity(path.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'\\' => return Err(bad("holds a backslash")),
+            b'%' => {
+                let hex = |c: Option<&u8>| c.and_then(|c| (*c as char).to_digit(16));
+                let (Some(h), Some(l)) = (hex(b.get(i + 1)), hex(b.get(i + 2))) else {
+                    return Err(bad("holds a malformed percent-encoding"));
+                };
+                let byte = (h * 16 + l) as u8;
+                match byte {
+                    0 => return Err(bad("holds %00")),
+                    b'\\' => return Err(bad("holds an encoded backslash (%5C)")),
+                    c if unreserved(c) => out.push(c as char),
+                    c => out.push_str(&format!("%{c:02X}")),
+                }
+                i += 3;
+            }
+            c => {
+                // Non-ASCII bytes cannot be here: hyper takes only visible ASCII in a path.
+                out.push(c as char);
+                i += 1;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Removes dot segments (RFC 3986 §5.2.4) from an absolute path; `None` when a `..` would climb
+/// above its start.
+fn remove_dots(path: &str) -> Option<String> {
+    let mut out: Vec<&str> = Vec::new();
+    let segs: Vec<&str> = path.split('/').skip(1).collect();
+    for (i, seg) in segs.iter().enumerate() {
+        let last = i + 1 == segs.len();
+        match *seg {
+            "." => {
+                if last {
+                    out.push("");
+                }
+            }
+            ".." => {
+                out.pop()?;
+                if last {
+                    out.push("");
+                }
+            }
+            s => out.push(s),
+        }
+    }
+    let mut p = String::with_capacity(path.len());
+    for s in out {
+        p.push('/');
+        p.push_str(s);
+    }
+    if p.is_empty() && path.starts_with('/') {
+        p.push('/');
+    }
+    Some(p)
+}
+
+/// The class a request takes from its method and any method-override header: the strictest.
+fn strictest(
+    upstream: &Upstream,
+    method: &Method,
+    rest: &str,
+    headers: &HeaderMap,
+) -> (Class, Arc<Policy>) {
+    let (mut class, mut policy) = classify(upstream, method, rest);
+    for name in METHOD_OVERRIDES {
+        for v in headers.get_all(name) {
+            let m = v
+                .to_str()
+                .ok()
+                .and_then(|s| Method::from_bytes(s.trim().to_ascii_uppercase().as_bytes()).ok())
+                // An override that is no method is at least a write.
+                .unwrap_or(Method::POST);
+            let (c, p) = classify(upstream, &m, rest);
+            if rank(c) > rank(class) {
+                (class, policy) = (c, p);
+            }
+        }
+    }
+    (class, policy.clone())
+}
+
+fn rank(c: Class) -> u8 {
+    match c {
+        Class::Read => 0,
+        Class::Write => 1,
+        Class::Deny => 2,
+    }
+}
+
 /// Finds the upstream by longest prefix (on a segment boundary: `/pay` matches `/pay` and
 /// `/pay/x`, not `/payments`).
-pub fn find_upstream<'a>(
-    config: &'a Config,
-    path: &'a str,
-) -> Option<(&'a Arc<Upstream>, &'a str)> {
+pub fn find_upstream<'c, 'p>(
+    config: &'c Config,
+    path: &'p str,
+) -> Option<(&'c Arc<Upstream>, &'p str)> {
     config
         .upstreams
         .iter()
@@ -123,11 +254,61 @@ pub fn classify<'a>(
     (Class::by_method(method), &upstream.policy)
 }
 
-/// Routes and classifies in one step. `None`: no upstream prefix matches.
-pub fn route<'a>(config: &'a Config, method: &Method, path: &'a str) -> Option<Target<'a>> {
-    let (upstream, rest) = find_upstream(config, path)?;
-    let (class, policy) = classify(upstream, method, rest);
-    Some(Target {
+/// Normalizes the path, routes and classifies (SPEC §2, §3). A path that climbs above its
+/// upstream's prefix, holds `%00`, `\\` or `%5C`, or an encoded slash where the upstream does not
+/// allow one, is a [`RouteError::BadPath`]: nothing of it is sent.
+pub fn route<'a>(
+    config: &'a Config,
+    method: &Method,
+    path: &'a str,
+    headers: &HeaderMap,
+) -> Result<Target<'a>, RouteError> {
+    let (upstream, rest): (&Arc<Upstream>, Cow<'a, str>) = if is_plain(path) {
+        let (u, rest) = find_upstream(config, path).ok_or(RouteError::NoRoute)?;
+        (u, Cow::Borrowed(rest))
+    } else {
+        let decoded = decode_unreserved(path)?;
+        // The upstream whose prefix the path names; dot segments after it may not leave it.
+        let (u, rest) = match find_upstream(config, &decoded) {
+            Some((u, rest)) => (u, rest.to_string()),
+            None => {
+                let whole = remove_dots(&decoded)
+                    .ok_or_else(|| RouteError::BadPath("the path climbs above the root".into()))?;
+                let (u, rest) = find_upstream(config, &whole).ok_or(RouteError::NoRoute)?;
+                (u, rest.to_string())
+            }
+        };
+        let rest = if rest.is_empty() {
+            rest
+        } else {
+            remove_dots(&rest).ok_or_else(|| {
+                RouteError::BadPath(format!(
+                    "the path climbs above the prefix {} of upstream {}",
+                    u.prefix, u.name
+                ))
+            })?
+        };
+        if !u.allow_encoded_slash && rest.to_ascii_uppercase().contains("%2F") {
+            return Err(RouteError::BadPath(format!(
+                "the path holds an encoded slash (%2F), which upstream {} does not allow (allow_encoded_slash)",
+                u.name
+            )));
+        }
+        (u, Cow::Owned(rest))
+    };
+    let has_override = METHOD_OVERRIDES.iter().any(|h| headers.contains_key(*h));
+    let (class, policy) = if has_override {
+        let (c, p) = strictest(upstream, method, &rest, headers);
+        // The policy of the route that decided; borrowed from the config.
+        let p = std::iter::once(&upstream.policy)
+            .chain(upstream.routes.iter().map(|r| &r.policy))
+            .find(|q| Arc::ptr_eq(q, &p))
+            .unwrap_or(&upstream.policy);
+        (c, p)
+    } else {
+        classify(upstream, method, &rest)
+    };
+    Ok(Target {
         upstream,
         rest,
         class,
@@ -231,8 +412,138 @@ mod tests {
         ];
         for (m, path, want) in cases {
             let method = Method::from_bytes(m.as_bytes()).expect("method");
-            let got = route(&c, &method, path).map(|t| (t.upstream.name.as_str(), t.class));
+            let got = route(&c, &method, path, &HeaderMap::new())
+                .ok()
+                .map(|t| (t.upstream.name.as_str(), t.class));
             assert_eq!(got, *want, "{m} {path}");
         }
+    }
+
+    const PATHS_CONFIG: &str = r#"
+        [server]
+        [[upstreams]]
+        name = "pay"
+        prefix = "/pay"
+        url = "http://127.0.0.1:1"
+        [[upstreams.routes]]
+        path = "/admin/**"
+        class = "deny"
+        [[upstreams]]
+        name = "openai"
+        prefix = "/openai"
+        url = "http://127.0.0.1:2/v1"
+        [[upstreams]]
+        name = "gitlab"
+        prefix = "/gitlab"
+        url = "http://127.0.0.1:3"
+        allow_encoded_slash = true
+    "#;
+
+    #[test]
+    fn paths_are_normalized_before_routing() {
+        let c = Config::parse(PATHS_CONFIG).expect("valid");
+        // (path, upstream, normalized rest, class) or the refusal.
+        type Want<'a> = Result<(&'a str, &'a str, Class), &'a str>;
+        let cases: &[(&str, Want)] = &[
+            ("/pay/v1/charges", Ok(("pay", "/v1/charges", Class::Write))),
+            ("/pay/%61dmin/x", Ok(("pay", "/admin/x", Class::Deny))),
+            ("/pay/v1/../admin/x", Ok(("pay", "/admin/x", Class::Deny))),
+            ("/pay/./admin/x", Ok(("pay", "/admin/x", Class::Deny))),
+            (
+                "/pay/ADMIN/../admin/x",
+                Ok(("pay", "/admin/x", Class::Deny)),
+            ),
+            ("/pay/v1/%2e%2E/admin", Ok(("pay", "/admin", Class::Deny))),
+            ("/%70ay/admin/x", Ok(("pay", "/admin/x", Class::Deny))),
+            ("/./pay/v1/c", Ok(("pay", "/v1/c", Class::Write))),
+            ("/pay/v1/c/.", Ok(("pay", "/v1/c/", Class::Write))),
+            ("/pay/v1/a%20b", Ok(("pay", "/v1/a%20b", Class::Write))),
+            ("/pay/v1/a%3fb", Ok(("pay", "/v1/a%3Fb", Class::Write))),
+            ("/openai/../secret", Err("climbs above the prefix /openai")),
+            ("/pay/..", Err("climbs above the prefix /pay")),
+            ("/pay/v1/../../x", Err("climbs above the prefix")),
+            ("/../pay/x", Err("climbs above the root")),
+            ("/pay/v1/a%00b", Err("%00")),
+            ("/pay/v1\\a", Err("backslash")),
+            ("/pay/v1/a%5cb", Err("encoded backslash")),
+            ("/pay/v1/a%2Fb", Err("encoded slash")),
+            ("/pay/v1/a%zz", Err("malformed")),
+            (
+                "/gitlab/projects/a%2Fb/issues",
+                Ok(("gitlab", "/projects/a%2Fb/issues", Class::Write)),
+            ),
+        ];
+        for (path, want) in cases {
+            let got = route(&c, &Method::POST, path, &HeaderMap::new());
+            match (got, want) {
+                (Ok(t), Ok((u, rest, class))) => {
+                    assert_eq!(
+                        (t.upstream.name.as_str(), &*t.rest, t.class),
+                        (*u, *rest, *class),
+                        "{path}"
+                    )
+                }
+                (Err(RouteError::BadPath(why)), Err(part)) => {
+                    assert!(why.contains(part), "{path}: {why}")
+                }
+                (got, want) => panic!("{path}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_method_override_classifies_by_the_strictest() {
+        let c = Config::parse(PATHS_CONFIG).expect("valid");
+        let with = |name: &'static str, v: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert(name, http::HeaderValue::from_static(v));
+            h
+        };
+        let class =
+            |m: Method, path: &str, h: &HeaderMap| route(&c, &m, path, h).expect("routes").class;
+        assert_eq!(
+            class(Method::GET, "/pay/v1/c", &HeaderMap::new()),
+            Class::Read
+        );
+        for name in METHOD_OVERRIDES {
+            assert_eq!(
+                class(Method::GET, "/pay/v1/c", &with(name, "DELETE")),
+                Class::Write,
+                "{name}"
+            );
+        }
+        assert_eq!(
+            class(
+                Method::GET,
+                "/pay/v1/c",
+                &with("x-http-method-override", "get")
+            ),
+            Class::Read
+        );
+        assert_eq!(
+            class(
+                Method::GET,
+                "/pay/v1/c",
+                &with("x-http-method", "bogus method")
+            ),
+            Class::Write
+        );
+        // An override never makes a write a read.
+        assert_eq!(
+            class(
+                Method::POST,
+                "/pay/v1/c",
+                &with("x-http-method-override", "GET")
+            ),
+            Class::Write
+        );
+        assert_eq!(
+            class(
+                Method::GET,
+                "/pay/admin/x",
+                &with("x-method-override", "GET")
+            ),
+            Class::Deny
+        );
     }
 }

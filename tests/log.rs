@@ -290,7 +290,7 @@ async fn control_characters_and_quotes_stay_inside_one_json_line() {
         ("oncegate-step", "s\"}{"),
     ];
     // HTTP itself refuses raw CR/LF in a request; quotes, backslashes and tabs get through.
-    let raw = "POST /pay/v1/a%22b%5Cc?q=%0A%22x HTTP/1.1\r\nHost: a\r\nOncegate-Task: t\"x\\\r\n\
+    let raw = "POST /pay/v1/a%22b%7Cc?q=%0A%22x%5C HTTP/1.1\r\nHost: a\r\nOncegate-Task: t\"x\\\r\n\
                Oncegate-Step: s\"}{\r\nX-Note: tab\there\r\nContent-Length: 1\r\nConnection: close\r\n\r\na";
     let (resp, _) = support::raw(
         proxy.addr,

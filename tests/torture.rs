@@ -53,6 +53,11 @@ impl Faults {
     };
 }
 
+/// How long a client of the lookup mode keeps coming back to an unknown write: well within the
+/// mode's 3 s retention, which counts from the settlement (a client that came back after it
+/// would rightly meet a new action).
+const RETURN_FOR: Duration = Duration::from_millis(1_200);
+
 /// How long a late write takes to apply: past the proxy's `timeout` (150 ms), within the lookup's
 /// `absent_after` (the lookup mode's 2 s).
 const LATE: Duration = Duration::from_millis(400);
@@ -62,6 +67,14 @@ const LATE: Duration = Duration::from_millis(400);
 struct Receipt {
     at: u64,
     applied: bool,
+    /// The key the proxy sent with it.
+    key: String,
+}
+
+/// A quarter of the keys cannot be looked up (the lookup answers 503): those writes stay
+/// unknown for good, across many retentions.
+fn unsearchable(key: &str) -> bool {
+    key.bytes().map(u32::from).sum::<u32>() % 4 == 0
 }
 
 /// The counting upstream: its record is the truth the checker compares against.
@@ -80,9 +93,7 @@ async fn upstream_handle(
 ) -> Result<http::Response<Full<Bytes>>, BoxError> {
     if let Some(key) = req.uri().path().strip_prefix("/lookup/") {
         // The status lookup: the write as the upstream holds it, or 404 (not yet, or never).
-        // A quarter of the keys cannot be looked up (503): those writes stay unknown for good,
-        // across many retentions.
-        if key.bytes().map(u32::from).sum::<u32>() % 4 == 0 {
+        if unsearchable(key) {
             let mut r = http::Response::new(Full::new(Bytes::new()));
             *r.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
             return Ok(r);
@@ -116,6 +127,7 @@ async fn upstream_handle(
         .push(Receipt {
             at: tick(),
             applied,
+            key: key.clone(),
         });
     if !applied {
         let mut r = http::Response::new(Full::new(Bytes::from_static(b"{}")));
@@ -182,7 +194,8 @@ struct Seen {
     /// The key suffix of the request that succeeded (only a broken client changes it).
     suffix: u64,
     unknown_at: Option<u64>,
-    unknown_answers: usize,
+    /// When the first unknown answer came (a client comes back to it for a while).
+    unknown_since: Option<Instant>,
     exhausted: bool,
 }
 
@@ -206,7 +219,7 @@ struct Options {
     postgres: Option<String>,
     /// Milliseconds between kills, drawn from this range.
     kill_gap: (u64, u64),
-    /// A status lookup, a 1 s retention, and clients that come back to an unknown write.
+    /// A status lookup, a 3 s retention, and clients that come back to an unknown write.
     lookup: bool,
 }
 
@@ -347,11 +360,11 @@ async fn run_client(
                     }
                     (_, _, "outcome-unknown") => {
                         seen.unknown_at.get_or_insert_with(tick);
-                        seen.unknown_answers += 1;
+                        let since = *seen.unknown_since.get_or_insert_with(Instant::now);
                         if opts.broken_client && mode == Mode::Key {
                             // The naive agent: a timeout means "try again", with a fresh key.
                             Next::NewKey
-                        } else if opts.lookup && seen.unknown_answers < 4 {
+                        } else if opts.lookup && since.elapsed() < RETURN_FOR {
                             // Comes back later: the lookup may have settled it by then.
                             Next::Later
                         } else {
@@ -379,7 +392,7 @@ async fn run_client(
                 Next::Done => break,
                 Next::NewKey => key_suffix += 1,
                 Next::Retry => tokio::time::sleep(Duration::from_millis(5)).await,
-                Next::Later => tokio::time::sleep(Duration::from_millis(600)).await,
+                Next::Later => tokio::time::sleep(Duration::from_millis(400)).await,
             }
         }
         n += 1;
@@ -422,7 +435,7 @@ url = "http://{upstream}"
 {lookup}
 "#,
             lookup = if lookup {
-                "retention = \"1s\"\nlookup_interval = \"300ms\"\n\
+                "retention = \"3s\"\nlookup_interval = \"300ms\"\n\
                  lookup = { path = \"/lookup/{key}\", found = \"/exec\", status = 201, absent_after = \"2s\" }"
             } else {
                 ""
@@ -541,11 +554,35 @@ async fn harness(opts: Options) -> Report {
     for (write, mode, client_id, seen) in &writes {
         let n: usize = write.rsplit('-').next().unwrap().parse().unwrap();
         if opts.lookup {
-            // With a 1 s retention, a write settled (by its answer or a lookup) more than a
-            // second ago is rightly a new action now: the ledger alone judges this run
-            // (duplicates, and sends after an unknown answer).
+            // With a 3 s retention, a write settled (by its answer or a lookup) more than that
+            // ago is rightly a new action now, so only the writes no lookup can settle are
+            // checked here: still unknown, however long ago (SPEC §5). The ledger judges the
+            // rest (duplicates, and sends after an unknown answer).
             report.completed += usize::from(seen.success.is_some());
-            report.unknown += usize::from(seen.success.is_none() && seen.unknown_at.is_some());
+            let applied_keys: Vec<String> = ledger
+                .receipts
+                .lock()
+                .unwrap()
+                .get(write)
+                .map(|v| {
+                    v.iter()
+                        .filter(|r| r.applied)
+                        .map(|r| r.key.clone())
+                        .collect()
+                })
+                .unwrap_or_default();
+            let never_found =
+                !applied_keys.is_empty() && applied_keys.iter().all(|k| unsearchable(k));
+            if seen.success.is_none() && seen.unknown_at.is_some() && never_found {
+                let (h, b) = request(*mode, *client_id, n, write, 0);
+                let r = send(&client, children[0].addr, &h, &b).await;
+                if !matches!(&r, Ok((409, Some(o), _)) if o == "unknown") {
+                    let mut msg = format!("{write}: was unknown for good, then {r:?}");
+                    msg.truncate(300);
+                    report.violations.push(msg);
+                }
+                report.unknown += 1;
+            }
         } else if let Some((status, body)) = &seen.success {
             report.completed += 1;
             let (h, b) = request(*mode, *client_id, n, write, seen.suffix);
@@ -711,8 +748,8 @@ async fn two_proxies_on_postgres_survive_sigkills_without_duplicates() {
 }
 
 /// A slow service: writes that take effect only after the proxy's timeout, a status lookup that
-/// finds them once they have (and nothing before), a 1 s retention, and clients that come back
-/// to their unknown writes, under SIGKILLs. Neither expiry nor a lookup that finds nothing yet
+/// finds them once they have (and nothing before; never, for a quarter of the keys), a 3 s
+/// retention, and clients that come back to their unknown writes, under SIGKILLs. Neither expiry nor a lookup that finds nothing yet
 /// may let a write go twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_applied_after_the_timeout_with_lookups_and_short_retention_go_once() {
