@@ -31,7 +31,12 @@ use crate::upstream::{full, ProxyBody};
 pub struct Admin {
     proxy: Arc<Proxy>,
     token: Option<String>,
+    /// The listener's own address: requests from a page of another origin are refused.
+    local: Option<std::net::SocketAddr>,
 }
+
+/// The shortest admin token accepted on a listener that is not loopback (SPEC §10.2).
+pub const TOKEN_MIN_REMOTE: usize = 16;
 
 /// Compares two secrets without leaking where they differ.
 fn same_secret(a: &str, b: &str) -> bool {
@@ -152,16 +157,48 @@ struct ResolveBody {
 }
 
 impl Admin {
-    pub fn new(proxy: Arc<Proxy>, token: Option<String>) -> Admin {
+    pub fn new(
+        proxy: Arc<Proxy>,
+        token: Option<String>,
+        local: Option<std::net::SocketAddr>,
+    ) -> Admin {
         Admin {
             proxy,
             token: token.filter(|t| !t.is_empty()),
+            local,
         }
+    }
+
+    /// Whether a browser page of another origin sent this (CSRF, DNS rebinding): an `Origin`
+    /// that is not the listener's own, or, on a loopback listener, a `Host` that names another.
+    fn foreign(&self, req: &Request<Incoming>) -> Option<String> {
+        let local = self.local?;
+        let own = |authority: &str| {
+            authority == local.to_string()
+                || (local.ip().is_loopback() && authority == format!("localhost:{}", local.port()))
+        };
+        if let Some(origin) = req.headers().get(http::header::ORIGIN) {
+            let o = origin.to_str().unwrap_or("");
+            let authority = o.strip_prefix("http://").unwrap_or("\u{0}");
+            if !own(authority) {
+                return Some(format!("requests from the origin {o:?} are refused"));
+            }
+        }
+        if local.ip().is_loopback() {
+            if let Some(host) = req.headers().get(http::header::HOST) {
+                let h = host.to_str().unwrap_or("");
+                if !own(h) {
+                    return Some(format!("requests for the host {h:?} are refused"));
+                }
+            }
+        }
+        None
     }
 
     fn authorized(&self, req: &Request<Incoming>) -> bool {
         let Some(token) = &self.token else {
-            return true;
+            // No token configured: everything but health and metrics stays locked.
+            return false;
         };
         req.headers()
             .get(AUTHORIZATION)
@@ -182,12 +219,35 @@ impl Admin {
             (Method::GET, ["metrics"]) => return self.metrics().await,
             _ => {}
         }
+        if let Some(why) = self.foreign(&req) {
+            return problem(StatusCode::FORBIDDEN, "forbidden", why);
+        }
+        let var = &self.proxy.config.admin.token_env;
         if !self.authorized(&req) {
-            return problem(
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-                "send Authorization: Bearer <admin token>",
-            );
+            let detail = if self.token.is_some() {
+                format!("send Authorization: Bearer <the token in {var}>")
+            } else {
+                format!(
+                    "the admin API is locked: no token is set; set {var} in the proxy's environment and restart it"
+                )
+            };
+            return problem(StatusCode::UNAUTHORIZED, "unauthorized", detail);
+        }
+        if m == Method::POST {
+            let json = req
+                .headers()
+                .get(CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.split(';').next())
+                .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+            if !json {
+                // A form a page can post without asking: never an admin command.
+                return problem(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "unsupported-media-type",
+                    "POST bodies must be application/json",
+                );
+            }
         }
         match (m, segs.as_slice()) {
             (Method::GET, ["v1", "actions"]) => self.list(&req).await,

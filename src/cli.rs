@@ -18,6 +18,8 @@ use crate::log::{parse_export, verify, Chain, Verification, GENESIS};
 pub struct AdminClient {
     pub base: String,
     pub token: Option<String>,
+    /// The variable the token was read from, named when the API refuses it.
+    pub token_env: String,
 }
 
 impl AdminClient {
@@ -61,6 +63,17 @@ impl AdminClient {
     async fn json(&self, method: Method, path: &str, body: Option<Value>) -> Result<Value, String> {
         let (status, bytes) = self.call(method, path, body).await?;
         let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        if status == StatusCode::UNAUTHORIZED {
+            let why = if self.token.is_some() {
+                "the token in it was refused"
+            } else {
+                "it is not set here"
+            };
+            return Err(format!(
+                "admin API answered {status}: set {} to the proxy's admin token ({why})",
+                self.token_env
+            ));
+        }
         if !status.is_success() {
             let detail = v["detail"].as_str().unwrap_or("");
             return Err(format!("admin API answered {status}: {detail}"));

@@ -262,13 +262,15 @@ lookup = {{ method = "GET", path = "/v1/charges?idempotency_key={{key}}", found 
         admin_l.local_addr().map_err(|e| e.to_string())?,
     );
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    // The demo's own admin token, for the reviewer's step: the admin API always needs one.
+    let token = hex::encode(rand::random::<[u8; 16]>());
     let running = tokio::spawn(crate::run(
         config,
         crate::Listeners {
             proxy: proxy_l,
             admin: Some(admin_l),
         },
-        crate::Services::new(store, metrics, None),
+        crate::Services::new(store, metrics, Some(token.clone())),
         async move {
             let _ = stop_rx.await;
         },
@@ -419,13 +421,13 @@ lookup = {{ method = "GET", path = "/v1/charges?idempotency_key={{key}}", found 
     );
 
     say.step(5, "A security reviewer verifies the write log");
+    let verify = http::Request::get(format!("http://{admin}/v1/log/verify"))
+        .header("authorization", format!("Bearer {token}"))
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
     let v = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
         .build_http::<Full<Bytes>>()
-        .get(
-            format!("http://{admin}/v1/log/verify")
-                .parse()
-                .map_err(|e: http::uri::InvalidUri| e.to_string())?,
-        )
+        .request(verify)
         .await
         .map_err(|e| e.to_string())?;
     let v: Value = serde_json::from_slice(

@@ -189,12 +189,22 @@ pub async fn run(
         let addr = admin
             .local_addr()
             .map_err(|e| RunError::Setup(format!("admin listener: {e}")))?;
-        if !addr.ip().is_loopback() && admin_token.as_deref().unwrap_or("").is_empty() {
+        let token = admin_token.as_deref().unwrap_or("");
+        if !addr.ip().is_loopback() && token.len() < admin::TOKEN_MIN_REMOTE {
             return Err(RunError::Config(format!(
                 "invalid `admin.listen`: {addr} is not a loopback address, so the admin API needs \
-                 a token in the environment variable named by `admin.token_env` ({})",
+                 a token of at least {} characters in the environment variable named by \
+                 `admin.token_env` ({})",
+                admin::TOKEN_MIN_REMOTE,
                 config.admin.token_env
             )));
+        }
+        if token.is_empty() {
+            tracing::warn!(
+                "no admin token: {} is not set, so the admin API answers only /healthz, /readyz \
+                 and /metrics; set it to list, look up and settle actions",
+                config.admin.token_env
+            );
         }
     }
     for caution in config.cautions() {
@@ -261,7 +271,11 @@ pub async fn run(
         if let Ok(addr) = l.local_addr() {
             tracing::info!(admin = %addr, "admin API listening");
         }
-        let admin = Arc::new(admin::Admin::new(proxy.clone(), admin_token));
+        let admin = Arc::new(admin::Admin::new(
+            proxy.clone(),
+            admin_token,
+            l.local_addr().ok(),
+        ));
         let opts = server::Listen {
             header_timeout: config.server.header_timeout,
             drain_timeout: std::time::Duration::from_secs(1),

@@ -68,14 +68,36 @@ enum Command {
 
 #[derive(Args)]
 struct AdminArgs {
-    /// The admin API's address (token from ONCEGATE_ADMIN_TOKEN).
-    #[arg(
-        long,
-        env = "ONCEGATE_ADMIN",
-        default_value = "http://127.0.0.1:8081",
-        global = true
-    )]
-    admin: String,
+    /// The admin API's address; default: `admin.listen` of --config, else
+    /// http://127.0.0.1:8081. The token comes from the variable `admin.token_env` of --config
+    /// names, else ONCEGATE_ADMIN_TOKEN.
+    #[arg(long, env = "ONCEGATE_ADMIN", global = true)]
+    admin: Option<String>,
+}
+
+/// Where the operator commands find the admin API and its token: `--admin`, else the config's
+/// `[admin]` (read alone, so that a config whose other secrets are not in this shell still
+/// serves), else the defaults.
+fn admin_client(admin: AdminArgs, config: &std::path::Path) -> AdminClient {
+    let table: Option<toml::Table> = std::fs::read_to_string(config)
+        .ok()
+        .and_then(|t| t.parse().ok());
+    let section = table.as_ref().and_then(|t| t.get("admin")?.as_table());
+    let field = |k: &str| section.and_then(|a| a.get(k)?.as_str().map(str::to_string));
+    let base = admin.admin.unwrap_or_else(|| {
+        let listen = field("listen").unwrap_or_else(|| "127.0.0.1:8081".into());
+        // A listener on every interface is reached on loopback from here.
+        let listen = listen
+            .replace("0.0.0.0:", "127.0.0.1:")
+            .replace("[::]:", "[::1]:");
+        format!("http://{listen}")
+    });
+    let token_env = field("token_env").unwrap_or_else(|| "ONCEGATE_ADMIN_TOKEN".into());
+    AdminClient {
+        base,
+        token: std::env::var(&token_env).ok().filter(|t| !t.is_empty()),
+        token_env,
+    }
 }
 
 #[derive(Subcommand)]
@@ -175,69 +197,80 @@ fn main() -> ExitCode {
             Err(code) => code,
         },
         Command::Demo => demo(),
-        Command::Actions { admin, command } => operate(admin, |c| async move {
-            match command {
-                ActionsCommand::List {
-                    state,
-                    upstream,
-                    task,
-                    limit,
-                    json,
-                } => {
-                    let args = ListArgs {
+        Command::Actions { admin, command } => {
+            operate(admin_client(admin, &cli.config), |c| async move {
+                match command {
+                    ActionsCommand::List {
                         state,
                         upstream,
                         task,
                         limit,
-                    };
-                    cli::actions_list(&c, &args, json).await.map(|s| (true, s))
-                }
-                ActionsCommand::Show { id, json } => {
-                    cli::actions_show(&c, &id, json).await.map(|s| (true, s))
-                }
-                ActionsCommand::Resolve {
-                    id,
-                    outcome,
-                    reason,
-                    external_id,
-                    json,
-                } => cli::actions_resolve(&c, &id, &outcome, &reason, external_id.as_deref(), json)
+                        json,
+                    } => {
+                        let args = ListArgs {
+                            state,
+                            upstream,
+                            task,
+                            limit,
+                        };
+                        cli::actions_list(&c, &args, json).await.map(|s| (true, s))
+                    }
+                    ActionsCommand::Show { id, json } => {
+                        cli::actions_show(&c, &id, json).await.map(|s| (true, s))
+                    }
+                    ActionsCommand::Resolve {
+                        id,
+                        outcome,
+                        reason,
+                        external_id,
+                        json,
+                    } => cli::actions_resolve(
+                        &c,
+                        &id,
+                        &outcome,
+                        &reason,
+                        external_id.as_deref(),
+                        json,
+                    )
                     .await
                     .map(|s| (true, s)),
-                ActionsCommand::Lookup { id, json } => {
-                    cli::actions_lookup(&c, &id, json).await.map(|s| (true, s))
-                }
-            }
-        }),
-        Command::Log { admin, command } => operate(admin, |c| async move {
-            match command {
-                LogCommand::Export { after, out } => {
-                    let text = cli::log_export(&c, after).await?;
-                    match out {
-                        None => Ok((true, text)),
-                        Some(path) => std::fs::write(&path, text)
-                            .map(|()| (true, String::new()))
-                            .map_err(|e| format!("{}: {e}", path.display())),
+                    ActionsCommand::Lookup { id, json } => {
+                        cli::actions_lookup(&c, &id, json).await.map(|s| (true, s))
                     }
                 }
-                LogCommand::Verify {
-                    file: Some(file),
-                    hmac_key_env,
-                    expect_head,
-                } => {
-                    let key = match hmac_key_env {
-                        None => None,
-                        Some(var) => Some(
-                            std::env::var(&var)
-                                .map_err(|_| format!("--hmac-key-env: {var} is not set"))?
-                                .into_bytes(),
-                        ),
-                    };
-                    cli::log_verify_file(&file, key, expect_head.as_deref())
+            })
+        }
+        Command::Log { admin, command } => {
+            operate(admin_client(admin, &cli.config), |c| async move {
+                match command {
+                    LogCommand::Export { after, out } => {
+                        let text = cli::log_export(&c, after).await?;
+                        match out {
+                            None => Ok((true, text)),
+                            Some(path) => std::fs::write(&path, text)
+                                .map(|()| (true, String::new()))
+                                .map_err(|e| format!("{}: {e}", path.display())),
+                        }
+                    }
+                    LogCommand::Verify {
+                        file: Some(file),
+                        hmac_key_env,
+                        expect_head,
+                    } => {
+                        let key = match hmac_key_env {
+                            None => None,
+                            Some(var) => Some(
+                                std::env::var(&var)
+                                    .map_err(|_| format!("--hmac-key-env: {var} is not set"))?
+                                    .into_bytes(),
+                            ),
+                        };
+                        cli::log_verify_file(&file, key, expect_head.as_deref())
+                    }
+                    LogCommand::Verify { file: None, .. } => cli::log_verify_remote(&c).await,
                 }
-                LogCommand::Verify { file: None, .. } => cli::log_verify_remote(&c).await,
-            }
-        }),
+            })
+        }
     }
 }
 
@@ -277,17 +310,11 @@ fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
 }
 
 /// Runs an operator command: prints its text; exit 1 when it failed or found a problem.
-fn operate<F, Fut>(admin: AdminArgs, f: F) -> ExitCode
+fn operate<F, Fut>(client: AdminClient, f: F) -> ExitCode
 where
     F: FnOnce(AdminClient) -> Fut,
     Fut: std::future::Future<Output = Result<(bool, String), String>>,
 {
-    let client = AdminClient {
-        base: admin.admin,
-        token: std::env::var("ONCEGATE_ADMIN_TOKEN")
-            .ok()
-            .filter(|t| !t.is_empty()),
-    };
     let rt = match runtime(false) {
         Ok(rt) => rt,
         Err(code) => return code,

@@ -84,9 +84,7 @@ async fn a_full_disk_stops_writes_before_they_leave_and_a_restart_keeps_every_an
 
     // Room again: every key retried.
     let proxy = ChildProxy::spawn(&conf);
-    let verify = c
-        .get(&format!("http://{}/v1/log/verify", proxy.admin))
-        .await;
+    let verify = proxy.admin("GET", "/v1/log/verify", "").await;
     assert_eq!(verify.json()["ok"], true, "{verify:?}");
     for (key, how) in &first {
         let r = c

@@ -90,10 +90,7 @@ async fn fifty_concurrent_writes_split_across_two_proxies_reach_the_upstream_onc
         assert_eq!(r.body, r#"{"id":"ch_fleet"}"#);
     }
     // One chain across both instances.
-    let v = TestClient::default()
-        .get(&format!("http://{}/v1/log/verify", b.admin))
-        .await
-        .json();
+    let v = b.admin("GET", "/v1/log/verify", "").await.json();
     assert_eq!(v["ok"], true, "{v}");
 }
 

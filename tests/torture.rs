@@ -447,9 +447,7 @@ url = "http://{upstream}"
 }
 
 async fn verify_log(child: &ChildProxy) -> bool {
-    let r = support::TestClient::default()
-        .get(&format!("http://{}/v1/log/verify", child.admin))
-        .await;
+    let r = child.admin("GET", "/v1/log/verify", "").await;
     r.json()["ok"] == true
 }
 

@@ -388,6 +388,17 @@ impl TestProxy {
         clock: oncegate::action::Clock,
     ) -> TestProxy {
         let config = Config::parse(toml).unwrap();
+        Self::start_with_services(config, store, dir, Some(ADMIN_TOKEN.to_string()), clock).await
+    }
+
+    /// Starts the proxy with `config` on `store`, with `admin_token` (or none) and `clock`.
+    pub async fn start_with_services(
+        config: Config,
+        store: Arc<dyn oncegate::store::Store>,
+        dir: &Path,
+        admin_token: Option<String>,
+        clock: oncegate::action::Clock,
+    ) -> TestProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let admin_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -404,7 +415,7 @@ impl TestProxy {
                 ..oncegate::Services::new(
                     store.clone(),
                     Arc::new(oncegate::metrics::Metrics::new()),
-                    Some(ADMIN_TOKEN.to_string()),
+                    admin_token,
                 )
             },
             async move {
@@ -432,14 +443,7 @@ impl TestProxy {
 
     /// Calls the admin API with the token.
     pub async fn admin(&self, method: &str, path: &str, body: &str) -> Resp {
-        TestClient::default()
-            .send(
-                method,
-                &self.admin_url(path),
-                &[("authorization", &format!("Bearer {ADMIN_TOKEN}"))],
-                body,
-            )
-            .await
+        admin_call(self.admin, method, path, body).await
     }
 
     /// Graceful stop; returns once the store is closed.
@@ -451,6 +455,18 @@ impl TestProxy {
             t.await.unwrap().unwrap();
         }
     }
+}
+
+/// Calls the admin API at `addr` as an operator does: with the token, and a JSON body.
+pub async fn admin_call(addr: SocketAddr, method: &str, path: &str, body: &str) -> Resp {
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    let mut headers = vec![("authorization", auth.as_str())];
+    if method == "POST" {
+        headers.push(("content-type", "application/json"));
+    }
+    TestClient::default()
+        .send(method, &format!("http://{addr}{path}"), &headers, body)
+        .await
 }
 
 /// A config with one upstream `pay` at `/pay`, short timeouts, and `extra` appended to the
@@ -645,7 +661,7 @@ impl ChildProxy {
     fn command(program: &str) -> std::process::Command {
         let mut cmd = std::process::Command::new(program);
         cmd.env("RUST_LOG", "info")
-            .env_remove("ONCEGATE_ADMIN_TOKEN");
+            .env("ONCEGATE_ADMIN_TOKEN", ADMIN_TOKEN);
         cmd
     }
 
@@ -699,6 +715,11 @@ impl ChildProxy {
 
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    /// Calls its admin API with the token (children start with [`ADMIN_TOKEN`]).
+    pub async fn admin(&self, method: &str, path: &str, body: &str) -> Resp {
+        admin_call(self.admin, method, path, body).await
     }
 
     /// SIGKILL: no drain, no flush.

@@ -1,0 +1,223 @@
+//! The admin API against a hostile neighbour (SPEC §10.2, §10.3): a web page the operator
+//! visits (CSRF, DNS rebinding) cannot settle an unknown write, with or without a token set;
+//! the token is always required but for health and metrics; a public listener needs a long one;
+//! the CLI finds the API and its token through the config and names the variable on a 401.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::sync::Arc;
+
+use support::{admin_call, config, Behavior, FakeUpstream, TestClient, TestProxy, ADMIN_TOKEN};
+
+const KEY: &str = "idempotency-key";
+
+/// A proxy (with `token` as its admin token) holding one unknown write.
+async fn with_unknown_write(token: Option<&str>) -> (FakeUpstream, TestProxy, String) {
+    let up = FakeUpstream::start().await;
+    let cfg = oncegate::config::Config::parse(&config(&up.url(), "timeout = \"200ms\"")).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.keep().join("s");
+    let store: Arc<dyn oncegate::store::Store> =
+        Arc::new(oncegate::store::sled::SledStore::open(&dir, Default::default()).unwrap());
+    let proxy = TestProxy::start_with_services(
+        cfg,
+        store,
+        &dir,
+        token.map(str::to_string),
+        oncegate::action::system_clock(),
+    )
+    .await;
+    up.push(Behavior::Hang);
+    let r = TestClient::default()
+        .post(&proxy.url("/pay/v1/charges"), &[(KEY, "csrf")], "amount=5")
+        .await;
+    assert_eq!(r.problem(), "outcome-unknown");
+    let id = r.header("oncegate-action").unwrap().to_string();
+    (up, proxy, id)
+}
+
+const RESOLVE: &str = r#"{"outcome":"not-applied","reason":"a page said so"}"#;
+
+#[tokio::test]
+async fn without_a_token_the_admin_api_is_locked_not_open() {
+    let (up, proxy, id) = with_unknown_write(None).await;
+    let c = TestClient::default();
+    let path = format!("/v1/actions/{id}/resolve");
+    let r = c
+        .send(
+            "POST",
+            &proxy.admin_url(&path),
+            &[("content-type", "application/json")],
+            RESOLVE,
+        )
+        .await;
+    assert_eq!(r.status, 401);
+    let detail = r.json()["detail"].as_str().unwrap().to_string();
+    assert!(detail.contains("ONCEGATE_ADMIN_TOKEN"), "{detail}");
+    assert_eq!(c.get(&proxy.admin_url("/v1/actions")).await.status, 401);
+    // Health and metrics stay open.
+    assert_eq!(c.get(&proxy.admin_url("/healthz")).await.status, 200);
+    assert_eq!(c.get(&proxy.admin_url("/metrics")).await.status, 200);
+    // The write is still unknown, and a retry is not sent.
+    let r = c
+        .post(&proxy.url("/pay/v1/charges"), &[(KEY, "csrf")], "amount=5")
+        .await;
+    assert_eq!(r.problem(), "outcome-unknown");
+    assert_eq!(up.count(), 1);
+}
+
+#[tokio::test]
+async fn a_web_page_cannot_settle_an_action_even_with_the_operators_token() {
+    // The page cannot read the token, but make it as strong as it gets: the browser attaches it.
+    let (up, proxy, id) = with_unknown_write(Some(ADMIN_TOKEN)).await;
+    let c = TestClient::default();
+    let url = proxy.admin_url(&format!("/v1/actions/{id}/resolve"));
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    // A cross-site form post: text/plain, a foreign Origin.
+    let r = c
+        .send(
+            "POST",
+            &url,
+            &[
+                ("authorization", &auth),
+                ("origin", "https://evil.example"),
+                ("content-type", "text/plain"),
+            ],
+            RESOLVE,
+        )
+        .await;
+    assert_eq!(r.status, 403, "{:?}", r.body);
+    // DNS rebinding: the page's own origin and host name, resolved to loopback.
+    let r = c
+        .send(
+            "POST",
+            &url,
+            &[
+                ("authorization", &auth),
+                ("host", &format!("evil.example:{}", proxy.admin.port())),
+                ("content-type", "application/json"),
+            ],
+            RESOLVE,
+        )
+        .await;
+    assert_eq!(r.status, 403, "{:?}", r.body);
+    // Same origin but not JSON: 415.
+    let r = c
+        .send(
+            "POST",
+            &url,
+            &[("authorization", &auth), ("content-type", "text/plain")],
+            RESOLVE,
+        )
+        .await;
+    assert_eq!(r.status, 415);
+    // The listener's own origin, with JSON: the operator's console and CLI get through.
+    let own = format!("http://{}", proxy.admin);
+    let r = c
+        .send(
+            "POST",
+            &url,
+            &[
+                ("authorization", &auth),
+                ("origin", &own),
+                ("content-type", "application/json"),
+            ],
+            r#"{"outcome":"applied","reason":"seen at the service"}"#,
+        )
+        .await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let r = c
+        .post(&proxy.url("/pay/v1/charges"), &[(KEY, "csrf")], "amount=5")
+        .await;
+    assert_eq!(r.problem(), "already-applied");
+    assert_eq!(up.count(), 1);
+    // And the guard's helper (JSON, token) is what the other tests use.
+    assert_eq!(
+        admin_call(proxy.admin, "GET", "/v1/actions", "")
+            .await
+            .status,
+        200
+    );
+}
+
+#[tokio::test]
+async fn a_public_admin_listener_needs_a_long_token() {
+    for (token, ok) in [
+        (None, false),
+        (Some("x"), false),
+        (Some("0123456789abcdef"), true),
+    ] {
+        let up = FakeUpstream::start().await;
+        let cfg = oncegate::config::Config::parse(&config(&up.url(), "")).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Arc::new(
+            oncegate::store::sled::SledStore::open(&tmp.path().join("s"), Default::default())
+                .unwrap(),
+        );
+        let result = oncegate::run(
+            cfg,
+            oncegate::Listeners {
+                proxy: tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+                admin: Some(tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap()),
+            },
+            oncegate::Services::new(store, Default::default(), token.map(str::to_string)),
+            // Stops at once when it does start.
+            async {},
+        )
+        .await;
+        match (result, ok) {
+            (Ok(()), true) => {}
+            (Err(oncegate::RunError::Config(e)), false) => {
+                assert!(e.contains("at least 16 characters"), "{e}")
+            }
+            (other, _) => panic!("token {token:?}: {other:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_cli_finds_the_admin_api_and_its_token_through_the_config() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    // A config whose admin token lives in a variable of its own.
+    let path = support::child_config(tmp.path(), &up.url(), "");
+    let text = std::fs::read_to_string(&path).unwrap().replace(
+        "[admin]\nlisten = \"127.0.0.1:0\"",
+        "[admin]\nlisten = \"127.0.0.1:0\"\ntoken_env = \"OPS_TOKEN\"",
+    );
+    std::fs::write(&path, &text).unwrap();
+    let proxy = support::ChildProxy::spawn_with(&path, &[("OPS_TOKEN", ADMIN_TOKEN)]);
+    // The CLI reads admin.listen from the config; here the port is known only after start.
+    let with_port = text.replace(
+        "[admin]\nlisten = \"127.0.0.1:0\"",
+        &format!("[admin]\nlisten = \"{}\"", proxy.admin),
+    );
+    let cli_conf = tmp.path().join("cli.toml");
+    std::fs::write(&cli_conf, with_port).unwrap();
+    let cli = |token: Option<&str>| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_oncegate"));
+        c.args(["--config"])
+            .arg(&cli_conf)
+            .args(["actions", "list"])
+            .env_remove("ONCEGATE_ADMIN")
+            .env_remove("ONCEGATE_ADMIN_TOKEN")
+            .env_remove("OPS_TOKEN");
+        if let Some(t) = token {
+            c.env("OPS_TOKEN", t);
+        }
+        c.output().unwrap()
+    };
+    let out = cli(Some(ADMIN_TOKEN));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for token in [None, Some("wrong-token")] {
+        let out = cli(token);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("401") && err.contains("OPS_TOKEN"), "{err}");
+    }
+}
