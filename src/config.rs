@@ -260,6 +260,8 @@ struct RawServer {
     max_stored_response: Option<Size>,
     drain_timeout: Option<Dur>,
     header_timeout: Option<Dur>,
+    body_timeout: Option<Dur>,
+    max_connections: Option<usize>,
     tls: Option<TlsConfig>,
 }
 
@@ -550,6 +552,10 @@ pub struct ServerConfig {
     pub max_stored_response: u64,
     pub drain_timeout: Duration,
     pub header_timeout: Duration,
+    /// A write body must arrive whole within this (408 `body-timeout`, nothing sent).
+    pub body_timeout: Duration,
+    /// Client connections open at once; more wait in the listen backlog.
+    pub max_connections: usize,
     pub tls: Option<TlsConfig>,
 }
 
@@ -671,10 +677,18 @@ impl RawConfig {
             max_stored_response: s.max_stored_response.map_or(10 << 20, |v| v.0),
             drain_timeout: s.drain_timeout.map_or(Duration::from_secs(30), |v| v.0),
             header_timeout: s.header_timeout.map_or(Duration::from_secs(10), |v| v.0),
+            body_timeout: s.body_timeout.map_or(Duration::from_secs(30), |v| v.0),
+            max_connections: s.max_connections.unwrap_or(10_000),
             tls: s.tls.clone(),
         };
         if server.header_timeout.is_zero() {
             return Err(invalid("server.header_timeout", "must be positive"));
+        }
+        if server.body_timeout.is_zero() {
+            return Err(invalid("server.body_timeout", "must be positive"));
+        }
+        if server.max_connections == 0 {
+            return Err(invalid("server.max_connections", "must be at least 1"));
         }
         let admin = AdminConfig {
             listen: socket_addr(

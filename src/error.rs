@@ -86,6 +86,8 @@ pub enum ProxyError {
     KeyRequired,
     #[error("the request body is larger than max_body ({limit} bytes)")]
     BodyTooLarge { limit: u64 },
+    #[error("the request body did not arrive within body_timeout ({0:?})")]
+    BodyTimeout(std::time::Duration),
     #[error("{0}")]
     BadRequest(String),
     #[error("this key was already used for a different request")]
@@ -258,6 +260,18 @@ impl ProxyError {
                 Retry::AfterCorrection,
                 "Send a smaller body, or raise server.max_body.",
             ),
+            ProxyError::BodyTimeout(_) => Shape {
+                no_retry_headers: false,
+                ..s(
+                    "body-timeout",
+                    "Body timeout",
+                    StatusCode::REQUEST_TIMEOUT,
+                    Outcome::Rejected,
+                    false,
+                    Retry::Now,
+                    "Nothing was sent; send the whole request again, its body without pauses.",
+                )
+            },
             ProxyError::BadRequest(_) => s(
                 "bad-request",
                 "Bad request",
@@ -438,7 +452,7 @@ impl ProxyError {
                 HeaderValue::from(*retry_after_secs),
             );
         }
-        if let ProxyError::BadRequest(_) = &self {
+        if let ProxyError::BadRequest(_) | ProxyError::BodyTimeout(_) = &self {
             h.insert(http::header::CONNECTION, HeaderValue::from_static("close"));
         }
         if let Some(c) = ctx {

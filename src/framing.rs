@@ -9,6 +9,7 @@
 //! then parses the request exactly as before, and the proxy answers the marked request with a 400
 //! problem and `Connection: close`.
 
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -53,7 +54,11 @@ enum State {
     Off,
 }
 
-/// An I/O wrapper that marks ambiguously framed HTTP/1 requests.
+/// An I/O wrapper that marks ambiguously framed HTTP/1 requests, and closes a connection that
+/// does not deliver its first whole request head within `header_timeout` of opening. hyper's
+/// own header timer (which covers every later head, from the previous response on) starts only
+/// once the connection's protocol is known, which for a client that sends nothing, or one byte,
+/// is never: hyper-util's version sniffing waits for bytes with no limit.
 pub struct FramingGuard<IO> {
     inner: IO,
     state: State,
@@ -61,6 +66,10 @@ pub struct FramingGuard<IO> {
     buf: BytesMut,
     /// How many leading bytes of `buf` are scanned and may be handed to hyper.
     ready: usize,
+    /// Armed at opening, dropped once the first head is through.
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Request heads scanned whole.
+    heads: u64,
 }
 
 impl<IO> FramingGuard<IO> {
@@ -70,12 +79,49 @@ impl<IO> FramingGuard<IO> {
             state: State::Start,
             buf: BytesMut::new(),
             ready: 0,
+            deadline: None,
+            heads: 0,
         }
+    }
+
+    /// Also closes the connection when its first request head does not arrive within `timeout`.
+    pub fn with_header_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.deadline = Some(Box::pin(tokio::time::sleep(timeout)));
+        self
+    }
+
+    /// Whether the connection waits for (or is in) a request head.
+    fn awaiting_head(&self) -> bool {
+        matches!(self.state, State::Start | State::Head(_))
+    }
+
+    /// `Err` once the opening deadline passed before the first head; registers the waker.
+    fn check_deadline(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
+        if self.heads > 0 || !self.awaiting_head() {
+            // hyper's own header timer takes over from here.
+            self.deadline = None;
+            return Ok(());
+        }
+        let passed = self
+            .deadline
+            .as_mut()
+            .is_some_and(|d| d.as_mut().poll(cx).is_ready());
+        if passed {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "no whole request head within header_timeout",
+            ));
+        }
+        Ok(())
     }
 
     /// Scans unscanned bytes of `buf`, moving `ready` forward. Returns whether it made progress.
     fn scan(&mut self) -> bool {
-        let n = scan(&mut self.state, &mut self.buf[self.ready..]);
+        let n = scan(
+            &mut self.state,
+            &mut self.buf[self.ready..],
+            &mut self.heads,
+        );
         self.ready += n;
         n > 0
     }
@@ -84,7 +130,8 @@ impl<IO> FramingGuard<IO> {
 /// Scans `bytes` from the state the bytes before them left, marking ambiguous framing in place.
 /// Returns how many leading bytes are scanned and may be handed to hyper: all but a trailing
 /// partial line (or HTTP/2 preface) that the next bytes complete.
-fn scan(state: &mut State, bytes: &mut [u8]) -> usize {
+/// `heads` counts the request heads completed (the first one ends the opening deadline).
+fn scan(state: &mut State, bytes: &mut [u8], heads: &mut u64) -> usize {
     let mut ready = 0;
     loop {
         let avail = bytes.len() - ready;
@@ -122,6 +169,7 @@ fn scan(state: &mut State, bytes: &mut [u8]) -> usize {
                     // Empty lines before a request line are ignored (RFC 9112 §2.2).
                 } else if blank {
                     *state = framing(head);
+                    *heads += 1;
                 } else if !head.started {
                     head.started = true;
                 } else {
@@ -234,6 +282,25 @@ impl<IO: AsyncRead + Unpin> AsyncRead for FramingGuard<IO> {
         out: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
+        let result = Self::read_guarded(this, cx, out);
+        if result.is_pending() {
+            // Waiting on the client: give up at the head deadline.
+            if let Err(e) = this.check_deadline(cx) {
+                return Poll::Ready(Err(e));
+            }
+        } else if this.heads > 0 || !this.awaiting_head() {
+            this.deadline = None;
+        }
+        result
+    }
+}
+
+impl<IO: AsyncRead + Unpin> FramingGuard<IO> {
+    fn read_guarded(
+        this: &mut Self,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         loop {
             if this.ready > 0 {
                 let n = this.ready.min(out.remaining());
@@ -255,7 +322,7 @@ impl<IO: AsyncRead + Unpin> AsyncRead for FramingGuard<IO> {
                 if new.is_empty() {
                     return Poll::Ready(Ok(()));
                 }
-                let n = scan(&mut this.state, new);
+                let n = scan(&mut this.state, new, &mut this.heads);
                 if n < new.len() {
                     this.buf.extend_from_slice(&new[n..]);
                     out.set_filled(before + n);

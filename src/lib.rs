@@ -234,6 +234,7 @@ pub async fn run(
     let listen = server::Listen {
         header_timeout: config.server.header_timeout,
         drain_timeout: config.server.drain_timeout,
+        max_connections: config.server.max_connections,
         tls,
     };
     if let Ok(addr) = listeners.proxy.local_addr() {
@@ -279,6 +280,8 @@ pub async fn run(
         let opts = server::Listen {
             header_timeout: config.server.header_timeout,
             drain_timeout: std::time::Duration::from_secs(1),
+            // Operators and probes: a handful at a time.
+            max_connections: 64,
             tls: None,
         };
         tokio::spawn(server::serve(

@@ -329,6 +329,7 @@ impl Proxy {
             ProxyError::KeyInvalid(_)
             | ProxyError::KeyRequired
             | ProxyError::BodyTooLarge { .. }
+            | ProxyError::BodyTimeout(_)
             | ProxyError::RouteDenied { .. }
             | ProxyError::BadRequest(_) => Event::Rejected,
             _ => return,
@@ -400,17 +401,21 @@ impl Proxy {
         if content_length(&parts.headers).is_some_and(|n| n > max) {
             return Err(ProxyError::BodyTooLarge { limit: max });
         }
-        let body = http_body_util::Limited::new(body, max as usize)
-            .collect()
-            .await
-            .map_err(|e| {
-                if e.is::<http_body_util::LengthLimitError>() {
-                    ProxyError::BodyTooLarge { limit: max }
-                } else {
-                    ProxyError::BadRequest(format!("could not read the request body: {e}"))
-                }
-            })?
-            .to_bytes();
+        let limit = self.config.server.body_timeout;
+        let body = tokio::time::timeout(
+            limit,
+            http_body_util::Limited::new(body, max as usize).collect(),
+        )
+        .await
+        .map_err(|_| ProxyError::BodyTimeout(limit))?
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                ProxyError::BodyTooLarge { limit: max }
+            } else {
+                ProxyError::BadRequest(format!("could not read the request body: {e}"))
+            }
+        })?
+        .to_bytes();
         let query = parts.uri.query().map(str::to_string);
         let identity = identity::identify(
             &identity::WriteRequest {

@@ -53,6 +53,8 @@ pub const HEAD_MAX: usize = 64 * 1024;
 pub struct Listen {
     pub header_timeout: Duration,
     pub drain_timeout: Duration,
+    /// Connections served at once; the next is accepted when one closes.
+    pub max_connections: usize,
     pub tls: Option<TlsAcceptor>,
 }
 
@@ -80,8 +82,15 @@ where
     builder.http2().timer(TokioTimer::new());
     let builder = Arc::new(builder);
     let graceful = GracefulShutdown::new();
+    // Bounded like mini-redis: a permit before each accept, so that past the limit connections
+    // wait in the kernel's backlog instead of holding a descriptor and a task each here.
+    let permits = Arc::new(tokio::sync::Semaphore::new(opts.max_connections));
     tokio::pin!(shutdown);
     loop {
+        let permit = tokio::select! {
+            p = permits.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+            () = &mut shutdown => break,
+        };
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(c) => c,
@@ -100,13 +109,16 @@ where
         let watcher = graceful.watcher();
         let opts = opts.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             let svc = service_fn(move |req| {
                 let h = handler.clone();
                 async move { Ok::<_, Infallible>(h(req).await) }
             });
             let result = match &opts.tls {
                 None => {
-                    let io = TokioIo::new(FramingGuard::new(stream));
+                    let io = TokioIo::new(
+                        FramingGuard::new(stream).with_header_timeout(opts.header_timeout),
+                    );
                     let conn = builder.serve_connection(io, svc);
                     watcher.watch(conn.into_owned()).await
                 }
@@ -130,7 +142,9 @@ where
                     let io = TokioIo::new(if h2 {
                         Guarded::Plain(tls)
                     } else {
-                        Guarded::Guarded(FramingGuard::new(tls))
+                        Guarded::Guarded(
+                            FramingGuard::new(tls).with_header_timeout(opts.header_timeout),
+                        )
                     });
                     let conn = builder.serve_connection(io, svc);
                     watcher.watch(conn.into_owned()).await

@@ -1,0 +1,145 @@
+//! Connections that never finish (SPEC §2): silent or trickling clients are closed at
+//! `header_timeout`, a write body that does not arrive within `body_timeout` gets 408 and
+//! nothing is sent, and at most `max_connections` are open at once. Real sockets throughout.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use support::{config, FakeUpstream, TestProxy};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Writes `first` on a new connection, then waits up to `limit` for the proxy to close it;
+/// returns what it answered and how long it kept the connection.
+async fn held_for(proxy: &TestProxy, first: &[u8], limit: Duration) -> (String, Option<Duration>) {
+    let started = Instant::now();
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(first).await.unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 1024];
+    loop {
+        match tokio::time::timeout_at((started + limit).into(), s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => {
+                return (
+                    String::from_utf8_lossy(&out).into_owned(),
+                    Some(started.elapsed()),
+                )
+            }
+            Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
+            Err(_) => return (String::from_utf8_lossy(&out).into_owned(), None),
+        }
+    }
+}
+
+#[tokio::test]
+async fn silent_and_one_byte_connections_are_closed_at_header_timeout() {
+    let up = FakeUpstream::start().await;
+    // The test config's header_timeout is 2s.
+    let proxy = TestProxy::start(&config(&up.url(), "")).await;
+    for first in [&b""[..], b"P", b"POST /pay/v1/c HTTP/1.1\r\nhost: x\r\n"] {
+        let (_, closed) = held_for(&proxy, first, Duration::from_secs(6)).await;
+        let held = closed.unwrap_or_else(|| panic!("{first:?}: still open after 6 s"));
+        assert!(
+            held >= Duration::from_millis(1_900),
+            "{first:?}: closed early, {held:?}"
+        );
+    }
+    assert_eq!(up.count(), 0);
+}
+
+#[tokio::test]
+async fn an_idle_keep_alive_connection_is_closed_at_header_timeout_after_its_response() {
+    let up = FakeUpstream::start().await;
+    let proxy = TestProxy::start(&config(&up.url(), "")).await;
+    let (out, closed) = held_for(
+        &proxy,
+        b"GET /pay/v1/c HTTP/1.1\r\nhost: x\r\n\r\n",
+        Duration::from_secs(6),
+    )
+    .await;
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    let held = closed.expect("an idle connection is closed");
+    assert!(held >= Duration::from_millis(1_900), "{held:?}");
+}
+
+#[tokio::test]
+async fn a_trickled_or_missing_write_body_gets_408_and_nothing_is_sent() {
+    let up = FakeUpstream::start().await;
+    let cfg = config(&up.url(), "").replace(
+        "header_timeout = \"2s\"",
+        "header_timeout = \"2s\"\nbody_timeout = \"1s\"",
+    );
+    let proxy = TestProxy::start(&cfg).await;
+    // Expect: 100-continue with no body at all.
+    let (out, closed) = held_for(
+        &proxy,
+        b"POST /pay/v1/c HTTP/1.1\r\nhost: x\r\nidempotency-key: b1\r\nexpect: 100-continue\r\ncontent-length: 10\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(out.contains("408"), "{out}");
+    assert!(out.contains("body-timeout"), "{out}");
+    assert!(closed.is_some());
+    // A body trickled at one byte a second.
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        b"POST /pay/v1/c HTTP/1.1\r\nhost: x\r\nidempotency-key: b2\r\ncontent-length: 10\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut out = Vec::new();
+    let started = Instant::now();
+    let mut buf = [0u8; 1024];
+    while started.elapsed() < Duration::from_secs(5) {
+        let _ = s.write_all(b"x").await;
+        if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(400), s.read(&mut buf)).await
+        {
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&buf[..n]);
+            if out.windows(4).any(|w| w == b"\r\n\r\n") && out.ends_with(b"}") {
+                break;
+            }
+        }
+    }
+    let out = String::from_utf8_lossy(&out);
+    assert!(out.starts_with("HTTP/1.1 408"), "{out}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(up.count(), 0, "nothing was sent");
+}
+
+#[tokio::test]
+async fn at_most_max_connections_are_served_at_once() {
+    let up = FakeUpstream::start().await;
+    let cfg = config(&up.url(), "").replace(
+        "header_timeout = \"2s\"",
+        "header_timeout = \"30s\"\nmax_connections = 3",
+    );
+    let proxy = TestProxy::start(&cfg).await;
+    // Three idle connections take every place; a fourth is not served until one closes.
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        s.write_all(b"G").await.unwrap();
+        idle.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let client = support::TestClient::default();
+    let waiting = tokio::time::timeout(
+        Duration::from_millis(800),
+        client.get(&proxy.url("/pay/v1/c")),
+    )
+    .await;
+    assert!(waiting.is_err(), "a fourth connection was served");
+    drop(idle.pop());
+    let r = tokio::time::timeout(Duration::from_secs(5), client.get(&proxy.url("/pay/v1/c")))
+        .await
+        .expect("served once a place is free");
+    assert_eq!(r.status, 200);
+}
