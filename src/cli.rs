@@ -356,9 +356,15 @@ pub fn log_verify_file(
         head_seq,
         head,
         first_bad_seq,
+        reason,
     } = verify(&chain, entries.iter().cloned(), anchor.clone());
     let mut ok = ok;
-    let mut notes = Vec::new();
+    let mut notes: Vec<String> = reason.into_iter().collect();
+    if n == 0 && first_bad_seq.is_none() {
+        // Nothing was checked: an emptied file must not pass for a verified log.
+        ok = false;
+        notes.push("the file holds no entries: there is nothing to verify".into());
+    }
     if let Some((seq, _)) = anchor.filter(|(s, _)| *s != 1) {
         notes.push(format!(
             "the export starts at seq {seq}; earlier entries are not checked"

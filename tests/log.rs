@@ -31,6 +31,7 @@ const FIELDS: &[&str] = &[
     "fingerprint",
     "actor",
     "detail",
+    "alg",
     "prev",
     "hash",
 ];
@@ -236,6 +237,19 @@ async fn tampering_with_an_export_is_found_at_the_right_entry() {
         &[],
     );
     assert!(ok);
+
+    // A field added to an entry is an edit.
+    let mut added = lines.clone();
+    let mut e: Value = serde_json::from_str(&added[5]).unwrap();
+    e["reason"] = "approved by the CFO".into();
+    added[5] = e.to_string();
+    let (ok, v) = verify_file(&write(tmp.path(), "added", &added), &[], &[]);
+    assert!(!ok, "{v}");
+    assert_eq!(v["first_bad_seq"], 6);
+
+    // A file with no entries is not a verified log.
+    let (ok, v) = verify_file(&write(tmp.path(), "empty", &[]), &[], &[]);
+    assert!(!ok, "{v}");
 }
 
 #[tokio::test]
@@ -252,9 +266,10 @@ async fn with_an_hmac_key_recomputed_plain_hashes_are_caught() {
         proxy.admin("GET", "/v1/log/verify", "").await.json()["ok"],
         true
     );
-    // Without the key the chain does not verify: its hashes are keyed.
-    let (ok, _) = verify_file(&write(tmp.path(), "nokey", &lines), &[], &[]);
+    // Without the key the chain does not verify, and says a key is needed (entries name `alg`).
+    let (ok, v) = verify_file(&write(tmp.path(), "nokey", &lines), &[], &[]);
     assert!(!ok);
+    assert!(v["notes"].to_string().contains("key"), "{v}");
     // An attacker edits entry 5 and recomputes plain SHA-256 hashes from there on.
     let chain = oncegate::log::Chain::default();
     let mut forged: Vec<oncegate::log::Entry> = lines

@@ -680,7 +680,9 @@ async fn sled_prunes_whole_log_files_past_retention_and_still_verifies() {
     drop(s);
     let newest = log_segments(&dir).pop().unwrap();
     let text = std::fs::read_to_string(&newest).unwrap();
-    std::fs::write(&newest, text.replacen("\"intent\"", "\"sent\"", 1)).unwrap();
+    let edited = text.replacen("\"actor\":\"proxy\"", "\"actor\":\"admin\"", 1);
+    assert_ne!(edited, text);
+    std::fs::write(&newest, edited).unwrap();
     let s = open_sled(&dir, options());
     assert!(!s.verify_log().await.unwrap().ok);
     s.close().await.unwrap();
