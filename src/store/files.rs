@@ -3,7 +3,57 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read as _};
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::Path;
+
+/// Folders of the store: only its owner may list or enter them (SPEC §13).
+pub const DIR_MODE: u32 = 0o700;
+/// Files of the store: only its owner may read them; they hold response bodies and headers.
+pub const FILE_MODE: u32 = 0o600;
+
+/// Options that create a file readable by its owner only.
+pub fn private() -> OpenOptions {
+    let mut o = OpenOptions::new();
+    o.mode(FILE_MODE);
+    o
+}
+
+/// Creates (or truncates) a file readable by its owner only.
+pub fn create_private(path: &Path) -> io::Result<File> {
+    private().write(true).create(true).truncate(true).open(path)
+}
+
+/// Creates `dir` and its missing parents, each `0700`.
+pub fn create_private_dir_all(dir: &Path) -> io::Result<()> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(DIR_MODE)
+        .create(dir)
+}
+
+/// Narrows what the store's folder already holds to the owner: files `0600`, folders `0700`,
+/// recursively (sled creates its own files with the process's umask; a store from an older
+/// version had 0644/0755).
+pub fn restrict(dir: &Path) -> io::Result<()> {
+    let set = |p: &Path, mode: u32| -> io::Result<()> {
+        let meta = std::fs::symlink_metadata(p)?;
+        if meta.permissions().mode() & 0o777 != mode {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))?;
+        }
+        Ok(())
+    };
+    set(dir, DIR_MODE)?;
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        let kind = e.file_type()?;
+        if kind.is_dir() {
+            restrict(&e.path())?;
+        } else if kind.is_file() {
+            set(&e.path(), FILE_MODE)?;
+        }
+    }
+    Ok(())
+}
 
 /// Makes a folder's entries (files created, renamed or removed in it) durable.
 pub fn fsync_dir(dir: &Path) -> io::Result<()> {
@@ -13,7 +63,7 @@ pub fn fsync_dir(dir: &Path) -> io::Result<()> {
 /// Creates `dir` if missing; a new folder's own entry is made durable too.
 pub fn create_dir(dir: &Path) -> Result<(), String> {
     let existed = dir.exists();
-    std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    create_private_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
     if !existed {
         if let Some(parent) = dir.parent() {
             fsync_dir(parent).map_err(|e| format!("fsync {}: {e}", parent.display()))?;

@@ -172,7 +172,7 @@ fn write_id(dir: &Path, id: &str) -> Result<(), String> {
     let tmp = dir.join(format!(".{ID_FILE}.tmp"));
     let path = dir.join(ID_FILE);
     let write = || -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
+        let mut f = super::files::create_private(&tmp)?;
         f.write_all(format!("{id}\n").as_bytes())?;
         f.sync_all()?;
         std::fs::rename(&tmp, &path)?;

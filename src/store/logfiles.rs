@@ -56,7 +56,7 @@ pub fn anchor(dir: &Path) -> Result<Option<(u64, String)>, String> {
 /// Writes the anchor atomically (temporary file, fsync, rename, fsync folder).
 fn write_anchor(dir: &Path, seq: u64, prev: &str) -> std::io::Result<()> {
     let tmp = dir.join("anchor.tmp");
-    let mut f = File::create(&tmp)?;
+    let mut f = files::create_private(&tmp)?;
     f.write_all(&serde_json::to_vec(&(seq, prev)).expect("tuples serialize"))?;
     f.sync_all()?;
     std::fs::rename(&tmp, dir.join(ANCHOR))?;
@@ -169,7 +169,7 @@ impl LogFiles {
                 .map_err(|e| format!("fsync a write log file: {e}"))?;
         }
         let path = self.dir.join(segment_name(first));
-        let f = OpenOptions::new()
+        let f = files::private()
             .create(true)
             .append(true)
             .open(&path)

@@ -40,7 +40,7 @@ use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 
-use super::files::fsync_dir;
+use super::files::{self, fsync_dir};
 use super::history;
 use super::logfiles::LogFiles;
 use super::wal::{self, Change, Wal};
@@ -605,7 +605,8 @@ impl SledStore {
             ))
         };
         let existed = dir.exists();
-        std::fs::create_dir_all(dir.join("bodies")).map_err(|e| fail("create folder", &e))?;
+        files::create_private_dir_all(&dir.join("bodies"))
+            .map_err(|e| fail("create folder", &e))?;
         if !existed {
             // The new folder's entry must survive a power loss too.
             if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
@@ -616,6 +617,8 @@ impl SledStore {
         remove_unfinished_snapshots(dir)
             .map_err(|e| fail("remove unfinished sled snapshots", &e))?;
         let db = open_sled(dir).map_err(|e| fail("sled", &e))?;
+        // Response bodies and headers are in there: the owner's alone (SPEC §13).
+        files::restrict(dir).map_err(|e| fail("restrict the store's file modes", &e))?;
         let db_was_empty = db
             .first()
             .map_err(|e| fail("read the database", &e))?
@@ -816,7 +819,7 @@ impl SledStore {
             return Ok(sha);
         }
         let tmp = bodies.join(format!(".{sha}.{}.tmp", std::process::id()));
-        let mut f = File::create(&tmp)?;
+        let mut f = files::create_private(&tmp)?;
         f.write_all(&body)?;
         f.sync_all()?;
         std::fs::rename(&tmp, &path)?;

@@ -13,7 +13,7 @@
 //! that is cut short or fails its checksum ends the last file (a write torn by a crash, never
 //! acknowledged); in an earlier file it is corruption and the store does not open.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
@@ -203,7 +203,7 @@ impl Wal {
 
     fn create(dir: &Path, generation: u64) -> Result<File, String> {
         let path = dir.join(file_name(generation));
-        let file = OpenOptions::new()
+        let file = files::private()
             .create_new(true)
             .write(true)
             .open(&path)
