@@ -208,6 +208,10 @@ pub struct Record {
     /// How an `unknown` action was settled, when it was.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resolution: Option<Resolution>,
+    /// Only in storage, with encryption at rest: the request and response heads and the
+    /// evidence's body excerpts, sealed (`store::seal`). `None` in every record a caller sees.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sealed: Option<String>,
 }
 
 /// Who settled an unknown action, how and why.
@@ -333,6 +337,7 @@ impl Record {
             evidence: Vec::new(),
             response: None,
             resolution: None,
+            sealed: None,
         }
     }
 

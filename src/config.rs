@@ -278,6 +278,7 @@ struct RawStore {
     backend: Option<String>,
     path: Option<PathBuf>,
     url_env: Option<String>,
+    encrypt_key_env: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -585,6 +586,8 @@ pub struct Config {
     pub server: ServerConfig,
     pub admin: AdminConfig,
     pub store: StoreConfig,
+    /// `store.encrypt_key_env`: the variable holding the key that seals stored heads and bodies.
+    pub encrypt_key_env: Option<String>,
     pub log: LogConfig,
     pub upstreams: Vec<Arc<Upstream>>,
 }
@@ -760,10 +763,17 @@ impl RawConfig {
         if upstreams.is_empty() {
             return Err(invalid("upstreams", "at least one [[upstreams]] is needed"));
         }
+        if self.store.encrypt_key_env.as_deref() == Some("") {
+            return Err(invalid(
+                "store.encrypt_key_env",
+                "names the environment variable holding the key; leave it out for no encryption",
+            ));
+        }
         Ok(Config {
             server,
             admin,
             store,
+            encrypt_key_env: self.store.encrypt_key_env.clone(),
             log,
             upstreams,
         })

@@ -112,7 +112,20 @@ pub fn store_options(config: &Config, metrics: &Metrics) -> Result<StoreOptions,
             }
         },
     };
+    let sealer = match &config.encrypt_key_env {
+        None => None,
+        Some(var) => {
+            let value = std::env::var(var).ok().filter(|v| !v.is_empty()).ok_or_else(|| {
+                format!("invalid `store.encrypt_key_env`: the environment variable {var} is not set")
+            })?;
+            // The key itself is never part of the message.
+            let sealer = store::seal::Sealer::from_hex(&value)
+                .map_err(|e| format!("invalid `store.encrypt_key_env`: {var}: {e}"))?;
+            Some(Arc::new(sealer))
+        }
+    };
     Ok(StoreOptions {
+        sealer,
         chain: log::Chain::new(key),
         log_retention: config.log.retention,
         flush_latency: Some(metrics.flush_latency.clone()),

@@ -5,6 +5,7 @@ mod files;
 pub mod history;
 pub mod logfiles;
 pub mod postgres;
+pub mod seal;
 pub mod sled;
 pub mod wal;
 
@@ -125,6 +126,8 @@ pub struct StoreOptions {
     /// the database's clock. Only for tests that move time forward; a fleet must share one clock
     /// (SPEC §13).
     pub caller_clock: bool,
+    /// `store.encrypt_key_env`: seals stored heads and bodies (SPEC §13).
+    pub sealer: Option<std::sync::Arc<seal::Sealer>>,
     /// sled: start a new write log file after this many bytes (default
     /// [`logfiles::SEGMENT_BYTES`]; smaller in tests). Pruning removes whole files.
     pub log_segment_bytes: Option<u64>,

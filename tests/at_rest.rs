@@ -80,3 +80,187 @@ async fn an_older_stores_looser_modes_are_narrowed_when_it_opens() {
     proxy.stop().await;
     assert_private(&dir);
 }
+
+const KEY_A: &str = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0";
+const KEY_B: &str = "a0b1c2d3e4f5061728394a5b6c7d8e9fa0b1c2d3e4f5061728394a5b6c7d8e9f";
+
+fn sealed(key: &str) -> oncegate::store::StoreOptions {
+    oncegate::store::StoreOptions {
+        sealer: Some(std::sync::Arc::new(
+            oncegate::store::seal::Sealer::from_hex(key).unwrap(),
+        )),
+        ..Default::default()
+    }
+}
+
+/// Writes through `proxy`: a small answer with a cookie and a private header, a large one, and a
+/// request carrying a private header; returns the secrets that must not be readable at rest.
+async fn write_secrets(up: &FakeUpstream, proxy: &TestProxy) -> Vec<&'static str> {
+    let c = TestClient::default();
+    up.push(
+        Behavior::json(201, r#"{"id":"ch_1","card":"4242-secret-pan"}"#)
+            .with_header("set-cookie", "session=cookie-s3cret"),
+    );
+    up.push(Behavior::json(
+        201,
+        &format!("{{\"blob\":\"{}large-body-s3cret\"}}", "b".repeat(100_000)),
+    ));
+    let r = c
+        .post(
+            &proxy.url("/pay/v1/a"),
+            &[("idempotency-key", "a"), ("x-note", "header-s3cret")],
+            "x",
+        )
+        .await;
+    assert_eq!(r.status, 201);
+    c.post(&proxy.url("/pay/v1/b"), &[("idempotency-key", "b")], "x")
+        .await;
+    // Replays read the sealed bodies back.
+    let again = c
+        .post(
+            &proxy.url("/pay/v1/a"),
+            &[("idempotency-key", "a"), ("x-note", "header-s3cret")],
+            "x",
+        )
+        .await;
+    assert_eq!(again.header("oncegate-outcome"), Some("replayed"));
+    assert!(String::from_utf8_lossy(&again.body).contains("4242-secret-pan"));
+    assert_eq!(again.header("set-cookie"), Some("session=cookie-s3cret"));
+    let big = c
+        .post(&proxy.url("/pay/v1/b"), &[("idempotency-key", "b")], "x")
+        .await;
+    assert!(String::from_utf8_lossy(&big.body).ends_with("large-body-s3cret\"}"));
+    vec![
+        "4242-secret-pan",
+        "cookie-s3cret",
+        "header-s3cret",
+        "large-body-s3cret",
+    ]
+}
+
+/// Every byte of every file under `dir`.
+fn all_bytes(dir: &Path) -> Vec<u8> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(all_bytes(&p));
+        } else {
+            out.extend(std::fs::read(&p).unwrap());
+        }
+    }
+    out
+}
+
+fn holds(hay: &[u8], needle: &str) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle.as_bytes())
+}
+
+#[tokio::test]
+async fn with_a_key_a_stolen_copy_of_the_embedded_store_reveals_no_head_or_body() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    let open = |opts| oncegate::store::sled::SledStore::open(&dir, opts);
+    let store: std::sync::Arc<dyn oncegate::store::Store> =
+        std::sync::Arc::new(open(sealed(KEY_A)).unwrap());
+    let proxy = TestProxy::start_with_store(&config(&up.url(), ""), store, &dir).await;
+    let secrets = write_secrets(&up, &proxy).await;
+    proxy.stop().await;
+    let bytes = all_bytes(&dir);
+    for s in &secrets {
+        assert!(!holds(&bytes, s), "{s} is readable in the store's files");
+    }
+    // Ids and states stay readable (an operator can still find the actions).
+    assert!(holds(&bytes, "\"state\":\"succeeded\""));
+    // No key, or another key: the store does not open.
+    let e = open(Default::default())
+        .err()
+        .expect("refused without a key")
+        .to_string();
+    assert!(
+        e.contains("encrypted") && e.contains("encrypt_key_env"),
+        "{e}"
+    );
+    let e = open(sealed(KEY_B))
+        .err()
+        .expect("refused with a wrong key")
+        .to_string();
+    assert!(e.contains("not the key"), "{e}");
+    // The right key: everything reads back.
+    let store: std::sync::Arc<dyn oncegate::store::Store> =
+        std::sync::Arc::new(open(sealed(KEY_A)).unwrap());
+    let proxy = TestProxy::start_with_store(&config(&up.url(), ""), store, &dir).await;
+    let r = TestClient::default()
+        .post(
+            &proxy.url("/pay/v1/a"),
+            &[("idempotency-key", "a"), ("x-note", "header-s3cret")],
+            "x",
+        )
+        .await;
+    assert_eq!(r.header("oncegate-outcome"), Some("replayed"));
+    assert!(String::from_utf8_lossy(&r.body).contains("4242-secret-pan"));
+    let a = proxy
+        .admin(
+            "GET",
+            &format!("/v1/actions/{}", r.header("oncegate-action").unwrap()),
+            "",
+        )
+        .await
+        .json();
+    assert!(
+        a["request"]["headers"]
+            .to_string()
+            .contains("header-s3cret"),
+        "{a}"
+    );
+    proxy.stop().await;
+    assert_eq!(up.count(), 2);
+}
+
+#[tokio::test]
+async fn with_a_key_the_postgres_rows_reveal_no_head_or_body() {
+    let Some(base) = support::postgres_base("with_a_key_the_postgres_rows_reveal_no_head_or_body")
+    else {
+        return;
+    };
+    let url = support::fresh_database(&base).await;
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let open = |opts| oncegate::store::postgres::PostgresStore::open(&url, opts);
+    let store: std::sync::Arc<dyn oncegate::store::Store> =
+        std::sync::Arc::new(open(sealed(KEY_A)).await.unwrap());
+    let proxy = TestProxy::start_with_store(&config(&up.url(), ""), store, tmp.path()).await;
+    let secrets = write_secrets(&up, &proxy).await;
+    proxy.stop().await;
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let mut bytes = Vec::new();
+    for row in client
+        .query("SELECT record, body FROM oncegate_actions", &[])
+        .await
+        .unwrap()
+    {
+        bytes.extend(row.get::<_, String>(0).into_bytes());
+        bytes.extend(row.get::<_, Option<Vec<u8>>>(1).unwrap_or_default());
+    }
+    assert!(holds(&bytes, "\"state\":\"succeeded\""));
+    for s in &secrets {
+        assert!(!holds(&bytes, s), "{s} is readable in the database");
+    }
+    let e = open(Default::default())
+        .await
+        .err()
+        .expect("refused without a key")
+        .to_string();
+    assert!(e.contains("encrypted"), "{e}");
+    let e = open(sealed(KEY_B))
+        .await
+        .err()
+        .expect("refused with a wrong key")
+        .to_string();
+    assert!(e.contains("not the key"), "{e}");
+    assert!(open(sealed(KEY_A)).await.is_ok());
+}

@@ -18,6 +18,7 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Transaction;
 
+use super::seal::{seal_opt, Sealer};
 use super::{
     claim_events, recover_event, resolve_event, settle_event, BoxFuture, Filter, SettleRequest,
     Store, StoreError, StoreOptions,
@@ -71,6 +72,10 @@ CREATE INDEX oncegate_actions_created ON oncegate_actions (created_at, id);
 ALTER TABLE oncegate_actions ALTER COLUMN expires_at DROP NOT NULL;
 UPDATE oncegate_actions SET expires_at = NULL WHERE state IN ('in_flight', 'unknown');
 "#,
+    // Encryption at rest: the key check (SPEC §13).
+    r#"
+CREATE TABLE oncegate_meta (key text PRIMARY KEY, value bytea NOT NULL);
+"#,
 ];
 
 /// The database's clock, in milliseconds since the epoch. Every time a decision compares (lease
@@ -93,6 +98,8 @@ async fn judge_time(tx: &Transaction<'_>, given: Option<Millis>) -> Result<Milli
 
 pub struct PostgresStore {
     pool: Pool,
+    /// Seals stored heads and bodies (`store.encrypt_key_env`).
+    sealer: Option<Arc<Sealer>>,
     /// Judge times by the `now` each call passes instead of the database's clock (tests).
     caller_clock: bool,
     chain: Chain,
@@ -116,18 +123,34 @@ fn pool_err(e: deadpool_postgres::PoolError) -> StoreError {
     StoreError::Unavailable(format!("database: {e}"))
 }
 
-fn decode(id: &str, text: &str, lease: Option<i64>) -> Result<Record, StoreError> {
-    let mut r: Record = serde_json::from_str(text).map_err(|e| StoreError::Corrupt {
+fn decode(
+    id: &str,
+    text: &str,
+    lease: Option<i64>,
+    sealer: Option<&Sealer>,
+) -> Result<Record, StoreError> {
+    let corrupt = |reason: String| StoreError::Corrupt {
         id: id.to_string(),
-        reason: e.to_string(),
-    })?;
+        reason,
+    };
+    let mut r: Record = serde_json::from_str(text).map_err(|e| corrupt(e.to_string()))?;
+    if let Some(s) = sealer {
+        s.open_record(&mut r).map_err(corrupt)?;
+    }
     // The lease column is authoritative: renewals update only it.
     r.lease_until = lease.map(|l| l as Millis);
     Ok(r)
 }
 
-fn encode(r: &Record) -> String {
-    serde_json::to_string(r).expect("records always serialize")
+fn encode(r: &Record, sealer: Option<&Sealer>) -> String {
+    match sealer {
+        None => serde_json::to_string(r).expect("records always serialize"),
+        Some(s) => {
+            let mut sealed = r.clone();
+            s.seal_record(&mut sealed);
+            serde_json::to_string(&sealed).expect("records always serialize")
+        }
+    }
 }
 
 impl PostgresStore {
@@ -171,13 +194,57 @@ impl PostgresStore {
             .map_err(unavailable)?;
         let store = PostgresStore {
             pool,
+            sealer: options.sealer,
             caller_clock: options.caller_clock,
             chain: options.chain,
             log_retention: options.log_retention,
             flush_latency: options.flush_latency,
         };
         store.migrate().await?;
+        store.check_key().await?;
         Ok(store)
+    }
+
+    /// A database written with a key opens only with that key (see the sled store's check).
+    async fn check_key(&self) -> Result<(), StoreError> {
+        let c = self.pool.get().await.map_err(pool_err)?;
+        let stored: Option<Vec<u8>> = c
+            .query_opt(
+                "SELECT value FROM oncegate_meta WHERE key = 'key_check'",
+                &[],
+            )
+            .await
+            .map_err(db)?
+            .map(|r| r.get(0));
+        match (stored, self.sealer.as_deref()) {
+            (None, None) => Ok(()),
+            (Some(_), None) => Err(unavailable(
+                "the store is encrypted, but no key is configured: set store.encrypt_key_env and the variable it names to the store's key",
+            )),
+            (Some(v), Some(s)) if s.matches(&v) => Ok(()),
+            (Some(_), Some(_)) => Err(unavailable(
+                "the key in store.encrypt_key_env is not the key this store was encrypted with",
+            )),
+            (None, Some(s)) => {
+                c.execute(
+                    "INSERT INTO oncegate_meta (key, value) VALUES ('key_check', $1) ON CONFLICT (key) DO NOTHING",
+                    &[&s.check_value()],
+                )
+                .await
+                .map_err(db)?;
+                // Another proxy may have written its own check first: it must be this key's.
+                let v: Vec<u8> = c
+                    .query_one("SELECT value FROM oncegate_meta WHERE key = 'key_check'", &[])
+                    .await
+                    .map_err(db)?
+                    .get(0);
+                if s.matches(&v) {
+                    Ok(())
+                } else {
+                    Err(unavailable("the key in store.encrypt_key_env is not the key this store was encrypted with"))
+                }
+            }
+        }
     }
 
     /// The caller's time, when the store judges by it; `None`: the database's clock.
@@ -237,7 +304,11 @@ impl PostgresStore {
 }
 
 /// Reads and locks one record.
-async fn lock(tx: &Transaction<'_>, id: &str) -> Result<Option<Record>, StoreError> {
+async fn lock(
+    tx: &Transaction<'_>,
+    id: &str,
+    sealer: Option<&Sealer>,
+) -> Result<Option<Record>, StoreError> {
     let row = tx
         .query_opt(
             "SELECT record, lease_until FROM oncegate_actions WHERE id = $1 FOR UPDATE",
@@ -245,12 +316,19 @@ async fn lock(tx: &Transaction<'_>, id: &str) -> Result<Option<Record>, StoreErr
         )
         .await
         .map_err(db)?;
-    row.map(|r| decode(id, r.get(0), r.get(1))).transpose()
+    row.map(|r| decode(id, r.get(0), r.get(1), sealer))
+        .transpose()
 }
 
-async fn write(tx: &Transaction<'_>, r: &Record, body: Option<&Bytes>) -> Result<(), StoreError> {
+async fn write(
+    tx: &Transaction<'_>,
+    r: &Record,
+    body: Option<&Bytes>,
+    sealer: Option<&Sealer>,
+) -> Result<(), StoreError> {
+    let body = body.map(|b| seal_opt(sealer, b));
     let lease = r.lease_until.map(|l| l as i64);
-    let body: Option<&[u8]> = body.map(|b| b.as_ref());
+    let body: Option<&[u8]> = body.as_deref();
     let params: [&(dyn ToSql + Sync); 11] = [
         &r.id,
         &r.state.as_str(),
@@ -261,7 +339,7 @@ async fn write(tx: &Transaction<'_>, r: &Record, body: Option<&Bytes>) -> Result
         &lease,
         &(r.created_at as i64),
         &r.expires_at.map(|e| e as i64),
-        &encode(r),
+        &encode(r, sealer),
         &body,
     ];
     tx.execute(
@@ -318,6 +396,7 @@ async fn append(
 impl Store for PostgresStore {
     fn claim(&self, req: ClaimRequest) -> BoxFuture<'_, Result<Claim, StoreError>> {
         let chain = self.chain.clone();
+        let sealer = self.sealer.clone();
         let given = self.given(req.now);
         Box::pin(self.tx(move |tx| {
             Box::pin(async move {
@@ -341,7 +420,7 @@ impl Store for PostgresStore {
                             &lease,
                             &(fresh.created_at as i64),
                             &fresh.expires_at.map(|e| e as i64),
-                            &encode(&fresh),
+                            &encode(&fresh, sealer.as_deref()),
                         ],
                     )
                     .await
@@ -350,7 +429,7 @@ impl Store for PostgresStore {
                     append(tx, &chain, claim_events(&fresh_claim, &fresh)).await?;
                     return Ok(fresh_claim);
                 }
-                let current = lock(tx, &req.fresh.id).await?;
+                let current = lock(tx, &req.fresh.id, sealer.as_deref()).await?;
                 let expired = current.as_ref().filter(|c| c.is_expired(req.now)).cloned();
                 let (claim, w) = decide_claim(current, &req);
                 if let Some(w) = &w {
@@ -362,7 +441,7 @@ impl Store for PostgresStore {
                             .map_err(db)?;
                         events.push(LogEvent::for_record(Event::Expired, &o, Actor::Proxy));
                     }
-                    write(tx, w, None).await?;
+                    write(tx, w, None, sealer.as_deref()).await?;
                     events.extend(claim_events(&claim, w));
                     append(tx, &chain, events).await?;
                 }
@@ -373,6 +452,7 @@ impl Store for PostgresStore {
 
     fn settle(&self, req: SettleRequest) -> BoxFuture<'_, Result<Record, StoreError>> {
         let chain = self.chain.clone();
+        let sealer = self.sealer.clone();
         let given = self.given(req.settlement.now);
         Box::pin(self.tx(move |tx| {
             Box::pin(async move {
@@ -390,9 +470,9 @@ impl Store for PostgresStore {
                     };
                 }
                 settlement.now = judge_time(tx, given).await?;
-                let current = lock(tx, &id).await?;
+                let current = lock(tx, &id, sealer.as_deref()).await?;
                 let new = apply_settle(current, &id, attempt, settlement)?;
-                write(tx, &new, body.as_ref()).await?;
+                write(tx, &new, body.as_ref(), sealer.as_deref()).await?;
                 append(tx, &chain, vec![settle_event(&new)]).await?;
                 Ok(new)
             })
@@ -406,6 +486,7 @@ impl Store for PostgresStore {
         event: Event,
     ) -> BoxFuture<'_, Result<Record, StoreError>> {
         let chain = self.chain.clone();
+        let sealer = self.sealer.clone();
         let given = self.given(res.now);
         Box::pin(self.tx(move |tx| {
             Box::pin(async move {
@@ -420,9 +501,9 @@ impl Store for PostgresStore {
                 };
                 let reason = res.reason.clone();
                 res.now = judge_time(tx, given).await?;
-                let current = lock(tx, &id).await?;
+                let current = lock(tx, &id, sealer.as_deref()).await?;
                 let new = apply_resolve(current, &id, res)?;
-                write(tx, &new, body.as_ref()).await?;
+                write(tx, &new, body.as_ref(), sealer.as_deref()).await?;
                 append(tx, &chain, vec![resolve_event(event, &new, actor, reason)]).await?;
                 Ok(new)
             })
@@ -563,7 +644,8 @@ impl Store for PostgresStore {
                 )
                 .await
                 .map_err(db)?;
-            row.map(|r| decode(id, r.get(0), r.get(1))).transpose()
+            row.map(|r| decode(id, r.get(0), r.get(1), self.sealer.as_deref()))
+                .transpose()
         })
     }
 
@@ -583,9 +665,19 @@ impl Store for PostgresStore {
                 )
                 .await
                 .map_err(db)?;
-            Ok(row
-                .and_then(|r| r.get::<_, Option<Vec<u8>>>(0))
-                .map(Bytes::from))
+            let stored = row.and_then(|r| r.get::<_, Option<Vec<u8>>>(0));
+            match (stored, self.sealer.as_deref()) {
+                (None, _) => Ok(None),
+                (Some(b), None) => Ok(Some(Bytes::from(b))),
+                (Some(b), Some(s)) => {
+                    s.open(&b)
+                        .map(|p| Some(Bytes::from(p)))
+                        .map_err(|reason| StoreError::Corrupt {
+                            id: record.id.clone(),
+                            reason,
+                        })
+                }
+            }
         })
     }
 
@@ -620,7 +712,7 @@ impl Store for PostgresStore {
             };
             let rows = c.query(sql.as_str(), &params).await.map_err(db)?;
             rows.iter()
-                .map(|r| decode(r.get(0), r.get(1), r.get(2)))
+                .map(|r| decode(r.get(0), r.get(1), r.get(2), self.sealer.as_deref()))
                 .collect()
         })
     }
@@ -654,12 +746,13 @@ impl Store for PostgresStore {
             let mut n = 0;
             for id in ids {
                 let chain = self.chain.clone();
+                let sealer = self.sealer.clone();
                 let owner = owner.clone();
                 let changed = self
                     .tx(move |tx| {
                         Box::pin(async move {
                             let now = judge_time(tx, given).await?;
-                            let Some(r) = lock(tx, &id).await? else { return Ok(false) };
+                            let Some(r) = lock(tx, &id, sealer.as_deref()).await? else { return Ok(false) };
                             let due = match &owner {
                                 Some(o) => r.owner.as_ref() == Some(o),
                                 None => r.lease_until.is_some_and(|l| l < now),
@@ -676,7 +769,7 @@ impl Store for PostgresStore {
                                 )
                             };
                             let Some(u) = recover_in_flight(r, &reason, now) else { return Ok(false) };
-                            write(tx, &u, None).await?;
+                            write(tx, &u, None, sealer.as_deref()).await?;
                             append(tx, &chain, vec![recover_event(&u, &reason)]).await?;
                             Ok(true)
                         })
@@ -694,6 +787,7 @@ impl Store for PostgresStore {
             // Leases are swept here too: any instance turns a dead proxy's attempts unknown.
             self.recover(None, now).await?;
             let chain = self.chain.clone();
+            let sealer = self.sealer.clone();
             let retention = self.log_retention;
             self.tx(move |tx| {
                 Box::pin(async move {
@@ -708,7 +802,7 @@ impl Store for PostgresStore {
                         .map_err(db)?;
                     let mut events = Vec::new();
                     for r in &rows {
-                        let rec = decode(r.get(0), r.get(1), None)?;
+                        let rec = decode(r.get(0), r.get(1), None, sealer.as_deref())?;
                         events.push(LogEvent::for_record(Event::Expired, &rec, Actor::Proxy));
                     }
                     append(tx, &chain, events).await?;

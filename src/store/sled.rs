@@ -43,6 +43,7 @@ use tokio::sync::oneshot;
 use super::files::{self, fsync_dir};
 use super::history;
 use super::logfiles::LogFiles;
+use super::seal::{seal_opt, Sealer};
 use super::wal::{self, Change, Wal};
 use super::{
     claim_events, recover_event, resolve_event, settle_event, BoxFuture, Filter, SettleRequest,
@@ -166,6 +167,35 @@ pub struct SledStore {
     placing: Arc<Mutex<HashMap<String, i64>>>,
     /// Durable changes on their way into sled, among others.
     shared: Arc<Shared>,
+    /// Seals stored heads and bodies (`store.encrypt_key_env`).
+    sealer: Option<Arc<Sealer>>,
+}
+
+/// Where the store keeps its key check: a value only its key opens (`store::seal`).
+const KEY_CHECK: &[u8] = b"m/key_check";
+
+/// A store that was written with a key opens only with that key; a store without one takes a
+/// key from now on (what it holds already stays readable).
+fn check_key(db: &sled::Db, sealer: Option<&Sealer>) -> Result<(), String> {
+    let stored = db
+        .get(KEY_CHECK)
+        .map_err(|e| format!("read the key check: {e}"))?;
+    match (stored, sealer) {
+        (None, None) => Ok(()),
+        (Some(_), None) => Err(
+            "the store is encrypted, but no key is configured: set store.encrypt_key_env and the variable it names to the store's key".into(),
+        ),
+        (Some(v), Some(s)) if s.matches(&v) => Ok(()),
+        (Some(_), Some(_)) => Err(
+            "the key in store.encrypt_key_env is not the key this store was encrypted with".into(),
+        ),
+        (None, Some(s)) => {
+            db.insert(KEY_CHECK, s.check_value())
+                .map_err(|e| format!("write the key check: {e}"))?;
+            db.flush().map_err(|e| format!("flush the key check: {e}"))?;
+            Ok(())
+        }
+    }
 }
 
 /// Recent records (`succeeded`, `unknown`, in flight) as last made durable, for replays and
@@ -414,7 +444,7 @@ fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
     let mut n = 0;
     for kv in db.scan_prefix(b"a/") {
         let (k, v) = kv.map_err(|e| e.to_string())?;
-        let r = decode(&k, &v).map_err(|e| e.to_string())?;
+        let r = decode(&k, &v, None).map_err(|e| e.to_string())?;
         for key in index_keys(&r) {
             db.insert(key, &[]).map_err(|e| e.to_string())?;
         }
@@ -445,8 +475,16 @@ fn log_key(seq: u64) -> Vec<u8> {
 /// then whole tries, oldest first (each attempt keeps its last); then the last try's body. Each
 /// dropped piece is marked in the record.
 /// Returns the record as stored and its encoding.
-fn encode_bounded(mut r: Record) -> (Record, Vec<u8>) {
-    let encode = |r: &Record| serde_json::to_vec(r).expect("records always serialize");
+fn encode_bounded(mut r: Record, sealer: Option<&Sealer>) -> (Record, Vec<u8>) {
+    // With a sealer the bound applies to the sealed form, which is what sled holds.
+    let encode = |r: &Record| match sealer {
+        None => serde_json::to_vec(r).expect("records always serialize"),
+        Some(s) => {
+            let mut sealed = r.clone();
+            s.seal_record(&mut sealed);
+            serde_json::to_vec(&sealed).expect("records always serialize")
+        }
+    };
     let mut v = encode(&r);
     if v.len() <= RECORD_MAX {
         return (r, v);
@@ -532,11 +570,18 @@ fn encode_bounded(mut r: Record) -> (Record, Vec<u8>) {
     (r, v)
 }
 
-fn decode(key: &[u8], v: &[u8]) -> Result<Record, StoreError> {
-    serde_json::from_slice(v).map_err(|e| StoreError::Corrupt {
+/// Parses a stored record and, with a sealer, opens its secrets. Without one a sealed record
+/// keeps them sealed (index maintenance needs none of them).
+fn decode(key: &[u8], v: &[u8], sealer: Option<&Sealer>) -> Result<Record, StoreError> {
+    let corrupt = |reason: String| StoreError::Corrupt {
         id: String::from_utf8_lossy(key).into_owned(),
-        reason: e.to_string(),
-    })
+        reason,
+    };
+    let mut r: Record = serde_json::from_slice(v).map_err(|e| corrupt(e.to_string()))?;
+    if let Some(s) = sealer {
+        s.open_record(&mut r).map_err(corrupt)?;
+    }
+    Ok(r)
 }
 
 /// The first sequence number of a log block, from its key.
@@ -649,6 +694,9 @@ impl SledStore {
             log_hash,
         };
         history::check(dir, &db, &seen).map_err(StoreError::Unavailable)?;
+        check_key(&db, options.sealer.as_deref()).map_err(|e| {
+            StoreError::Unavailable(format!("cannot open the store at {}: {e}", dir.display()))
+        })?;
         migrate_indexes(&db).map_err(|e| fail("build the expiry index", &e))?;
         let mut blobs = HashSet::new();
         sled_durable(&db, dir, &mut blobs, &log)
@@ -691,6 +739,7 @@ impl SledStore {
                 .map_err(|e| fail("start checkpoint thread", &e))?
         };
         let writer = Writer {
+            sealer: options.sealer.clone(),
             placing: placing.clone(),
             cache: cache.clone(),
             dir: dir.to_owned(),
@@ -733,6 +782,7 @@ impl SledStore {
             notes,
             cache,
             placing,
+            sealer: options.sealer,
         })
     }
 
@@ -806,13 +856,33 @@ impl SledStore {
         rx.await.map_err(|_| unavailable("store writer stopped"))?
     }
 
+    /// A stored body as the client gets it: opened when sealed.
+    fn open_body(&self, stored: &[u8]) -> Result<Bytes, StoreError> {
+        match &self.sealer {
+            None => Ok(Bytes::copy_from_slice(stored)),
+            Some(s) => s
+                .open(stored)
+                .map(Bytes::from)
+                .map_err(|reason| StoreError::Corrupt {
+                    id: "a stored body".into(),
+                    reason,
+                }),
+        }
+    }
+
     fn body_path(&self, sha: &str) -> PathBuf {
         self.dir.join("bodies").join(sha)
     }
 
     /// Writes a large body as a content-addressed file: write, fsync, rename, fsync the folder.
-    fn write_body_file(dir: PathBuf, body: Bytes) -> std::io::Result<String> {
+    /// Named by the plain body's SHA-256; with a sealer the file holds the sealed body.
+    fn write_body_file(
+        dir: PathBuf,
+        body: Bytes,
+        sealer: Option<Arc<Sealer>>,
+    ) -> std::io::Result<String> {
         let sha = hex::encode(Sha256::digest(&body));
+        let body = seal_opt(sealer.as_deref(), &body);
         let bodies = dir.join("bodies");
         let path = bodies.join(&sha);
         if path.exists() {
@@ -841,11 +911,12 @@ impl SledStore {
             // the sweeper never removes a body file a settlement is about to point at.
             let sha = hex::encode(Sha256::digest(b));
             self.placing(&sha, 1);
-            let (dir, bytes) = (self.dir.clone(), b.clone());
-            let written = tokio::task::spawn_blocking(move || Self::write_body_file(dir, bytes))
-                .await
-                .map_err(unavailable)
-                .and_then(|r| r.map_err(unavailable));
+            let (dir, bytes, sealer) = (self.dir.clone(), b.clone(), self.sealer.clone());
+            let written =
+                tokio::task::spawn_blocking(move || Self::write_body_file(dir, bytes, sealer))
+                    .await
+                    .map_err(unavailable)
+                    .and_then(|r| r.map_err(unavailable));
             if let Err(e) = written {
                 self.placing(&sha, -1);
                 return Err(e);
@@ -1007,7 +1078,7 @@ impl Store for SledStore {
         Box::pin(async move {
             let key = rec_key(id);
             match read_key(&self.shared, &self.db()?, &key)? {
-                Some(v) => decode(&key, &v).map(Some),
+                Some(v) => decode(&key, &v, self.sealer.as_deref()).map(Some),
                 None => Ok(None),
             }
         })
@@ -1028,7 +1099,8 @@ impl Store for SledStore {
             match record.response.as_ref().map(|r| &r.body) {
                 Some(BodyRef::Inline) => {
                     let body = read_key(&self.shared, &self.db()?, &body_key(&record.id))?
-                        .map(|v| Bytes::copy_from_slice(&v));
+                        .map(|v| self.open_body(&v))
+                        .transpose()?;
                     if let (Some(b), Some(gen), Ok(mut c)) = (&body, gen, self.cache.lock()) {
                         c.fill_body(gen, &record.id, b);
                     }
@@ -1038,7 +1110,7 @@ impl Store for SledStore {
                     let bytes = tokio::fs::read(self.body_path(sha256))
                         .await
                         .map_err(unavailable)?;
-                    Ok(Some(Bytes::from(bytes)))
+                    self.open_body(&bytes).map(Some)
                 }
                 Some(BodyRef::Absent) | None => Ok(None),
             }
@@ -1049,7 +1121,8 @@ impl Store for SledStore {
         Box::pin(async move {
             self.call(Op::Drain).await?;
             let db = self.db()?;
-            tokio::task::spawn_blocking(move || scan(&db, &filter, limit))
+            let sealer = self.sealer.clone();
+            tokio::task::spawn_blocking(move || scan(&db, &filter, limit, sealer.as_deref()))
                 .await
                 .map_err(unavailable)?
         })
@@ -1100,7 +1173,12 @@ impl Store for SledStore {
     }
 }
 
-fn scan(db: &sled::Db, filter: &Filter, limit: usize) -> Result<Vec<Record>, StoreError> {
+fn scan(
+    db: &sled::Db,
+    filter: &Filter,
+    limit: usize,
+    sealer: Option<&Sealer>,
+) -> Result<Vec<Record>, StoreError> {
     let mut out = Vec::new();
     if filter.newest_first {
         // Streamed from the creation index, newest first, until the page is full: a page costs
@@ -1119,7 +1197,7 @@ fn scan(db: &sled::Db, filter: &Filter, limit: usize) -> Result<Vec<Record>, Sto
             let Some(v) = db.get(&key).map_err(unavailable)? else {
                 continue;
             };
-            let r = decode(&key, &v)?;
+            let r = decode(&key, &v, sealer)?;
             if filter.matches(&r) {
                 out.push(r);
             }
@@ -1135,11 +1213,11 @@ fn scan(db: &sled::Db, filter: &Filter, limit: usize) -> Result<Vec<Record>, Sto
         let (k, v) = kv.map_err(unavailable)?;
         let id = String::from_utf8_lossy(&k[prefix.len()..]).into_owned();
         let r = if skip.is_some() {
-            decode(&k, &v)?
+            decode(&k, &v, sealer)?
         } else {
             let key = rec_key(&id);
             match db.get(&key).map_err(unavailable)? {
-                Some(v) => decode(&key, &v)?,
+                Some(v) => decode(&key, &v, sealer)?,
                 None => continue,
             }
         };
@@ -1655,6 +1733,7 @@ fn checkpoint_loop(
 
 /// The single thread that decides every change to the store.
 struct Writer {
+    sealer: Option<Arc<Sealer>>,
     placing: Arc<Mutex<HashMap<String, i64>>>,
     /// The cache of durable records, which the writer fills from what it reads in sled.
     cache: Arc<Mutex<Cache>>,
@@ -1924,7 +2003,7 @@ impl Writer {
         let key = rec_key(id);
         match self.db.get(&key).map_err(unavailable)? {
             Some(v) => {
-                let r = Arc::new(decode(&key, &v)?);
+                let r = Arc::new(decode(&key, &v, self.sealer.as_deref())?);
                 if let (Some(gen), Ok(mut c)) = (gen, self.cache.lock()) {
                     c.fill(gen, &r);
                 }
@@ -1960,7 +2039,7 @@ impl Writer {
         if old.map(|o| o.state) != Some(new.state) {
             self.count(old.map(|o| o.state), Some(new.state));
         }
-        let (new, value) = encode_bounded(new);
+        let (new, value) = encode_bounded(new, self.sealer.as_deref());
         pending.put(rec_key(&new.id), value);
         let before: Vec<Vec<u8>> = old.map(|o| index_keys(o).collect()).unwrap_or_default();
         let after: Vec<Vec<u8>> = index_keys(&new).collect();
@@ -2139,7 +2218,7 @@ impl Writer {
                     Err(e) => Answer::failed(tx, e),
                     Ok((old, new)) => {
                         if let Some(body) = &body {
-                            pending.put(body_key(&new.id), body.as_ref());
+                            pending.put(body_key(&new.id), seal_opt(self.sealer.as_deref(), body));
                             pending.bodies.insert(new.id.clone(), body.clone());
                         }
                         let new = self.stage(pending, old.as_deref(), new);
@@ -2163,7 +2242,7 @@ impl Writer {
                     Err(e) => Answer::failed(tx, e),
                     Ok((old, new)) => {
                         if let Some(body) = body {
-                            pending.put(body_key(&new.id), body.as_ref());
+                            pending.put(body_key(&new.id), seal_opt(self.sealer.as_deref(), &body));
                             pending.bodies.insert(new.id.clone(), body.clone());
                         }
                         let new = self.stage(pending, old.as_deref(), new);
@@ -2186,7 +2265,7 @@ impl Writer {
                 let found = self
                     .settle_down()
                     .map_err(unavailable)
-                    .and_then(|()| scan(&self.db, &filter, usize::MAX));
+                    .and_then(|()| scan(&self.db, &filter, usize::MAX, self.sealer.as_deref()));
                 match found {
                     Err(e) => Answer::failed(tx, e),
                     Ok(records) => {
@@ -2342,7 +2421,7 @@ mod tests {
     #[test]
     fn a_small_record_is_stored_as_it_is() {
         let r = with_tries(5, 3, 4096);
-        let (stored, v) = encode_bounded(r.clone());
+        let (stored, v) = encode_bounded(r.clone(), None);
         assert_eq!(stored, r);
         assert_eq!(v, serde_json::to_vec(&r).expect("encodes"));
     }
@@ -2354,7 +2433,7 @@ mod tests {
         r.request.headers = (0..40)
             .map(|i| (format!("x-h{i:02}"), "v".repeat(4096)))
             .collect();
-        let (stored, v) = encode_bounded(r);
+        let (stored, v) = encode_bounded(r, None);
         assert!(v.len() <= RECORD_MAX);
         let tries: Vec<_> = stored.evidence.iter().flat_map(|a| &a.tries).collect();
         assert!(tries[..3]
@@ -2368,7 +2447,7 @@ mod tests {
         // Tries beyond what bodiless evidence fits: whole tries go, oldest first, each attempt
         // keeping its last.
         let r = with_tries(20, 200, 10);
-        let (stored, v) = encode_bounded(r);
+        let (stored, v) = encode_bounded(r, None);
         assert!(v.len() <= RECORD_MAX);
         let first = &stored.evidence[0];
         assert!(first.tries_dropped > 0);
@@ -2400,7 +2479,7 @@ mod tests {
             body: BodyRef::Inline,
             source: crate::action::Source::Upstream,
         });
-        let (stored, v) = encode_bounded(r);
+        let (stored, v) = encode_bounded(r, None);
         assert!(v.len() <= RECORD_MAX, "{} bytes", v.len());
         assert_eq!(stored.evidence.len(), attempts);
     }
