@@ -1,6 +1,9 @@
 //! The store alone: durable writes (claim + settle, as the proxy makes them) per second at 1 and
 //! 64 concurrent writers, flushes per write, and flush latency. `cargo bench --bench store`.
 //!
+//! Then the cost of encryption at rest (`store.encrypt_key_env`): CPU per write with and without
+//! a key, 64 writers, interleaved rounds in one run.
+//!
 //! Then the floor under it, `sled alone` (see `support/sled_alone.rs`): only the sled operations
 //! of one durable write, in a process of its own.
 #![allow(clippy::unwrap_used)]
@@ -33,6 +36,24 @@ fn fresh() -> Record {
         key: format!("k-{i}"),
         method: "POST".into(),
         path: "/v1/charges".into(),
+        // What the proxy keeps of an SDK's request: a handful of redacted headers.
+        request: oncegate::action::RequestInfo {
+            headers: vec![
+                (
+                    "content-type".into(),
+                    "application/x-www-form-urlencoded".into(),
+                ),
+                (
+                    "user-agent".into(),
+                    "Stripe/v1 PythonBindings/16.1.0".into(),
+                ),
+                ("stripe-version".into(), "2025-03-31.basil".into()),
+                ("authorization".into(), "REDACTED".into()),
+            ],
+            headers_dropped: 0,
+            body_size: 42,
+            body_sha256: "e".repeat(64),
+        },
         ..Record::new(
             format!("{:032x}", u128::from(i) * 0x9E37_79B9_7F4A_7C15),
             "f".repeat(64),
@@ -144,6 +165,66 @@ fn main() {
             );
             store.close().await.unwrap();
         }
+    });
+    rt.block_on(async {
+        // Encryption's cost: the same writes with and without a key, interleaved.
+        let key = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0";
+        let (mut plain, mut sealed) = (Vec::new(), Vec::new());
+        for round in 0..3 {
+            for with_key in [false, true] {
+                let tmp = tempfile::tempdir().unwrap();
+                let sealer = with_key
+                    .then(|| Arc::new(oncegate::store::seal::Sealer::from_hex(key).unwrap()));
+                let store = Arc::new(
+                    oncegate::store::sled::SledStore::open(
+                        &tmp.path().join("s"),
+                        StoreOptions {
+                            sealer,
+                            ..Default::default()
+                        },
+                    )
+                    .unwrap(),
+                );
+                let deadline = Instant::now() + Duration::from_secs(3);
+                let done = Arc::new(AtomicU64::new(0));
+                let cpu_before = cpu_secs();
+                let tasks: Vec<_> = (0..64)
+                    .map(|_| {
+                        let (s, done) = (store.clone(), done.clone());
+                        tokio::spawn(async move {
+                            while Instant::now() < deadline {
+                                one_write(s.as_ref()).await;
+                                done.fetch_add(1, Ordering::Relaxed);
+                            }
+                        })
+                    })
+                    .collect();
+                for t in tasks {
+                    t.await.unwrap();
+                }
+                let us =
+                    (cpu_secs() - cpu_before) * 1e6 / done.load(Ordering::Relaxed).max(1) as f64;
+                println!(
+                    "encryption round {round}: {} {us:.0} µs CPU per write",
+                    if with_key { "sealed" } else { "plain " }
+                );
+                if with_key {
+                    sealed.push(us)
+                } else {
+                    plain.push(us)
+                }
+                store.close().await.unwrap();
+            }
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (p, s) = (median(&mut plain), median(&mut sealed));
+        println!(
+            "encryption at rest: {s:.0} µs against {p:.0} µs CPU per write (median of 3): {:.2}×",
+            s / p
+        );
     });
     println!("sled alone: {}", sled_alone::measure(6.0, None).describe());
 }
