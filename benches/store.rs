@@ -104,6 +104,28 @@ async fn one_write(s: &dyn Store) {
     .unwrap();
 }
 
+/// `conc` writers doing durable writes for 3 s: how many, and the CPU seconds they took.
+async fn run_writers(store: &Arc<oncegate::store::sled::SledStore>, conc: usize) -> (u64, f64) {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let done = Arc::new(AtomicU64::new(0));
+    let cpu_before = cpu_secs();
+    let tasks: Vec<_> = (0..conc)
+        .map(|_| {
+            let (s, done) = (store.clone(), done.clone());
+            tokio::spawn(async move {
+                while Instant::now() < deadline {
+                    one_write(s.as_ref()).await;
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    (done.load(Ordering::Relaxed), cpu_secs() - cpu_before)
+}
+
 /// CPU seconds (user + system) this process has used.
 fn cpu_secs() -> f64 {
     proc::cpu_ticks("self") as f64 / 100.0
@@ -129,27 +151,9 @@ fn main() {
                 )
                 .unwrap(),
             );
-            let deadline = Instant::now() + Duration::from_secs(3);
-            let done = Arc::new(AtomicU64::new(0));
-            let cpu_before = cpu_secs();
             let started = Instant::now();
-            let tasks: Vec<_> = (0..conc)
-                .map(|_| {
-                    let (s, done) = (store.clone(), done.clone());
-                    tokio::spawn(async move {
-                        while Instant::now() < deadline {
-                            one_write(s.as_ref()).await;
-                            done.fetch_add(1, Ordering::Relaxed);
-                        }
-                    })
-                })
-                .collect();
-            for t in tasks {
-                t.await.unwrap();
-            }
+            let (writes, cpu) = run_writers(&store, conc).await;
             let secs = started.elapsed().as_secs_f64();
-            let cpu = cpu_secs() - cpu_before;
-            let writes = done.load(Ordering::Relaxed);
             let flushes = store.flush_count();
             let mut text = String::new();
             let mut reg = prometheus_client::registry::Registry::default();
@@ -185,25 +189,8 @@ fn main() {
                     )
                     .unwrap(),
                 );
-                let deadline = Instant::now() + Duration::from_secs(3);
-                let done = Arc::new(AtomicU64::new(0));
-                let cpu_before = cpu_secs();
-                let tasks: Vec<_> = (0..64)
-                    .map(|_| {
-                        let (s, done) = (store.clone(), done.clone());
-                        tokio::spawn(async move {
-                            while Instant::now() < deadline {
-                                one_write(s.as_ref()).await;
-                                done.fetch_add(1, Ordering::Relaxed);
-                            }
-                        })
-                    })
-                    .collect();
-                for t in tasks {
-                    t.await.unwrap();
-                }
-                let us =
-                    (cpu_secs() - cpu_before) * 1e6 / done.load(Ordering::Relaxed).max(1) as f64;
+                let (writes, cpu) = run_writers(&store, 64).await;
+                let us = cpu * 1e6 / writes.max(1) as f64;
                 println!(
                     "encryption round {round}: {} {us:.0} µs CPU per write",
                     if with_key { "sealed" } else { "plain " }
