@@ -256,7 +256,7 @@ fn write_str(s: &str, out: &mut Vec<u8>) {
 }
 
 /// The canonical form of a JSON body, or `None` when it has none (it does not parse, is nested
-/// deeper than [`MAX_DEPTH`], or has a duplicate key): the caller hashes the bytes.
+/// deeper than `MAX_DEPTH`, or has a duplicate key): the caller hashes the bytes.
 pub fn json(body: &[u8], ignore: &[String]) -> Option<Vec<u8>> {
     let mut v = parse(body)?;
     for p in ignore {

@@ -15,7 +15,7 @@
 //! - [`action`]: the record, its states and the transitions every store applies.
 //! - [`store`]: the `Store` trait; [`store::sled`] the embedded store with group commit.
 //! - [`upstream`]: the client, TLS, transparency, timeouts and tries.
-//! - [`proxy`]: the request path as named phases.
+//! - [`proxy`]: the request path as named phases (`proxy/{write,attempt,own}.rs`).
 //! - [`replay`]: stored response → response.
 //! - [`log`]: the hash-chained write log: entries, hashing, verification.
 //! - [`redact`]: the one place secrets are removed.

@@ -1,0 +1,324 @@
+//! Phases `send`, `settle` and `answer`: one attempt of an action, in the action's own task.
+
+use super::*;
+
+/// How long the outcome of an attempt is retried against a store that cannot take it: longer
+/// than a routine database restart (SPEC §6).
+pub const SETTLE_PATIENCE: Duration = Duration::from_secs(30);
+
+/// A task aborted when its handle is dropped: a lease renewer ends with its attempt, however
+/// the attempt ends (a panic included).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Statuses after which sending the same write again unchanged is not expected to work.
+const NEEDS_DECISION: &[u16] = &[400, 401, 403, 404, 405, 409, 410, 422];
+
+impl Proxy {
+    /// Phases `send`, `settle` and `answer`, in the action's task.
+    pub(super) async fn run_attempt(
+        self: Arc<Self>,
+        job: WriteJob,
+        rec: Record,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let policy = &job.policy;
+        let key_header = policy
+            .key_header
+            .as_ref()
+            .map(|h| (h, job.identity.key.as_str()));
+        // Stamping writes the key into the body (after fingerprinting, which saw the original).
+        let (headers, body) = match &policy.stamp {
+            Some(at) => {
+                let body = stamp(&job.headers, &job.body, at, &job.identity.key);
+                let mut h = job.headers.clone();
+                h.insert(http::header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+                (std::borrow::Cow::Owned(h), body)
+            }
+            None => (std::borrow::Cow::Borrowed(&job.headers), job.body.clone()),
+        };
+        let out = Outgoing::new(
+            &job.upstream,
+            &job.method,
+            &headers,
+            &job.rest,
+            job.query.as_deref(),
+            key_header,
+        );
+        // While the attempt runs, its lease is renewed, so that other proxies sharing the store
+        // never take a slow attempt for a dead one.
+        let renewer = {
+            let (store, id, owner) = (self.store.clone(), rec.id.clone(), self.owner.clone());
+            let (lease, clock) = (Self::lease(policy), self.clock.clone());
+            AbortOnDrop(tokio::spawn(async move {
+                let every = Duration::from_millis((lease / 3).max(100));
+                loop {
+                    tokio::time::sleep(every).await;
+                    if let Err(e) = store.renew(&id, &owner, lease, clock()).await {
+                        tracing::warn!(error = %e, "could not renew the lease of an attempt");
+                    }
+                }
+            }))
+        };
+        let mut tries: Vec<Try> = Vec::new();
+        let result = match out {
+            Ok(out) => {
+                let started = std::time::Instant::now();
+                let send = self.upstreams.send_write(
+                    &job.upstream,
+                    policy,
+                    &out,
+                    body,
+                    self.config.server.max_stored_response,
+                    &mut tries,
+                );
+                // At the drain deadline an attempt still waiting for its answer is cut: its
+                // outcome is recorded unknown and its client answered 504, before the proxy
+                // stops (SPEC §5 step 6), rather than a dropped connection.
+                let cut = tokio::select! {
+                    r = send => Ok(r),
+                    () = self.deadline.cancelled() => Err(crate::action::Phase::Response),
+                };
+                let r = cut.unwrap_or_else(|phase| {
+                    let error = "the proxy stopped (drain_timeout) during this attempt".to_string();
+                    tries.push(Try {
+                        at: crate::action::now_millis(),
+                        phase: Some(phase),
+                        error: Some(error.clone()),
+                        ..Try::default()
+                    });
+                    AttemptResult::Lost { phase, error }
+                });
+                self.metrics
+                    .upstream_latency(job.upstream.label, started.elapsed().as_secs_f64());
+                r
+            }
+            // Nothing can be sent: treated as a try that did not reach the upstream.
+            Err(e) => AttemptResult::Unreachable(format!("cannot build the upstream request: {e}")),
+        };
+        drop(renewer);
+        let now = (self.clock)();
+        let attempt = rec.attempts;
+        let settle = |state, response, external_id, needs_decision, body| SettleRequest {
+            id: rec.id.clone(),
+            attempt,
+            settlement: Settlement {
+                state,
+                tries: tries.clone(),
+                response,
+                external_id,
+                needs_decision,
+                now,
+            },
+            body,
+        };
+        let answer = match result {
+            AttemptResult::Answered(ans) => {
+                let status = ans.head.status;
+                let state = if is_applied(status) {
+                    State::Succeeded
+                } else if policy.unknown_statuses.contains(&status) {
+                    State::Unknown
+                } else {
+                    State::Failed
+                };
+                // A succeeded response is replayed only when all of it is kept: its body
+                // (within `max_stored_response`) and its head (within STORED_HEAD_MAX).
+                let kept = state == State::Succeeded
+                    && ans.rest.is_none()
+                    && (ans.head.headers.iter())
+                        .map(|(k, v)| k.as_str().len() + v.len())
+                        .sum::<usize>()
+                        <= STORED_HEAD_MAX;
+                let (stored, ext) = if state == State::Succeeded {
+                    let stored = StoredResponse {
+                        status: status.as_u16(),
+                        headers: if kept {
+                            (ans.head.headers.iter())
+                                .map(|(k, v)| (k.as_str().to_string(), latin1(v.as_bytes())))
+                                .collect()
+                        } else {
+                            Vec::new()
+                        },
+                        size: ans.body.len() as u64,
+                        body: if kept {
+                            BodyRef::Inline
+                        } else {
+                            BodyRef::Absent
+                        },
+                        source: Source::Upstream,
+                    };
+                    let ext = policy
+                        .external_id
+                        .as_deref()
+                        .and_then(|spec| external_id(spec, &ans.head.headers, &ans.body));
+                    (Some(stored), ext)
+                } else {
+                    (None, None)
+                };
+                let needs = state == State::Failed && NEEDS_DECISION.contains(&status.as_u16());
+                let body = kept.then(|| ans.body.clone());
+                let req = settle(state, stored, ext, needs, body);
+                let rec = self.settle(req, &rec).await?;
+                let outcome = match state {
+                    State::Succeeded => Outcome::Sent,
+                    State::Unknown => Outcome::Unknown,
+                    _ => Outcome::NotApplied,
+                };
+                let body = match ans.rest {
+                    None => full(ans.body),
+                    Some(rest) => Prefixed::new(ans.body, rest).boxed_unsync(),
+                };
+                let mut resp = Response::from_parts(ans.head, body);
+                write_headers(resp.headers_mut(), &rec, outcome);
+                if state == State::Unknown {
+                    // The upstream's own 5xx left the write unknown: an SDK that retried it on
+                    // its own would only meet `outcome-unknown`, and hide this answer.
+                    crate::error::no_retry(resp.headers_mut());
+                }
+                Ok(resp)
+            }
+            AttemptResult::Unreachable(error) => {
+                let rec = self
+                    .settle(settle(State::Failed, None, None, false, None), &rec)
+                    .await?;
+                Err(ProxyError::UpstreamUnreachable {
+                    ctx: Some(self.ctx(rec).await),
+                    error,
+                })
+            }
+            AttemptResult::Lost { error, .. } => {
+                let rec = self
+                    .settle(settle(State::Unknown, None, None, false, None), &rec)
+                    .await?;
+                Err(ProxyError::OutcomeUnknown {
+                    ctx: self.ctx(rec).await,
+                    lost_now: true,
+                    reason: format!("{error}; the request may have reached the upstream"),
+                })
+            }
+        };
+        answer
+    }
+
+    /// Phase `settle`: the outcome is durable before the client hears it. The outcome is known
+    /// here, so a store that is away for a while (a database restart) is given up to
+    /// [`SETTLE_PATIENCE`] before the action is left for recovery as unknown (SPEC §6). A store
+    /// that broke for good (the embedded store after a failed write) is not waited for.
+    pub(super) async fn settle(
+        &self,
+        req: SettleRequest,
+        claimed: &Record,
+    ) -> Result<Record, ProxyError> {
+        let id = req.id.clone();
+        let give_up = tokio::time::Instant::now() + SETTLE_PATIENCE;
+        let mut wait = Duration::from_millis(50);
+        let mut result = self.store.settle(req.clone()).await;
+        while let Err(StoreError::Unavailable(e)) = &result {
+            let now = tokio::time::Instant::now();
+            if now >= give_up {
+                break;
+            }
+            tracing::warn!(error = %e, "recording the outcome failed; trying again");
+            tokio::time::sleep(wait.min(give_up - now)).await;
+            wait = (wait * 2).min(Duration::from_secs(1));
+            result = self.store.settle(req.clone()).await;
+        }
+        self.waiters.wake(&id);
+        match result {
+            Ok(rec) => Ok(rec),
+            Err(e) => {
+                tracing::error!(error = %e, "could not record the outcome of an attempt");
+                Err(store_unavailable(e, Some(self.ctx(claimed.clone()).await)))
+            }
+        }
+    }
+}
+
+/// Takes the external id from a response: `header:NAME` or a JSON pointer into the body.
+pub fn external_id(spec: &str, headers: &HeaderMap, body: &[u8]) -> Option<String> {
+    if let Some(name) = spec.strip_prefix("header:") {
+        return headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+    }
+    let v: Value = serde_json::from_slice(body).ok()?;
+    match v.pointer(spec)? {
+        Value::Null => None,
+        Value::String(s) => Some(s.clone()),
+        other => Some(other.to_string()),
+    }
+}
+
+/// Writes the key into a write's body (SPEC §12 `stamp`): at a JSON pointer for JSON bodies
+/// (creating objects on the way), or as a form field for form bodies. Other bodies, and JSON
+/// that does not parse, are sent unchanged.
+pub fn stamp(headers: &HeaderMap, body: &Bytes, at: &str, key: &str) -> Bytes {
+    if identity::is_json(headers) {
+        let Ok(mut v) = serde_json::from_slice::<Value>(body) else {
+            return body.clone();
+        };
+        let mut cur = &mut v;
+        let parts: Vec<String> = at
+            .split('/')
+            .skip(1)
+            .map(|p| p.replace("~1", "/").replace("~0", "~"))
+            .collect();
+        for (i, p) in parts.iter().enumerate() {
+            if !cur.is_object() {
+                return body.clone();
+            }
+            let obj = cur.as_object_mut().expect("checked above");
+            if i + 1 == parts.len() {
+                obj.insert(p.clone(), Value::String(key.to_string()));
+                return Bytes::from(serde_json::to_vec(&v).expect("JSON serializes"));
+            }
+            cur = obj.entry(p.clone()).or_insert_with(|| json!({}));
+        }
+        body.clone()
+    } else if identity::is_form(headers) {
+        let field: String = form_urlencoded::Serializer::new(String::new())
+            .append_pair(at, key)
+            .finish();
+        if !form_urlencoded::parse(body).any(|(k, _)| k == at) {
+            // Appended, so the client's own bytes go out unchanged.
+            let mut out = body.to_vec();
+            if !out.is_empty() {
+                out.push(b'&');
+            }
+            out.extend_from_slice(field.as_bytes());
+            return Bytes::from(out);
+        }
+        let mut pairs: Vec<(String, String)> = form_urlencoded::parse(body)
+            .into_owned()
+            .filter(|(k, _)| k != at)
+            .collect();
+        pairs.push((at.to_string(), key.to_string()));
+        Bytes::from(
+            form_urlencoded::Serializer::new(String::new())
+                .extend_pairs(pairs)
+                .finish(),
+        )
+    } else {
+        body.clone()
+    }
+}
+
+/// `Oncegate-Outcome`, `Oncegate-Action` and `Idempotency-Key` on every write response.
+pub(super) fn write_headers(h: &mut HeaderMap, rec: &Record, outcome: Outcome) {
+    h.insert(
+        "oncegate-outcome",
+        HeaderValue::from_static(outcome.as_str()),
+    );
+    if let Ok(v) = HeaderValue::from_str(&rec.id) {
+        h.insert("oncegate-action", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&rec.key) {
+        h.insert("idempotency-key", v);
+    }
+}

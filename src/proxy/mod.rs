@@ -1,0 +1,371 @@
+//! The request path, as named phases (SPEC §5):
+//!
+//! ```text
+//! frame → route → classify ─ read ──→ forward (streamed both ways)
+//!                           ├ deny ──→ 403 route-denied
+//!                           └ write ─→ buffer → identify → claim ─┬→ replay / in-flight / unknown / …
+//!                                                                  └→ send → settle → answer
+//! ```
+//! Each phase returns early with a [`ProxyError`]; `error.rs` turns it into the problem response.
+//! From the claim on, a write runs in the action's own task: it belongs to the action, not to the
+//! client's connection, so a client that goes away cancels neither the claim nor the attempt.
+//!
+//! - this file: the proxy, `frame → route → classify`, and reads;
+//! - `write.rs`: `buffer → identify → claim`, replays and problems about an existing action;
+//! - `attempt.rs`: `send → settle → answer`, in the action's task;
+//! - `own.rs`: the proxy's own paths (`/_oncegate/tasks/{task}`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderValue};
+use http::{Method, Request, Response};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+mod attempt;
+mod own;
+mod write;
+
+use attempt::write_headers;
+pub use attempt::{external_id, stamp, SETTLE_PATIENCE};
+pub use own::task_entry;
+
+use crate::action::{
+    BodyRef, Claim, ClaimRequest, Clock, Millis, Record, RequestInfo, Settlement, Source, State,
+    StoredResponse, Try,
+};
+use crate::config::{Config, Policy, Upstream};
+use crate::error::{action_json, ActionCtx, Completed, Outcome, ProxyError};
+use crate::identity::{self, Identity, KeyError};
+use crate::log::{Actor, Event, LogEvent};
+use crate::lookup;
+use crate::metrics::Metrics;
+use crate::redact::{latin1, Redactor};
+use crate::replay::replay;
+use crate::route::{route, Class, RouteError, Target};
+use crate::store::{Filter, SettleRequest, Store, StoreError};
+use crate::upstream::{
+    full, is_applied, strip_hop_by_hop, AttemptResult, Outgoing, Prefixed, ProxyBody, Upstreams,
+};
+
+/// The largest response head (header names and values) stored for replay. A succeeded write
+/// whose head is larger reaches its client whole, but a duplicate gets 409 `already-applied`, as
+/// for a body over `max_stored_response`: it keeps records small (`store::sled::RECORD_MAX`).
+pub const STORED_HEAD_MAX: usize = 16 * 1024;
+
+/// Wakes requests waiting for an in-flight attempt of the same action.
+#[derive(Default)]
+struct Waiters(Mutex<HashMap<String, Arc<Notify>>>);
+
+impl Waiters {
+    fn get(&self, id: &str) -> Arc<Notify> {
+        let mut m = self
+            .0
+            .lock()
+            .expect("waiters lock is never poisoned: no panics inside");
+        m.entry(id.to_string()).or_default().clone()
+    }
+
+    /// Drops a waiter's registration; the entry goes once nobody waits on it.
+    fn release(&self, id: &str, mine: Arc<Notify>) {
+        drop(mine);
+        let mut m = self
+            .0
+            .lock()
+            .expect("waiters lock is never poisoned: no panics inside");
+        if m.get(id).is_some_and(|n| Arc::strong_count(n) == 1) {
+            m.remove(id);
+        }
+    }
+
+    fn wake(&self, id: &str) {
+        let n = self
+            .0
+            .lock()
+            .expect("waiters lock is never poisoned: no panics inside")
+            .remove(id);
+        if let Some(n) = n {
+            n.notify_waiters();
+        }
+    }
+}
+
+/// The proxy: shared by every connection.
+pub struct Proxy {
+    pub(crate) config: Arc<Config>,
+    pub(crate) upstreams: Arc<Upstreams>,
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) redactor: Redactor,
+    pub(crate) clock: Clock,
+    /// This process's identity as the owner of in-flight claims.
+    pub(crate) owner: String,
+    waiters: Waiters,
+    /// Attempts running in their own tasks; drained on shutdown.
+    attempts: TaskTracker,
+    /// Cancelled at the drain deadline: attempts still running are cut and recorded unknown.
+    deadline: CancellationToken,
+}
+
+/// What a claim leads to.
+enum Next {
+    Attempt(Record),
+    Replay(Record),
+}
+
+/// The request as the write path keeps it.
+struct WriteJob {
+    upstream: Arc<Upstream>,
+    policy: Arc<Policy>,
+    method: Method,
+    headers: HeaderMap,
+    rest: String,
+    query: Option<String>,
+    body: Bytes,
+    identity: Identity,
+}
+
+fn content_length(h: &HeaderMap) -> Option<u64> {
+    h.get(http::header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Refuses ambiguous framing (request smuggling): CL + TE, or more than one Content-Length.
+/// hyper hides both cases; the connection's [`crate::framing::FramingGuard`] marks them.
+fn check_framing(h: &HeaderMap) -> Result<(), ProxyError> {
+    if h.contains_key(crate::framing::MARK) || h.contains_key(crate::framing::MARK_TE) {
+        return Err(ProxyError::BadRequest(
+            "the request has both Content-Length and Transfer-Encoding, or more than one Content-Length".into(),
+        ));
+    }
+    let cls = h.get_all(http::header::CONTENT_LENGTH).iter().count();
+    if cls > 1 {
+        return Err(ProxyError::BadRequest(
+            "the request has more than one Content-Length".into(),
+        ));
+    }
+    if cls == 1 && h.contains_key(http::header::TRANSFER_ENCODING) {
+        return Err(ProxyError::BadRequest(
+            "the request has both Content-Length and Transfer-Encoding".into(),
+        ));
+    }
+    Ok(())
+}
+
+fn store_unavailable(e: StoreError, ctx: Option<Box<ActionCtx>>) -> ProxyError {
+    ProxyError::StoreUnavailable {
+        error: e.to_string(),
+        ctx,
+    }
+}
+
+impl Proxy {
+    pub fn new(
+        config: Arc<Config>,
+        store: Arc<dyn Store>,
+        metrics: Arc<Metrics>,
+        clock: Clock,
+    ) -> Result<Proxy, String> {
+        Ok(Proxy {
+            clock,
+            upstreams: Arc::new(Upstreams::new(&config)?),
+            metrics,
+            redactor: Redactor::new(&config),
+            owner: format!("{}-{:08x}", std::process::id(), rand::random::<u32>()),
+            config,
+            store,
+            waiters: Waiters::default(),
+            attempts: TaskTracker::new(),
+            deadline: CancellationToken::new(),
+        })
+    }
+
+    pub fn attempts(&self) -> &TaskTracker {
+        &self.attempts
+    }
+
+    /// Cuts the attempts still running: the drain deadline has come.
+    pub fn cut_attempts(&self) {
+        self.deadline.cancel();
+    }
+
+    /// Serves one request. Errors are logged here, once, and answered as problems.
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<ProxyBody> {
+        // A debug span: free unless asked for (RUST_LOG=oncegate=debug).
+        let span = tracing::debug_span!(
+            "request",
+            method = %req.method(),
+            path = %self.redactor.path(req.uri().path(), req.uri().query()),
+            upstream = tracing::field::Empty,
+            class = tracing::field::Empty,
+            action = tracing::field::Empty,
+        );
+        async move {
+            let mut labels: (&'static str, &'static str) = ("-", "-");
+            let (resp, outcome) = match self.call(req, &mut labels).await {
+                Ok(resp) => {
+                    tracing::debug!(status = resp.status().as_u16(), "answered");
+                    let outcome = match resp.headers().get("oncegate-outcome").map(|v| v.as_bytes())
+                    {
+                        None => "forwarded",
+                        Some(b"sent") => Outcome::Sent.as_str(),
+                        Some(b"replayed") => Outcome::Replayed.as_str(),
+                        Some(b"unknown") => Outcome::Unknown.as_str(),
+                        Some(b"not-applied") => Outcome::NotApplied.as_str(),
+                        Some(_) => "other",
+                    };
+                    (resp, outcome)
+                }
+                Err(err) => {
+                    tracing::info!(error = %err, upstream = labels.0, "problem");
+                    let outcome = err.outcome().as_str();
+                    (err.into_response(), outcome)
+                }
+            };
+            self.metrics.request(labels.0, labels.1, outcome);
+            resp
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Routes and classifies; `labels` receives the upstream and class for metrics.
+    async fn call(
+        self: &Arc<Self>,
+        req: Request<Incoming>,
+        labels: &mut (&'static str, &'static str),
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        check_framing(req.headers())?;
+        // A clone of the URI shares its bytes: the path outlives `req`, which the phases take.
+        let uri = req.uri().clone();
+        let path = uri.path();
+        if path == "/_oncegate" || path.starts_with("/_oncegate/") {
+            // Boxed, like the write path below: the read path's future stays small (it is
+            // moved into hyper's connection task for every request).
+            return Box::pin(self.own(req, path)).await;
+        }
+        let target =
+            route(&self.config, req.method(), path, req.headers()).map_err(|e| match e {
+                RouteError::NoRoute => ProxyError::NoRoute(path.to_string()),
+                RouteError::BadPath(why) => ProxyError::BadRequest(why),
+            })?;
+        *labels = (target.upstream.label, target.class.as_str());
+        let span = tracing::Span::current();
+        span.record("upstream", target.upstream.name.as_str());
+        span.record("class", target.class.as_str());
+        if target.class == Class::Read {
+            return self.read(target, req).await;
+        }
+        // Writes and denied requests are audited: keep what the write log needs (the principal
+        // is computed once, for the action's identity and for the log).
+        let method = req.method().clone();
+        let query = req.uri().query().map(str::to_string);
+        let principal = identity::principal(req.headers(), target.policy);
+        let result = match target.class {
+            Class::Deny => Err(ProxyError::RouteDenied {
+                method: method.to_string(),
+                path: self.redactor.path(path, req.uri().query()),
+            }),
+            _ => Box::pin(self.write(&target, req, &principal)).await,
+        };
+        if let Err(e) = &result {
+            let shown = || self.redactor.path(&target.rest, query.as_deref());
+            self.note_problem(e, target.upstream, &method, shown, &principal);
+        }
+        result
+    }
+
+    /// Logs a refused write (`rejected`) or a duplicate turned away (`conflict`). Outcomes of
+    /// attempts are logged by the store with the state change itself.
+    fn note_problem(
+        &self,
+        e: &ProxyError,
+        up: &Upstream,
+        method: &Method,
+        path: impl FnOnce() -> String,
+        principal: &str,
+    ) {
+        let event = match e {
+            ProxyError::KeyReused(_)
+            | ProxyError::InFlight { .. }
+            | ProxyError::OutcomeUnknown {
+                lost_now: false, ..
+            }
+            | ProxyError::AttemptsExhausted(_)
+            | ProxyError::AlreadyApplied(_) => Event::Conflict,
+            ProxyError::KeyInvalid(_)
+            | ProxyError::KeyRequired
+            | ProxyError::BodyTooLarge { .. }
+            | ProxyError::BodyTimeout(_)
+            | ProxyError::RouteDenied { .. }
+            | ProxyError::BadRequest(_) => Event::Rejected,
+            _ => return,
+        };
+        let ev = match e.record() {
+            Some(r) => LogEvent::for_record(event, r, Actor::Proxy),
+            None => {
+                let mut ev = LogEvent::bare(event, Actor::Proxy);
+                ev.upstream = Some(up.name.clone());
+                ev.method = Some(method.to_string());
+                ev.path = Some(path());
+                ev.principal = Some(identity::principal_short(principal).to_string());
+                ev
+            }
+        };
+        self.store
+            .note(ev.outcome(e.outcome().as_str()).detail(e.name()));
+    }
+
+    /// Phase `forward`: a read, streamed both ways.
+    async fn read(
+        &self,
+        t: Target<'_>,
+        req: Request<Incoming>,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let (parts, body) = req.into_parts();
+        let out = Outgoing::from_owned(
+            t.upstream,
+            &parts.method,
+            parts.headers,
+            &t.rest,
+            parts.uri.query(),
+            None,
+        )
+        .map_err(|e| ProxyError::BadRequest(format!("cannot build the upstream request: {e}")))?;
+        let started = std::time::Instant::now();
+        let answer = self
+            .upstreams
+            .forward_read(t.upstream, t.policy, &out, body)
+            .await;
+        self.metrics
+            .upstream_latency(t.upstream.label, started.elapsed().as_secs_f64());
+        match answer {
+            Ok(resp) => {
+                let (mut head, body) = resp.into_parts();
+                strip_hop_by_hop(&mut head.headers);
+                Ok(Response::from_parts(
+                    head,
+                    body.map_err(Into::into).boxed_unsync(),
+                ))
+            }
+            Err(crate::upstream::ReadFailure::Unreachable(error)) => {
+                Err(ProxyError::UpstreamUnreachable { ctx: None, error })
+            }
+            Err(crate::upstream::ReadFailure::Timeout(d)) => Err(ProxyError::UpstreamTimeout(d)),
+            Err(crate::upstream::ReadFailure::Failed(e)) => Err(ProxyError::UpstreamFailed(e)),
+        }
+    }
+}

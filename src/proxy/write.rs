@@ -1,0 +1,356 @@
+//! Phases `buffer`, `identify` and `claim` of a write, and the answers that need no attempt:
+//! a replay, or a problem about the existing action.
+
+use super::*;
+
+impl Proxy {
+    /// Phases `buffer` and `identify`, then `claim`.
+    pub(super) async fn write(
+        self: &Arc<Self>,
+        t: &Target<'_>,
+        req: Request<Incoming>,
+        principal: &str,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let (parts, body) = req.into_parts();
+        let max = self.config.server.max_body;
+        if content_length(&parts.headers).is_some_and(|n| n > max) {
+            return Err(ProxyError::BodyTooLarge { limit: max });
+        }
+        let limit = self.config.server.body_timeout;
+        let body = tokio::time::timeout(
+            limit,
+            http_body_util::Limited::new(body, max as usize).collect(),
+        )
+        .await
+        .map_err(|_| ProxyError::BodyTimeout(limit))?
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                ProxyError::BodyTooLarge { limit: max }
+            } else {
+                ProxyError::BadRequest(format!("could not read the request body: {e}"))
+            }
+        })?
+        .to_bytes();
+        let query = parts.uri.query().map(str::to_string);
+        let identity = identity::identify(
+            &identity::WriteRequest {
+                upstream: &t.upstream.name,
+                method: parts.method.as_str(),
+                rest: &t.rest,
+                query: query.as_deref().unwrap_or(""),
+                headers: &parts.headers,
+                body: &body,
+                principal,
+            },
+            t.policy,
+        )
+        .map_err(|e| match e {
+            KeyError::Invalid(m) => ProxyError::KeyInvalid(m),
+            KeyError::Required => ProxyError::KeyRequired,
+        })?;
+        tracing::Span::current().record("action", identity.action_id.as_str());
+        let job = WriteJob {
+            upstream: t.upstream.clone(),
+            policy: t.policy.clone(),
+            method: parts.method,
+            headers: parts.headers,
+            rest: t.rest.to_string(),
+            query,
+            body,
+            identity,
+        };
+        let resp = self.claim(job).await?;
+        Ok(resp)
+    }
+
+    fn fresh_record(&self, job: &WriteJob) -> Record {
+        let id = &job.identity;
+        Record {
+            upstream: job.upstream.name.clone(),
+            principal: id.principal.clone(),
+            key: id.key.clone(),
+            method: job.method.to_string(),
+            path: self.redactor.path(&job.rest, job.query.as_deref()),
+            task: id.task.clone(),
+            step: id.step.clone(),
+            retention_ms: job.policy.retention.as_millis() as u64,
+            request: RequestInfo {
+                headers: self.redactor.headers(&job.headers),
+                headers_dropped: 0,
+                body_size: job.body.len() as u64,
+                body_sha256: hex::encode(Sha256::digest(&job.body)),
+            },
+            ..Record::new(id.action_id.clone(), id.fingerprint.clone())
+        }
+    }
+
+    /// How long an attempt may run, at most: its lease.
+    pub(super) fn lease(policy: &Policy) -> Millis {
+        let tries = u64::from(policy.retries) + 1;
+        policy.timeout.as_millis() as u64 * tries
+            + policy.max_retry_wait.as_millis() as u64 * u64::from(policy.retries)
+            + 2_000
+    }
+
+    /// Phase `claim`: decides what this request gets (SPEC §5 step 2), then acts on it.
+    ///
+    /// From the claim on, the work belongs to the action, not to the client's connection (SPEC
+    /// §5 step 4): it runs in a task of its own, so a client that goes away while its claim is
+    /// being made durable (or its attempt runs) cancels nothing, and the action never stays
+    /// `in_flight` with no attempt behind it.
+    async fn claim(self: &Arc<Self>, job: WriteJob) -> Result<Response<ProxyBody>, ProxyError> {
+        // A duplicate of a write that succeeded, held in memory: the answer a claim would give,
+        // without building the fresh record or asking the writer.
+        if let Some((rec, body)) = self.store.cached(&job.identity.action_id) {
+            if rec.fingerprint == job.identity.fingerprint && !rec.is_expired((self.clock)()) {
+                return self.replay(&rec, body).await;
+            }
+        }
+        let me = self.clone();
+        let claimed = Arc::new(Mutex::new(None));
+        let slot = claimed.clone();
+        let span = tracing::Span::current();
+        let task = self
+            .attempts
+            .spawn(async move { me.claim_and_act(job, slot).await }.instrument(span));
+        match task.await {
+            Ok(r) => r,
+            Err(e) => {
+                let claimed = claimed
+                    .lock()
+                    .expect("the claimed slot is never poisoned: it is only set")
+                    .take();
+                self.after_panic(e, claimed).await
+            }
+        }
+    }
+
+    /// The claim and what follows it, in the action's own task. `claimed` receives the record
+    /// once this task owns an attempt, for [`Proxy::after_panic`].
+    async fn claim_and_act(
+        self: Arc<Self>,
+        job: WriteJob,
+        claimed: Arc<Mutex<Option<Record>>>,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let fresh = self.fresh_record(&job);
+        let mut waiter = None;
+        let next = self.decide(&job, &fresh, &mut waiter).await;
+        if let Some(w) = waiter {
+            self.waiters.release(&fresh.id, w);
+        }
+        match next? {
+            Next::Attempt(rec) => {
+                if let Ok(mut slot) = claimed.lock() {
+                    *slot = Some(rec.clone());
+                }
+                self.run_attempt(job, rec).await
+            }
+            Next::Replay(rec) => self.replay(&rec, None).await,
+        }
+    }
+
+    /// The action's task ended in a panic (a bug). If it had claimed an attempt, the request may
+    /// have left: the action is recorded `unknown` and the client told so (SPEC §6), never
+    /// "nothing was sent".
+    async fn after_panic(
+        &self,
+        e: tokio::task::JoinError,
+        claimed: Option<Record>,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        tracing::error!(error = %e, "the task of a write ended without an answer");
+        let Some(rec) = claimed else {
+            // It ended before owning an attempt: nothing was sent.
+            return Err(ProxyError::StoreUnavailable {
+                error: format!("internal error before the write was sent: {e}"),
+                ctx: None,
+            });
+        };
+        let reason = format!(
+            "internal error during the attempt ({e}); the request may have reached the upstream"
+        );
+        let req = SettleRequest {
+            id: rec.id.clone(),
+            attempt: rec.attempts,
+            settlement: Settlement {
+                state: State::Unknown,
+                tries: vec![Try {
+                    at: (self.clock)(),
+                    phase: Some(crate::action::Phase::Send),
+                    error: Some(reason.clone()),
+                    ..Try::default()
+                }],
+                response: None,
+                external_id: None,
+                needs_decision: false,
+                now: (self.clock)(),
+            },
+            body: None,
+        };
+        let rec = self.settle(req, &rec).await?;
+        Err(ProxyError::OutcomeUnknown {
+            ctx: self.ctx(rec).await,
+            lost_now: true,
+            reason,
+        })
+    }
+
+    /// Claims the action, waiting up to `in_flight_wait` for a running attempt to end.
+    async fn decide(
+        &self,
+        job: &WriteJob,
+        fresh: &Record,
+        waiter: &mut Option<Arc<Notify>>,
+    ) -> Result<Next, ProxyError> {
+        let wait_until = tokio::time::Instant::now() + job.policy.in_flight_wait;
+        // What this request's lookup concluded, when it ran and settled nothing.
+        let mut looked_up: Option<String> = None;
+        loop {
+            // Registered only once a wait is needed, so other answers leave nothing behind.
+            let notify = waiter.clone().unwrap_or_default();
+            let notified = notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let claim = self
+                .store
+                .claim(ClaimRequest {
+                    fresh: fresh.clone(),
+                    key_source: job.identity.source,
+                    max_attempts: job.policy.max_attempts,
+                    owner: self.owner.clone(),
+                    lease: Self::lease(&job.policy),
+                    now: (self.clock)(),
+                })
+                .await
+                .map_err(|e| store_unavailable(e, None))?;
+            let rec = match claim {
+                Claim::Claimed(rec) => return Ok(Next::Attempt(rec)),
+                Claim::KeyReused(rec) => return Err(ProxyError::KeyReused(self.ctx(rec).await)),
+                Claim::Exhausted(rec) => {
+                    return Err(ProxyError::AttemptsExhausted(self.ctx(rec).await))
+                }
+                Claim::Existing(rec) => rec,
+            };
+            match rec.state {
+                State::Succeeded => return Ok(Next::Replay(rec)),
+                State::InFlight => {
+                    let now = tokio::time::Instant::now();
+                    if now < wait_until {
+                        if waiter.is_none() {
+                            *waiter = Some(self.waiters.get(&fresh.id));
+                            continue;
+                        }
+                        // Woken when the attempt settles here; polled for other proxies.
+                        let slice = (wait_until - now).min(Duration::from_millis(100));
+                        let _ = tokio::time::timeout(slice, notified).await;
+                        continue;
+                    }
+                    let secs = (job.policy.timeout.as_secs() / 2).clamp(1, 30);
+                    return Err(ProxyError::InFlight {
+                        ctx: self.ctx(rec).await,
+                        retry_after_secs: secs,
+                    });
+                }
+                State::Unknown if job.policy.lookup.is_some() && looked_up.is_none() => {
+                    // SPEC §9: a duplicate asks the upstream (with its own credentials) first.
+                    looked_up = Some(String::from("the lookup could not run"));
+                    let verdict = lookup::lookup(
+                        &self.upstreams,
+                        self.store.as_ref(),
+                        &job.upstream,
+                        &rec,
+                        Some(&job.headers),
+                        (self.clock)(),
+                    )
+                    .await;
+                    match verdict {
+                        Ok(v) => {
+                            self.metrics.lookup(v.label());
+                            if let lookup::Verdict::Unknown(why) = v {
+                                looked_up = Some(why);
+                            }
+                        }
+                        Err(e) => tracing::warn!(error = %e, "lookup could not settle"),
+                    }
+                    // Settled (or settled meanwhile): claim again and act on the new state.
+                    continue;
+                }
+                State::Unknown => {
+                    let mut reason = String::from(
+                        "an earlier attempt may have been applied; nothing is sent until it is settled",
+                    );
+                    if let Some(why) = looked_up {
+                        reason = format!("{reason} (status lookup: {why})");
+                    }
+                    return Err(ProxyError::OutcomeUnknown {
+                        ctx: self.ctx(rec).await,
+                        lost_now: false,
+                        reason,
+                    });
+                }
+                // A claim never leaves a claimable `failed` record as `Existing`.
+                State::Failed => return Err(ProxyError::AttemptsExhausted(self.ctx(rec).await)),
+            }
+        }
+    }
+
+    /// The problem context of a record: the record and its task's completed work.
+    pub(super) async fn ctx(&self, record: Record) -> Box<ActionCtx> {
+        let completed = match &record.task {
+            None => Vec::new(),
+            Some(task) => self
+                .store
+                .scan(
+                    Filter {
+                        state: Some(State::Succeeded),
+                        upstream: Some(record.upstream.clone()),
+                        principal: Some(record.principal.clone()),
+                        task: Some(task.clone()),
+                        ..Filter::default()
+                    },
+                    1000,
+                )
+                .await
+                .unwrap_or_default()
+                .into_iter()
+                .map(|r| Completed {
+                    action: r.id,
+                    step: r.step,
+                    status: r.response.as_ref().map(|s| s.status),
+                    external_id: r.external_id,
+                })
+                .collect(),
+        };
+        Box::new(ActionCtx { record, completed })
+    }
+
+    /// Phase `replay` (SPEC §7).
+    /// `body`: the stored body when the caller holds it already.
+    pub(super) async fn replay(
+        &self,
+        rec: &Record,
+        body: Option<Bytes>,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let stored = rec.response.as_ref().filter(|r| r.body != BodyRef::Absent);
+        if stored.is_none() {
+            return Err(ProxyError::AlreadyApplied(self.ctx(rec.clone()).await));
+        }
+        let body = match body {
+            Some(b) => b,
+            None => match self.store.body(rec).await {
+                Ok(Some(b)) => b,
+                // The body is gone for good: the write is applied all the same.
+                Ok(None) => return Err(ProxyError::AlreadyApplied(self.ctx(rec.clone()).await)),
+                // It cannot be read at this moment: ask again later, and get the replay (SPEC §6).
+                Err(e) => return Err(store_unavailable(e, None)),
+            },
+        };
+        let mut resp = replay(rec, body);
+        write_headers(resp.headers_mut(), rec, Outcome::Replayed);
+        self.store.note(
+            LogEvent::for_record(Event::Replayed, rec, Actor::Proxy)
+                .status(rec.response.as_ref().map(|r| r.status))
+                .outcome(Outcome::Replayed.as_str()),
+        );
+        Ok(resp)
+    }
+}
