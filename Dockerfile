@@ -1,6 +1,10 @@
 # Build: docker build -t oncegate .
 # Run:   docker run -p 8080:8080 -v $PWD/config.toml:/etc/oncegate/config.toml -v oncegate-data:/var/lib/oncegate oncegate
 FROM rust:1.95-slim-bookworm AS build
+# tikv-jemalloc-sys builds jemalloc with make, which the slim images lack.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends make \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY .cargo ./.cargo

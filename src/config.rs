@@ -41,10 +41,30 @@ pub struct Dur(pub Duration);
 
 impl<'de> Deserialize<'de> for Dur {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        parse_duration(&s)
-            .map(Dur)
-            .map_err(serde::de::Error::custom)
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Dur;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a duration as a string with a unit, such as \"3s\"")
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Dur, E> {
+                parse_duration(s).map(Dur).map_err(E::custom)
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<Dur, E> {
+                Err(E::custom(format!(
+                    "durations are strings with a unit: write \"{n}s\" (or \"{n}ms\"), not {n}"
+                )))
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Dur, E> {
+                self.visit_i64(n as i64)
+            }
+            fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<Dur, E> {
+                Err(E::custom(format!(
+                    "durations are strings with a unit: write \"{n}s\", not {n}"
+                )))
+            }
+        }
+        d.deserialize_any(V)
     }
 }
 
@@ -866,6 +886,18 @@ fn resolve_upstream(
         let path = r.path.as_deref().unwrap_or("/**");
         if !path.starts_with('/') {
             return Err(invalid(format!("{rat}path"), "must start with '/'"));
+        }
+        if let Some(bad) = path.split('/').find(|seg| {
+            (seg.contains('*') && *seg != "*" && *seg != "**")
+                || seg.contains(['[', ']', '{', '}', '?'])
+        }) {
+            // A segment such as `**x` or `v1*` would be matched literally: say so instead.
+            return Err(invalid(
+                format!("{rat}path"),
+                format!(
+                    "{bad:?} is not a glob segment: `*` (one segment) and `**` (any number) stand alone between slashes; `[`, `]`, `{{`, `}}` and `?` are not glob syntax here"
+                ),
+            ));
         }
         let class = match r.class.as_deref() {
             None => None,
