@@ -335,6 +335,37 @@ where
     }
 }
 
+/// The effective policy of a route (or of an upstream's other requests), on one line.
+fn policy_line(p: &oncegate::config::Policy) -> String {
+    let d = |d: std::time::Duration| humantime::format_duration(d).to_string();
+    let mut parts = vec![
+        format!("timeout {}", d(p.timeout)),
+        format!("retries {}", p.retries),
+        format!("attempts {}", p.max_attempts),
+        format!(
+            "key {}",
+            if p.require_key {
+                "required"
+            } else {
+                "optional"
+            }
+        ),
+        format!("retention {}", d(p.retention)),
+    ];
+    if let Some(l) = &p.lookup {
+        parts.push(format!(
+            "lookup {} {} (absent after {})",
+            l.method,
+            l.path,
+            d(l.absent_after.0)
+        ));
+    }
+    if let Some(at) = &p.stamp {
+        parts.push(format!("stamp {at}"));
+    }
+    parts.join(" · ")
+}
+
 fn routing_table(c: &Config) -> String {
     let mut out = String::new();
     for u in &c.upstreams {
@@ -354,8 +385,12 @@ fn routing_table(c: &Config) -> String {
                 "    {methods:<16} {:<32} {class}\n",
                 r.path.as_str()
             ));
+            if !matches!(r.class, Some(Class::Read | Class::Deny)) {
+                out.push_str(&format!("        {}\n", policy_line(&r.policy)));
+            }
         }
         out.push_str("    (otherwise)      GET/HEAD/OPTIONS/TRACE read, other methods write\n");
+        out.push_str(&format!("        {}\n", policy_line(&u.policy)));
     }
     out
 }

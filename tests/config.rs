@@ -98,6 +98,23 @@ fn check_prints_the_routing_table() {
         .lines()
         .any(|l| l.contains("/v1/chat/completions") && l.ends_with("read")));
     assert!(!table.contains("caution:"), "{table}");
+    // Each write route's effective policy, under it: the refunds route's own, the charges' lookup.
+    let lines: Vec<&str> = table.lines().collect();
+    let under = |route: &str| {
+        let i = lines.iter().position(|l| l.contains(route)).unwrap();
+        lines[i + 1].to_string()
+    };
+    let refunds = under("/v1/refunds");
+    assert!(
+        refunds.contains("attempts 2") && refunds.contains("key required"),
+        "{table}"
+    );
+    let charges = under("/v1/charges ");
+    assert!(
+        charges.contains("lookup GET /v1/charges/search") && charges.contains("absent after 10m"),
+        "{table}"
+    );
+    assert!(charges.contains("timeout 30s") && charges.contains("retention 1day"));
 }
 
 #[test]
@@ -176,4 +193,35 @@ fn every_config_key_is_in_the_reference() {
         }
     }
     assert!(checked > 40, "only {checked} keys found");
+}
+
+/// The Kubernetes recipe's config parses, and its admin listener is where the recipe's probe
+/// looks: the pod's address (not loopback), on the probe's port.
+#[test]
+fn the_kubernetes_recipe_probes_a_listener_that_is_there() {
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/recipes.md"))
+            .unwrap();
+    let marker = "<!-- recipe:kubernetes-config -->";
+    let after = &doc[doc.find(marker).expect("the recipe's config") + marker.len()..];
+    let start = after.find("```toml\n").unwrap() + "```toml\n".len();
+    let toml = &after[start..start + after[start..].find("```").unwrap()];
+    let c = Config::parse(toml).unwrap();
+    let probe = doc
+        .lines()
+        .find(|l| l.contains("readinessProbe"))
+        .expect("a readiness probe");
+    assert!(probe.contains("/readyz"), "{probe}");
+    let port = probe
+        .split("port:")
+        .nth(1)
+        .and_then(|p| p.trim().trim_end_matches(['}', ' ']).parse::<u16>().ok())
+        .expect("a probe port");
+    assert_eq!(c.admin.listen.port(), port, "{probe}");
+    assert!(
+        !c.admin.listen.ip().is_loopback(),
+        "the kubelet cannot reach loopback"
+    );
+    // The agent container reaches the proxy over the pod's loopback.
+    assert!(doc.contains("http://127.0.0.1:8080/stripe"));
 }
