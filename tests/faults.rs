@@ -121,16 +121,14 @@ async fn an_unknown_action_is_not_forgotten_before_its_retention() {
 
 /// Every store a test should hold for: sled, and PostgreSQL when a server is configured (judging
 /// time by the proxy's controlled clock, as `caller_clock` allows).
-async fn every_store(
-    test: &str,
-) -> Vec<(
+async fn every_store() -> Vec<(
     &'static str,
     Arc<dyn oncegate::store::Store>,
     tempfile::TempDir,
 )> {
     let tmp = tempfile::tempdir().unwrap();
     let mut stores = vec![("sled", sled(&tmp.path().join("s")), tmp)];
-    if let Some(base) = support::postgres_base(test) {
+    if let Some(base) = support::postgres_url_if_set() {
         let url = support::fresh_database(&base).await;
         let options = oncegate::store::StoreOptions {
             caller_clock: true,
@@ -148,9 +146,7 @@ async fn every_store(
 async fn a_retry_after_retention_while_the_first_attempt_runs_is_not_sent() {
     // retention 2s, timeout 10s; the upstream holds the write for longer than the retention and
     // the agent retries at 3s: records are never released while in flight (SPEC §5, §13).
-    for (name, store, tmp) in
-        every_store("a_retry_after_retention_while_the_first_attempt_runs_is_not_sent").await
-    {
+    for (name, store, tmp) in every_store().await {
         let up = FakeUpstream::start().await;
         let (now, proxy) = on_controlled_clock(
             &up,
@@ -192,7 +188,7 @@ async fn a_retry_after_retention_while_the_first_attempt_runs_is_not_sent() {
 
 #[tokio::test]
 async fn an_unknown_action_is_never_released_by_expiry() {
-    for (name, store, tmp) in every_store("an_unknown_action_is_never_released_by_expiry").await {
+    for (name, store, tmp) in every_store().await {
         let up = FakeUpstream::start().await;
         let (now, proxy) = on_controlled_clock(
             &up,

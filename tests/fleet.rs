@@ -20,8 +20,8 @@ struct Fleet {
     _tmp: tempfile::TempDir,
 }
 
-async fn fleet(test: &str, up: &FakeUpstream, extra: &str) -> Option<Fleet> {
-    let base = support::postgres_base(test)?;
+async fn fleet(up: &FakeUpstream, extra: &str) -> Fleet {
+    let base = support::postgres_url();
     let url = support::fresh_database(&base).await;
     let tmp = tempfile::tempdir().unwrap();
     let cfg = tmp.path().join("oncegate.toml");
@@ -30,12 +30,12 @@ async fn fleet(test: &str, up: &FakeUpstream, extra: &str) -> Option<Fleet> {
         "[store]\nbackend = \"postgres\"\nurl_env = \"ONCEGATE_TEST_DB\"\n\n[defaults]",
     );
     std::fs::write(&cfg, text).unwrap();
-    Some(Fleet {
+    Fleet {
         base,
         url,
         cfg,
         _tmp: tmp,
-    })
+    }
 }
 
 impl Fleet {
@@ -50,11 +50,10 @@ impl Fleet {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
 async fn fifty_concurrent_writes_split_across_two_proxies_reach_the_upstream_once() {
     let up = FakeUpstream::start().await;
-    let Some(f) = fleet("fifty_concurrent_writes_split_across_two_proxies", &up, "").await else {
-        return;
-    };
+    let f = fleet(&up, "").await;
     let (a, b) = (f.proxy().await, f.proxy().await);
     up.set_default(Behavior::Delay(
         Duration::from_millis(300),
@@ -95,17 +94,10 @@ async fn fifty_concurrent_writes_split_across_two_proxies_reach_the_upstream_onc
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
 async fn a_write_in_flight_on_one_proxy_is_in_flight_on_the_other() {
     let up = FakeUpstream::start().await;
-    let Some(f) = fleet(
-        "a_write_in_flight_on_one_proxy_is_in_flight_on_the_other",
-        &up,
-        "",
-    )
-    .await
-    else {
-        return;
-    };
+    let f = fleet(&up, "").await;
     let (a, b) = (f.proxy().await, f.proxy().await);
     let gate = Arc::new(Notify::new());
     up.push(Behavior::Gate(
@@ -131,18 +123,11 @@ async fn a_write_in_flight_on_one_proxy_is_in_flight_on_the_other() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
 async fn a_proxy_killed_mid_attempt_is_unknown_on_the_other_after_its_lease() {
     let up = FakeUpstream::start().await;
     let extra = "timeout = \"500ms\"\nretries = 0";
-    let Some(f) = fleet(
-        "a_proxy_killed_mid_attempt_is_unknown_on_the_other",
-        &up,
-        extra,
-    )
-    .await
-    else {
-        return;
-    };
+    let f = fleet(&up, extra).await;
     let (a, b) = (f.proxy().await, f.proxy().await);
     up.set_default(Behavior::Hang);
     let url = a.url("/pay/v1/charges");
@@ -186,12 +171,11 @@ async fn a_proxy_killed_mid_attempt_is_unknown_on_the_other_after_its_lease() {
 const LOOKUP_404: &str = r#"lookup = { path = "/v1/lookup/{key}", found = "/id" }"#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
 async fn a_paused_proxy_past_its_lease_never_lets_the_other_send_again() {
     let up = FakeUpstream::start().await;
     let extra = format!("timeout = \"4s\"\nretries = 0\n{LOOKUP_404}");
-    let Some(f) = fleet("a_paused_proxy_past_its_lease", &up, &extra).await else {
-        return;
-    };
+    let f = fleet(&up, &extra).await;
     up.on("/v1/lookup/", Behavior::status(404));
     let (a, b) = (f.proxy().await, f.proxy().await);
     let gate = Arc::new(Notify::new());
@@ -248,12 +232,11 @@ async fn a_paused_proxy_past_its_lease_never_lets_the_other_send_again() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
 async fn a_proxy_whose_clock_runs_ahead_does_not_judge_another_attempt_over() {
     // Two proxies on one database; B's clock is 90 s ahead. Leases are judged by the database's
     // clock (SPEC §13), so B sees A's running attempt as in flight, not as a dead one.
-    let Some(base) = support::postgres_base("a_proxy_whose_clock_runs_ahead") else {
-        return;
-    };
+    let base = support::postgres_url();
     let db_url = support::fresh_database(&base).await;
     let up = FakeUpstream::start().await;
     up.on("/v1/lookup/", Behavior::status(404));
@@ -303,11 +286,10 @@ async fn a_proxy_whose_clock_runs_ahead_does_not_judge_another_attempt_over() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
 async fn when_the_database_is_down_writes_get_503_reads_flow_and_the_proxy_recovers() {
     let up = FakeUpstream::start().await;
-    let Some(f) = fleet("when_the_database_is_down", &up, "").await else {
-        return;
-    };
+    let f = fleet(&up, "").await;
     let a = f.proxy().await;
     let c = TestClient::default();
     assert_eq!(
@@ -362,11 +344,10 @@ async fn when_the_database_is_down_writes_get_503_reads_flow_and_the_proxy_recov
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
 async fn database_restarts_mid_load_lose_nothing_and_duplicate_nothing() {
     let up = FakeUpstream::start().await;
-    let Some(f) = fleet("database_restarts_mid_load", &up, "").await else {
-        return;
-    };
+    let f = fleet(&up, "").await;
     let (a, b) = (f.proxy().await, f.proxy().await);
     let urls = [a.url("/pay/v1/c"), b.url("/pay/v1/c")];
     let mut workers = Vec::new();

@@ -718,10 +718,9 @@ async fn the_harness_catches_a_client_that_ignores_idempotency() {
 
 /// Two proxies on one PostgreSQL database, killed at random: the fleet keeps the promise too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
 async fn two_proxies_on_postgres_survive_sigkills_without_duplicates() {
-    let Some(base) = support::postgres_base("two_proxies_on_postgres_survive_sigkills") else {
-        return;
-    };
+    let base = support::postgres_url();
     let url = support::fresh_database(&base).await;
     let report = harness(Options {
         kills: env_or("ONCEGATE_TORTURE_PG_KILLS", 10),

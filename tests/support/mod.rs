@@ -884,15 +884,21 @@ mod faulty {
 }
 
 /// The PostgreSQL server the PostgreSQL tests use: `ONCEGATE_TEST_POSTGRES`, a URL to a database
-/// the tests may create databases from. `None` (and one line saying so) when it is not set.
-pub fn postgres_base(test: &str) -> Option<String> {
-    match std::env::var("ONCEGATE_TEST_POSTGRES") {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ => {
-            eprintln!("skipping {test}: ONCEGATE_TEST_POSTGRES is not set (PostgreSQL tests need a server)");
-            None
-        }
-    }
+/// the tests may create databases from. Those tests are `#[ignore = "needs PostgreSQL …"]`, so
+/// they run only when asked for (`cargo test -- --ignored`): then a missing server is a failure,
+/// not a skip.
+pub fn postgres_url() -> String {
+    postgres_url_if_set().unwrap_or_else(|| {
+        panic!("this test needs PostgreSQL: set ONCEGATE_TEST_POSTGRES (as .ci/run does)")
+    })
+}
+
+/// `ONCEGATE_TEST_POSTGRES` when set: for tests that run on the embedded store always and on
+/// PostgreSQL too where there is one.
+pub fn postgres_url_if_set() -> Option<String> {
+    std::env::var("ONCEGATE_TEST_POSTGRES")
+        .ok()
+        .filter(|u| !u.is_empty())
 }
 
 /// A fresh, empty database for one test; returns its URL.
