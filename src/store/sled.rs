@@ -662,8 +662,16 @@ impl SledStore {
         remove_unfinished_snapshots(dir)
             .map_err(|e| fail("remove unfinished sled snapshots", &e))?;
         let db = open_sled(dir).map_err(|e| fail("sled", &e))?;
-        // Response bodies and headers are in there: the owner's alone (SPEC §13).
-        files::restrict(dir).map_err(|e| fail("restrict the store's file modes", &e))?;
+        // Response bodies and headers are in there: the owner's alone (SPEC §13). What we create
+        // is created so; narrowing what exists (sled's files, an older store's) is best effort:
+        // a folder on a volume this user does not own must not keep the proxy from starting.
+        if let Err(e) = files::restrict(dir) {
+            tracing::warn!(
+                path = %dir.display(),
+                error = %e,
+                "could not narrow the store's file modes to 0600/0700; check the folder's owner"
+            );
+        }
         let db_was_empty = db
             .first()
             .map_err(|e| fail("read the database", &e))?
