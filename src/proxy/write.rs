@@ -1,6 +1,8 @@
 //! Phases `buffer`, `identify` and `claim` of a write, and the answers that need no attempt:
 //! a replay, or a problem about the existing action.
 
+use std::sync::atomic::{AtomicU32, Ordering};
+
 use super::*;
 
 impl Proxy {
@@ -107,7 +109,9 @@ impl Proxy {
             }
         }
         let me = self.clone();
-        let claimed = Arc::new(Mutex::new(None));
+        let id = job.identity.action_id.clone();
+        // The attempt this task owns, once it owns one (0: none yet).
+        let claimed = Arc::new(AtomicU32::new(0));
         let slot = claimed.clone();
         let span = tracing::Span::current();
         let task = self
@@ -116,21 +120,18 @@ impl Proxy {
         match task.await {
             Ok(r) => r,
             Err(e) => {
-                let claimed = claimed
-                    .lock()
-                    .expect("the claimed slot is never poisoned: it is only set")
-                    .take();
-                self.after_panic(e, claimed).await
+                self.after_panic(e, &id, claimed.load(Ordering::SeqCst))
+                    .await
             }
         }
     }
 
-    /// The claim and what follows it, in the action's own task. `claimed` receives the record
-    /// once this task owns an attempt, for [`Proxy::after_panic`].
+    /// The claim and what follows it, in the action's own task. `claimed` receives the number of
+    /// the attempt this task owns, once it owns one, for [`Proxy::after_panic`].
     async fn claim_and_act(
         self: Arc<Self>,
         job: WriteJob,
-        claimed: Arc<Mutex<Option<Record>>>,
+        claimed: Arc<AtomicU32>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let fresh = self.fresh_record(&job);
         let mut waiter = None;
@@ -140,9 +141,7 @@ impl Proxy {
         }
         match next? {
             Next::Attempt(rec) => {
-                if let Ok(mut slot) = claimed.lock() {
-                    *slot = Some(rec.clone());
-                }
+                claimed.store(rec.attempts, Ordering::SeqCst);
                 self.run_attempt(job, rec).await
             }
             Next::Replay(rec) => self.replay(&rec, None).await,
@@ -155,22 +154,28 @@ impl Proxy {
     async fn after_panic(
         &self,
         e: tokio::task::JoinError,
-        claimed: Option<Record>,
+        id: &str,
+        attempt: u32,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         tracing::error!(error = %e, "the task of a write ended without an answer");
-        let Some(rec) = claimed else {
+        if attempt == 0 {
             // It ended before owning an attempt: nothing was sent.
             return Err(ProxyError::StoreUnavailable {
                 error: format!("internal error before the write was sent: {e}"),
                 ctx: None,
             });
+        }
+        // The record as claimed, for the problem's context should the store fail too.
+        let claimed = match self.store.get(id).await {
+            Ok(Some(r)) => r,
+            _ => Record::new(id, ""),
         };
         let reason = format!(
             "internal error during the attempt ({e}); the request may have reached the upstream"
         );
         let req = SettleRequest {
-            id: rec.id.clone(),
-            attempt: rec.attempts,
+            id: id.to_string(),
+            attempt,
             settlement: Settlement {
                 state: State::Unknown,
                 tries: vec![Try {
@@ -186,7 +191,7 @@ impl Proxy {
             },
             body: None,
         };
-        let rec = self.settle(req, &rec).await?;
+        let rec = self.settle(req, &claimed).await?;
         Err(ProxyError::OutcomeUnknown {
             ctx: self.ctx(rec).await,
             lost_now: true,
