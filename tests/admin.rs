@@ -16,14 +16,8 @@ const KEY: &str = "idempotency-key";
 async fn with_unknown_write(token: Option<&str>) -> (FakeUpstream, TestProxy, String) {
     let up = FakeUpstream::start().await;
     let cfg = oncegate::config::Config::parse(&config(&up.url(), "timeout = \"200ms\"")).unwrap();
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.keep().join("s");
-    let store: Arc<dyn oncegate::store::Store> =
-        Arc::new(oncegate::store::sled::SledStore::open(&dir, Default::default()).unwrap());
-    let proxy = TestProxy::start_with_services(
+    let proxy = TestProxy::start_fresh(
         cfg,
-        store,
-        &dir,
         token.map(str::to_string),
         oncegate::action::system_clock(),
     )

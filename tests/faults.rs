@@ -26,9 +26,7 @@ async fn on_controlled_clock(
     store: Arc<dyn oncegate::store::Store>,
     dir: &std::path::Path,
 ) -> (Arc<AtomicU64>, TestProxy) {
-    let now = Arc::new(AtomicU64::new(1_800_000_000_000));
-    let read = now.clone();
-    let clock: oncegate::action::Clock = Arc::new(move || read.load(Ordering::SeqCst));
+    let (now, clock) = support::controlled_clock();
     let proxy = TestProxy::start_with_clock(&config(&up.url(), defaults), store, dir, clock).await;
     (now, proxy)
 }

@@ -67,13 +67,9 @@ async fn a_duplicate_of_an_unknown_write_is_settled_by_lookup_and_replays_its_an
 /// A proxy on a fresh sled store whose clock the test moves (ms since the epoch).
 async fn on_controlled_clock(extra: &str) -> (FakeUpstream, TestProxy, Arc<AtomicU64>) {
     let up = FakeUpstream::start().await;
-    let now = Arc::new(AtomicU64::new(1_800_000_000_000));
-    let read = now.clone();
-    let clock: oncegate::action::Clock = Arc::new(move || read.load(Ordering::SeqCst));
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.keep().join("s");
-    let store = Arc::new(oncegate::store::sled::SledStore::open(&dir, Default::default()).unwrap());
-    let proxy = TestProxy::start_with_clock(&config(&up.url(), extra), store, &dir, clock).await;
+    let (now, clock) = support::controlled_clock();
+    let cfg = oncegate::config::Config::parse(&config(&up.url(), extra)).unwrap();
+    let proxy = TestProxy::start_fresh(cfg, Some(ADMIN_TOKEN.to_string()), clock).await;
     (up, proxy, now)
 }
 

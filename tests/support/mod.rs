@@ -391,6 +391,22 @@ impl TestProxy {
         Self::start_with_services(config, store, dir, Some(ADMIN_TOKEN.to_string()), clock).await
     }
 
+    /// Starts the proxy with `config` on a fresh temporary sled store (removed with the proxy),
+    /// with `admin_token` (or none) and `clock`.
+    pub async fn start_fresh(
+        config: Config,
+        admin_token: Option<String>,
+        clock: oncegate::action::Clock,
+    ) -> TestProxy {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("store");
+        let store =
+            Arc::new(oncegate::store::sled::SledStore::open(&dir, Default::default()).unwrap());
+        let mut p = Self::start_with_services(config, store, &dir, admin_token, clock).await;
+        p._tmp = Some(tmp);
+        p
+    }
+
     /// Starts the proxy with `config` on `store`, with `admin_token` (or none) and `clock`.
     pub async fn start_with_services(
         config: Config,
@@ -455,6 +471,15 @@ impl TestProxy {
             t.await.unwrap().unwrap();
         }
     }
+}
+
+/// A clock the test moves by hand: milliseconds since the epoch, from 1_800_000_000_000.
+pub fn controlled_clock() -> (Arc<std::sync::atomic::AtomicU64>, oncegate::action::Clock) {
+    let now = Arc::new(std::sync::atomic::AtomicU64::new(1_800_000_000_000));
+    let read = now.clone();
+    let clock: oncegate::action::Clock =
+        Arc::new(move || read.load(std::sync::atomic::Ordering::SeqCst));
+    (now, clock)
 }
 
 /// Calls the admin API at `addr` as an operator does: with the token, and a JSON body.
