@@ -181,6 +181,9 @@ pub struct Record {
     pub task: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step: Option<String>,
+    /// The MCP tool a `tools/call` named (SPEC §14.5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
     pub state: State,
     /// Attempts started.
     pub attempts: u32,
@@ -323,6 +326,7 @@ impl Record {
             path: String::new(),
             task: None,
             step: None,
+            tool: None,
             state: State::InFlight,
             attempts: 0,
             owner: None,

@@ -267,6 +267,31 @@ pub fn json(body: &[u8], ignore: &[String]) -> Option<Vec<u8>> {
     Some(out)
 }
 
+/// The canonical form of one member of a JSON body, named by a JSON pointer, without `ignore`
+/// (pointers relative to that member). `Some(b"null")` when the body has no such member; `None`
+/// when the body has no canonical form.
+pub fn json_member(body: &[u8], at: &str, ignore: &[String]) -> Option<Vec<u8>> {
+    let mut v = parse(body)?;
+    for t in at.split('/').skip(1) {
+        v = match v {
+            Json::Obj(mut m) => m.remove(t).unwrap_or(Json::Null),
+            _ => Json::Null,
+        };
+    }
+    for p in ignore {
+        remove(&mut v, p);
+    }
+    let mut out = Vec::new();
+    write(&v, &mut out);
+    Some(out)
+}
+
+/// Whether a JSON body has a canonical form: it parses, within `MAX_DEPTH`, with no duplicate
+/// key in any object (a body parsers would read differently).
+pub fn is_unambiguous_json(body: &[u8]) -> bool {
+    parse(body).is_some()
+}
+
 /// The canonical form of a form body: decoded pairs stably sorted by name, without `ignore`.
 pub fn form(body: &[u8], ignore: &[String]) -> Vec<u8> {
     let mut pairs: Vec<(String, String)> = form_urlencoded::parse(body)

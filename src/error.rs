@@ -134,7 +134,7 @@ pub fn no_retry(h: &mut http::HeaderMap) {
 
 /// The `action` member of a problem (and of the tasks views).
 pub fn action_json(r: &Record) -> Value {
-    json!({
+    let mut v = json!({
         "id": r.id,
         "key": r.key,
         "upstream": r.upstream,
@@ -148,7 +148,11 @@ pub fn action_json(r: &Record) -> Value {
         "updated_at": rfc3339(r.updated_at),
         "expires_at": r.expires_at.map(rfc3339),
         "external_id": r.external_id,
-    })
+    });
+    if let Some(tool) = &r.tool {
+        v["tool"] = Value::String(tool.clone());
+    }
+    v
 }
 
 /// The `evidence` member: every attempt and try, times as RFC 3339.
@@ -394,8 +398,9 @@ impl ProxyError {
         self.ctx().map(|c| &c.record)
     }
 
-    /// The one mapping from errors to responses.
-    pub fn into_response(self) -> Response<ProxyBody> {
+    /// The problem object (SPEC §8): the body of an HTTP problem, and the `structuredContent` of
+    /// an MCP tool error (SPEC §14.4).
+    pub fn problem_json(&self) -> Value {
         let shape = self.shape();
         let ctx = self.ctx();
         let next_step = shape
@@ -427,15 +432,13 @@ impl ProxyError {
                 body["completed"] = serde_json::to_value(&c.completed).unwrap_or(Value::Null);
             }
         }
-        let mut resp = Response::new(full(
-            serde_json::to_vec(&body).expect("a JSON value always serializes"),
-        ));
-        *resp.status_mut() = shape.status;
-        let h = resp.headers_mut();
-        h.insert(
-            http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
+        body
+    }
+
+    /// The headers every rendering of this problem carries: `Oncegate-Outcome`, the SDKs'
+    /// no-retry headers, `Retry-After`, and the action's id and key.
+    pub fn problem_headers(&self, h: &mut http::HeaderMap) {
+        let shape = self.shape();
         h.insert(
             HeaderName::from_static("oncegate-outcome"),
             HeaderValue::from_static(shape.outcome.as_str()),
@@ -452,16 +455,31 @@ impl ProxyError {
                 HeaderValue::from(*retry_after_secs),
             );
         }
-        if let ProxyError::BadRequest(_) | ProxyError::BodyTimeout(_) = &self {
-            h.insert(http::header::CONNECTION, HeaderValue::from_static("close"));
-        }
-        if let Some(c) = ctx {
+        if let Some(c) = self.ctx() {
             if let Ok(v) = HeaderValue::from_str(&c.record.id) {
                 h.insert(HeaderName::from_static("oncegate-action"), v);
             }
             if let Ok(v) = HeaderValue::from_str(&c.record.key) {
                 h.insert(HeaderName::from_static("idempotency-key"), v);
             }
+        }
+    }
+
+    /// The one mapping from errors to HTTP responses (RFC 9457).
+    pub fn into_response(self) -> Response<ProxyBody> {
+        let body = self.problem_json();
+        let mut resp = Response::new(full(
+            serde_json::to_vec(&body).expect("a JSON value always serializes"),
+        ));
+        *resp.status_mut() = self.shape().status;
+        let h = resp.headers_mut();
+        h.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        self.problem_headers(h);
+        if let ProxyError::BadRequest(_) | ProxyError::BodyTimeout(_) = &self {
+            h.insert(http::header::CONNECTION, HeaderValue::from_static("close"));
         }
         resp
     }

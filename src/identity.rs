@@ -32,7 +32,7 @@ pub struct Identity {
     pub action_id: String,
 }
 
-fn sha256_parts(parts: &[&[u8]]) -> [u8; 32] {
+pub(crate) fn sha256_parts(parts: &[&[u8]]) -> [u8; 32] {
     let mut h = Sha256::new();
     for p in parts {
         // Length-prefix each part so that no two different part lists hash alike.
@@ -42,12 +42,12 @@ fn sha256_parts(parts: &[&[u8]]) -> [u8; 32] {
     h.finalize().into()
 }
 
-fn hex32(d: &[u8; 32]) -> String {
+pub(crate) fn hex32(d: &[u8; 32]) -> String {
     hex::encode(&d[..16])
 }
 
 /// 1 to `max` visible ASCII characters.
-fn visible(s: &str, max: usize) -> bool {
+pub(crate) fn visible(s: &str, max: usize) -> bool {
     !s.is_empty() && s.len() <= max && s.bytes().all(|b| (0x21..=0x7e).contains(&b))
 }
 
@@ -90,7 +90,10 @@ pub fn parse_key(raw: &[u8]) -> Result<String, KeyError> {
     Ok(key)
 }
 
-fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Result<Option<&'a str>, KeyError> {
+pub(crate) fn header_str<'a>(
+    headers: &'a HeaderMap,
+    name: &str,
+) -> Result<Option<&'a str>, KeyError> {
     match headers.get(name) {
         None => Ok(None),
         Some(v) => match v.to_str() {
@@ -216,6 +219,43 @@ pub struct WriteRequest<'a> {
     pub principal: &'a str,
 }
 
+/// The key of a write that brought none of its own: `ts-` from its task and step, else (unless
+/// the route requires a key) `fp-` from its fingerprint (SPEC §4.1).
+pub(crate) fn derived_key(
+    upstream: &str,
+    principal: &str,
+    fingerprint: &str,
+    task_step: Option<(&str, &str)>,
+    require_key: bool,
+) -> Result<(String, KeySource), KeyError> {
+    if let Some((t, s)) = task_step {
+        let d = sha256_parts(&[t.as_bytes(), s.as_bytes()]);
+        Ok((format!("ts-{}", hex32(&d)), KeySource::TaskStep))
+    } else if require_key {
+        Err(KeyError::Required)
+    } else {
+        let d = sha256_parts(&[
+            principal.as_bytes(),
+            upstream.as_bytes(),
+            fingerprint.as_bytes(),
+        ]);
+        Ok((format!("fp-{}", hex32(&d)), KeySource::Fingerprint))
+    }
+}
+
+/// The client's own `Idempotency-Key`, if it sent one (once, with one key).
+pub(crate) fn header_key(headers: &HeaderMap) -> Result<Option<String>, KeyError> {
+    let mut keys = headers.get_all("idempotency-key").iter();
+    let first = keys.next();
+    if keys.next().is_some() {
+        // Two header lines are one list (RFC 9110 §5.3), as `a, b` on one line: not one key.
+        return Err(KeyError::Invalid(
+            "Idempotency-Key must be sent once, with one key".into(),
+        ));
+    }
+    first.map(|v| parse_key(v.as_bytes())).transpose()
+}
+
 /// Derives the identity of a write (SPEC §4.1).
 pub fn identify(req: &WriteRequest<'_>, policy: &Policy) -> Result<Identity, KeyError> {
     let principal = req.principal.to_string();
@@ -229,28 +269,16 @@ pub fn identify(req: &WriteRequest<'_>, policy: &Policy) -> Result<Identity, Key
     );
     let task = header_str(req.headers, "oncegate-task")?.map(str::to_string);
     let step = header_str(req.headers, "oncegate-step")?.map(str::to_string);
-    let mut keys = req.headers.get_all("idempotency-key").iter();
-    let first_key = keys.next();
-    if keys.next().is_some() {
-        // Two header lines are one list (RFC 9110 §5.3), as `a, b` on one line: not one key.
-        return Err(KeyError::Invalid(
-            "Idempotency-Key must be sent once, with one key".into(),
-        ));
-    }
-    let (key, source) = if let Some(raw) = first_key {
-        (parse_key(raw.as_bytes())?, KeySource::Header)
-    } else if let (Some(t), Some(s)) = (&task, &step) {
-        let d = sha256_parts(&[t.as_bytes(), s.as_bytes()]);
-        (format!("ts-{}", hex32(&d)), KeySource::TaskStep)
-    } else if policy.require_key {
-        return Err(KeyError::Required);
+    let (key, source) = if let Some(key) = header_key(req.headers)? {
+        (key, KeySource::Header)
     } else {
-        let d = sha256_parts(&[
-            principal.as_bytes(),
-            req.upstream.as_bytes(),
-            fingerprint.as_bytes(),
-        ]);
-        (format!("fp-{}", hex32(&d)), KeySource::Fingerprint)
+        derived_key(
+            req.upstream,
+            &principal,
+            &fingerprint,
+            task.as_deref().zip(step.as_deref()),
+            policy.require_key,
+        )?
     };
     let action_id = action_id(req.upstream, &principal, &key);
     Ok(Identity {

@@ -37,6 +37,7 @@ pub mod framing;
 pub mod identity;
 pub mod log;
 pub mod lookup;
+pub mod mcp;
 pub mod metrics;
 pub mod proxy;
 pub mod redact;

@@ -58,6 +58,8 @@ pub struct LogEvent {
     pub fingerprint: Option<String>,
     pub actor: Actor,
     pub detail: Option<String>,
+    /// The MCP tool, for a `tools/call`.
+    pub tool: Option<String>,
 }
 
 impl LogEvent {
@@ -80,6 +82,7 @@ impl LogEvent {
             fingerprint: Some(r.fingerprint.clone()),
             actor,
             detail: None,
+            tool: r.tool.clone(),
         }
     }
 
@@ -102,6 +105,7 @@ impl LogEvent {
             fingerprint: None,
             actor,
             detail: None,
+            tool: None,
         }
     }
 
@@ -144,6 +148,10 @@ pub struct Entry {
     pub fingerprint: Option<String>,
     pub actor: Actor,
     pub detail: Option<String>,
+    /// The MCP tool a `tools/call` named (SPEC §14.5); absent for HTTP writes, and in entries
+    /// written before it existed (which hash as they always did).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
     /// The chain's algorithm (`sha256`, `hmac-sha256`), so that a verifier without the key says
     /// it needs one. Entries written before it have none (and hash as they always did).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -202,6 +210,8 @@ impl Chain {
             status: Option<u16>,
             step: &'a Option<String>,
             task: &'a Option<String>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            tool: &'a Option<String>,
             ts: &'a str,
             upstream: &'a Option<String>,
         }
@@ -224,6 +234,7 @@ impl Chain {
             status: e.status,
             step: &e.step,
             task: &e.task,
+            tool: &e.tool,
             ts: &e.ts,
             upstream: &e.upstream,
         })
@@ -300,6 +311,7 @@ impl Chain {
             fingerprint: ev.fingerprint,
             actor: ev.actor,
             detail: ev.detail,
+            tool: ev.tool,
             alg: Some(self.alg().to_string()),
             prev: head.1.to_string(),
             hash: String::new(),

@@ -41,7 +41,7 @@ use policy::header_name;
 pub use policy::{LookupConfig, LookupHeaders, Policy, PolicyOverrides};
 pub use units::{parse_duration, parse_size, Dur, Size};
 use upstream::{resolve_upstream, RawUpstream};
-pub use upstream::{Route, Upstream};
+pub use upstream::{McpRules, NameGlob, Protocol, Route, ToolRule, Upstream};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]

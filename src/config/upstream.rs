@@ -31,6 +31,18 @@ with_policy_keys! {
         allow_encoded_slash: Option<bool>,
         lookup: Option<LookupConfig>,
         routes: Option<Vec<RawRoute>>,
+        protocol: Option<String>,
+        trust_annotations: Option<bool>,
+        tools: Option<Vec<RawTool>>,
+    }
+}
+
+with_policy_keys! {
+    /// One `[[upstreams.tools]]` entry of an MCP upstream (SPEC §14.1).
+    pub struct RawTool {
+        name: String,
+        class: Option<String>,
+        lookup: Option<LookupConfig>,
     }
 }
 
@@ -59,6 +71,148 @@ pub struct Upstream {
     /// The upstream-level policy, used when no route matches.
     pub policy: Arc<Policy>,
     pub routes: Vec<Route>,
+    /// What the upstream speaks: plain HTTP, classified by routes, or MCP, by its messages.
+    pub protocol: Protocol,
+}
+
+/// The protocol an upstream speaks (`protocol`).
+#[derive(Debug, Clone)]
+pub enum Protocol {
+    Http,
+    Mcp(McpRules),
+}
+
+/// How an MCP upstream's tool calls are classified (SPEC §14.1).
+#[derive(Debug, Clone)]
+pub struct McpRules {
+    /// `[[upstreams.tools]]`, in order: the first whose name glob matches decides.
+    pub tools: Vec<ToolRule>,
+    /// Tools the server's own `tools/list` marks `readOnlyHint: true` are reads.
+    pub trust_annotations: bool,
+}
+
+/// One tool rule, resolved.
+#[derive(Debug, Clone)]
+pub struct ToolRule {
+    pub name: NameGlob,
+    pub class: Class,
+    pub policy: Arc<Policy>,
+}
+
+/// A glob over a tool name: `*` stands for any run of characters, everything else for itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NameGlob(String);
+
+impl NameGlob {
+    pub fn new(pattern: &str) -> NameGlob {
+        NameGlob(pattern.to_string())
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    pub fn matches(&self, name: &str) -> bool {
+        let mut parts = self.0.split('*');
+        let first = parts.next().unwrap_or("");
+        let Some(mut rest) = name.strip_prefix(first) else {
+            return false;
+        };
+        let parts: Vec<&str> = parts.collect();
+        let Some((last, middle)) = parts.split_last() else {
+            return rest.is_empty();
+        };
+        for p in middle {
+            match rest.find(p) {
+                Some(i) => rest = &rest[i + p.len()..],
+                None => return false,
+            }
+        }
+        rest.len() >= last.len() && rest.ends_with(last)
+    }
+}
+
+impl McpRules {
+    /// The rule for a tool, if one matches.
+    pub fn rule(&self, tool: &str) -> Option<&ToolRule> {
+        self.tools.iter().find(|r| r.name.matches(tool))
+    }
+}
+
+fn class(v: Option<&str>, key: String) -> Result<Option<Class>, ConfigError> {
+    match v {
+        None => Ok(None),
+        Some("read") => Ok(Some(Class::Read)),
+        Some("write") => Ok(Some(Class::Write)),
+        Some("deny") => Ok(Some(Class::Deny)),
+        Some(other) => Err(invalid(
+            key,
+            format!("{other:?}: expected \"read\", \"write\" or \"deny\""),
+        )),
+    }
+}
+
+fn resolve_tools(u: &RawUpstream, at: &str, policy: &Policy) -> Result<Protocol, ConfigError> {
+    match u.protocol.as_deref() {
+        None | Some("http") => {
+            if u.tools.is_some() || u.trust_annotations.is_some() {
+                let key = if u.tools.is_some() {
+                    "tools"
+                } else {
+                    "trust_annotations"
+                };
+                return Err(invalid(
+                    format!("{at}{key}"),
+                    "applies to MCP upstreams only: set protocol = \"mcp\"",
+                ));
+            }
+            Ok(Protocol::Http)
+        }
+        Some("mcp") => {
+            if u.routes.is_some() {
+                return Err(invalid(
+                    format!("{at}routes"),
+                    "an MCP upstream is classified by its messages: write [[upstreams.tools]] rules instead",
+                ));
+            }
+            let mut tools = Vec::new();
+            for (j, t) in u.tools.iter().flatten().enumerate() {
+                let tat = format!("{at}tools[{j}].");
+                if t.name.is_empty() || t.name.contains(['?', '[', ']', '{', '}']) {
+                    return Err(invalid(
+                        format!("{tat}name"),
+                        format!(
+                            "{:?}: a tool name glob is the name, with `*` for any run of characters",
+                            t.name
+                        ),
+                    ));
+                }
+                let class = class(t.class.as_deref(), format!("{tat}class"))?.ok_or_else(|| {
+                    invalid(
+                        format!("{tat}class"),
+                        "is required: \"read\", \"write\" or \"deny\"",
+                    )
+                })?;
+                let mut tp = policy.layer(&t.overrides(), &tat)?;
+                if let Some(l) = &t.lookup {
+                    tp.lookup = Some(lookup(l, &format!("{tat}lookup"))?);
+                }
+                tools.push(ToolRule {
+                    name: NameGlob::new(&t.name),
+                    class,
+                    policy: Arc::new(tp),
+                });
+            }
+            Ok(Protocol::Mcp(McpRules {
+                tools,
+                trust_annotations: u.trust_annotations.unwrap_or(false),
+            }))
+        }
+        Some(other) => Err(invalid(
+            format!("{at}protocol"),
+            format!("{other:?}: expected \"http\" or \"mcp\""),
+        )),
+    }
 }
 
 impl Upstream {
@@ -139,6 +293,7 @@ pub(super) fn resolve_upstream(
     if let Some(l) = &u.lookup {
         policy.lookup = Some(lookup(l, &format!("{at}lookup"))?);
     }
+    let protocol = resolve_tools(u, &at, &policy)?;
     let mut routes = Vec::new();
     for (j, r) in u.routes.iter().flatten().enumerate() {
         let rat = format!("{at}routes[{j}].");
@@ -167,18 +322,7 @@ pub(super) fn resolve_upstream(
                 ),
             ));
         }
-        let class = match r.class.as_deref() {
-            None => None,
-            Some("read") => Some(Class::Read),
-            Some("write") => Some(Class::Write),
-            Some("deny") => Some(Class::Deny),
-            Some(other) => {
-                return Err(invalid(
-                    format!("{rat}class"),
-                    format!("{other:?}: expected \"read\", \"write\" or \"deny\""),
-                ))
-            }
-        };
+        let class = class(r.class.as_deref(), format!("{rat}class"))?;
         let mut rp = policy.layer(&r.overrides(), &rat)?;
         if let Some(l) = &r.lookup {
             rp.lookup = Some(lookup(l, &format!("{rat}lookup"))?);
@@ -205,5 +349,27 @@ pub(super) fn resolve_upstream(
         allow_encoded_slash: u.allow_encoded_slash.unwrap_or(false),
         policy: Arc::new(policy),
         routes,
+        protocol,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::NameGlob;
+
+    #[test]
+    fn name_globs() {
+        let g = |p: &str, n: &str| NameGlob::new(p).matches(n);
+        assert!(g("send_email", "send_email"));
+        assert!(!g("send_email", "send_emails"));
+        assert!(g("*", "anything"));
+        assert!(g("get_*", "get_weather"));
+        assert!(!g("get_*", "forget_it"));
+        assert!(g("*_delete", "user_delete"));
+        assert!(g("a*b*c", "aXbYc"));
+        assert!(g("a*b*c", "abc"));
+        assert!(!g("a*b*c", "acb"));
+        assert!(!g("ab*ba", "aba"));
+        assert!(g("stripe.*", "stripe.charge"));
+    }
 }

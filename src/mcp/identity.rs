@@ -1,0 +1,187 @@
+//! A tool call's identity (SPEC §14.2). Never the JSON-RPC id, `_meta` or a session id: they
+//! change between a call and its resend.
+
+use http::HeaderMap;
+use serde_json::Value;
+
+use super::ToolCall;
+use crate::config::Policy;
+use crate::identity::{
+    action_id, derived_key, header_key, header_str, hex32, parse_key, sha256_parts, visible,
+    Identity, KeyError, KeySource,
+};
+
+/// `params._meta` members a client may set (SPEC §14.2).
+pub const META_KEY: &str = "oncegate/key";
+pub const META_TASK: &str = "oncegate/task";
+pub const META_STEP: &str = "oncegate/step";
+
+fn meta_str<'a>(call: &'a ToolCall, name: &str, max: usize) -> Result<Option<&'a str>, KeyError> {
+    match call.meta(name) {
+        None => Ok(None),
+        Some(Value::String(s)) if visible(s, max) => Ok(Some(s)),
+        Some(_) => Err(KeyError::Invalid(format!(
+            "_meta[\"{name}\"] must be a string of 1 to {max} visible ASCII characters"
+        ))),
+    }
+}
+
+/// Hex SHA-256 over the tool name and the canonical JSON of its arguments (without
+/// `fingerprint_ignore`, pointers relative to the arguments), and over a continuation's members.
+pub fn fingerprint(call: &ToolCall, body: &[u8], ignore: &[String]) -> String {
+    let args =
+        crate::canonical::json_member(body, "/params/arguments", ignore).unwrap_or_else(|| {
+            serde_json::to_vec(call.params.get("arguments").unwrap_or(&Value::Null))
+                .expect("JSON serializes")
+        });
+    let mut parts: Vec<Vec<u8>> = vec![call.name.as_bytes().to_vec(), args];
+    if let Some(c) = continuation(body) {
+        parts.push(c.into_bytes());
+    }
+    let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+    hex::encode(sha256_parts(&refs))
+}
+
+/// For a continuation of a multi-round-trip call: 16 hex characters of SHA-256 over its
+/// `inputResponses` and `requestState`.
+fn continuation(body: &[u8]) -> Option<String> {
+    let canon = |at: &str| crate::canonical::json_member(body, at, &[]).unwrap_or_default();
+    let responses = canon("/params/inputResponses");
+    let state = canon("/params/requestState");
+    if responses == b"null" && state == b"null" {
+        return None;
+    }
+    let d = sha256_parts(&[&responses, &state]);
+    Some(hex32(&d)[..16].to_string())
+}
+
+/// Derives a tool call's identity.
+pub fn identify(
+    upstream: &str,
+    principal: &str,
+    headers: &HeaderMap,
+    body: &[u8],
+    call: &ToolCall,
+    policy: &Policy,
+) -> Result<Identity, KeyError> {
+    let fingerprint = fingerprint(call, body, &policy.fingerprint_ignore);
+    let task = match header_str(headers, "oncegate-task")? {
+        Some(t) => Some(t),
+        None => meta_str(call, META_TASK, 128)?,
+    };
+    let step = match header_str(headers, "oncegate-step")? {
+        Some(s) => Some(s),
+        None => meta_str(call, META_STEP, 128)?,
+    };
+    let (key, source) = if let Some(k) = header_key(headers)? {
+        (k, KeySource::Header)
+    } else if let Some(k) = meta_str(call, META_KEY, 255)? {
+        (parse_key(k.as_bytes())?, KeySource::Header)
+    } else {
+        derived_key(
+            upstream,
+            principal,
+            &fingerprint,
+            task.zip(step),
+            policy.require_key,
+        )?
+    };
+    // A continuation is an action of its own, under the first leg's key.
+    let key = match continuation(body) {
+        Some(c) => format!("{key}:{c}"),
+        None => key,
+    };
+    Ok(Identity {
+        action_id: action_id(upstream, principal, &key),
+        key,
+        source,
+        task: task.map(str::to_string),
+        step: step.map(str::to_string),
+        principal: principal.to_string(),
+        fingerprint,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mcp::{intake, Intake};
+
+    fn policy() -> Policy {
+        crate::config::Config::parse(
+            "[server]\n[[upstreams]]\nname='m'\nprefix='/m'\nurl='http://127.0.0.1:1'\nprotocol='mcp'\nfingerprint_ignore=['/trace']\n",
+        )
+        .expect("valid")
+        .upstreams[0]
+            .policy
+            .as_ref()
+            .clone()
+    }
+
+    fn id_of(body: &str) -> Identity {
+        let Intake::Call(call) = intake(body.as_bytes()).unwrap() else {
+            panic!("not a call")
+        };
+        identify(
+            "m",
+            "anonymous",
+            &HeaderMap::new(),
+            body.as_bytes(),
+            &call,
+            &policy(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_resend_under_a_new_id_and_meta_is_the_same_action() {
+        let a = id_of(
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"send","arguments":{"to":"a","n":1.50,"trace":"x"},"_meta":{"progressToken":"p1"}}}"#,
+        );
+        let b = id_of(
+            r#"{"id":"resend-2","method":"tools/call","jsonrpc":"2.0","params":{"_meta":{"progressToken":"p2","traceparent":"00-1"},"arguments":{"n":1.50,"to":"a","trace":"y"},"name":"send"}}"#,
+        );
+        assert_eq!(a.action_id, b.action_id);
+        assert_eq!(a.source, KeySource::Fingerprint);
+        // Another tool, other arguments, or the number written otherwise: another action.
+        for other in [
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"send2","arguments":{"to":"a","n":1.50}}}"#,
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"send","arguments":{"to":"b","n":1.50}}}"#,
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"send","arguments":{"to":"a","n":1.5}}}"#,
+        ] {
+            assert_ne!(id_of(other).action_id, a.action_id, "{other}");
+        }
+    }
+
+    #[test]
+    fn keys_from_meta_and_continuations() {
+        let k = id_of(
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"send","arguments":{},"_meta":{"oncegate/key":"order-9"}}}"#,
+        );
+        assert_eq!(k.key, "order-9");
+        let ts = id_of(
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"send","arguments":{},"_meta":{"oncegate/task":"t1","oncegate/step":"s1"}}}"#,
+        );
+        assert_eq!(ts.source, KeySource::TaskStep);
+        assert_eq!(ts.task.as_deref(), Some("t1"));
+        let cont = id_of(
+            r#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"send","arguments":{},"_meta":{"oncegate/key":"order-9"},"requestState":"abc"}}"#,
+        );
+        assert!(cont.key.starts_with("order-9:"), "{}", cont.key);
+        assert_eq!(cont.key.len(), "order-9:".len() + 16);
+        assert_ne!(cont.action_id, k.action_id);
+        let bad = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"send","_meta":{"oncegate/key":5}}}"#;
+        let Intake::Call(call) = intake(bad.as_bytes()).unwrap() else {
+            panic!()
+        };
+        assert!(identify(
+            "m",
+            "anonymous",
+            &HeaderMap::new(),
+            bad.as_bytes(),
+            &call,
+            &policy()
+        )
+        .is_err());
+    }
+}

@@ -1,0 +1,19 @@
+//! MCP tool calls (SPEC §14): JSON-RPC over Streamable HTTP, guarded by what the messages say.
+//!
+//! Pure parts, no I/O: the proxy's write path calls them through its one protocol seam
+//! (`proxy::Call`).
+//!
+//! - `message.rs`: what a POST holds (§14.1): a `tools/call`, a batch, or anything else (a read);
+//! - `classify.rs`: a tool's class from `[[upstreams.tools]]` and learned annotations;
+//! - `identity.rs`: a tool call's key and fingerprint (§14.2);
+//! - `stream.rs`: SSE events as they arrive, the final response, and the outcome (§14.3);
+//! - `answer.rs`: replays and problems as JSON-RPC (§14.4).
+
+pub mod answer;
+pub mod classify;
+pub mod identity;
+pub mod message;
+pub mod stream;
+
+pub use classify::Annotations;
+pub use message::{intake, Intake, ToolCall};

@@ -1,0 +1,98 @@
+"""An MCP server for oncegate's tests, on the official Python SDK (PyPI `mcp`).
+
+Every execution of a tool is appended to a ledger file (one JSON line), so a test counts what the
+server really ran. Prints `PORT <n>` once it listens on 127.0.0.1 (port chosen by the OS).
+
+    python server.py LEDGER [--stateful] [--json]
+"""
+
+import asyncio
+import json
+import socket
+import sys
+
+import uvicorn
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.types import ToolAnnotations
+
+LEDGER = sys.argv[1]
+STATEFUL = "--stateful" in sys.argv
+JSON_RESPONSE = "--json" in sys.argv
+
+server = MCPServer("oncegate-test")
+
+
+def ran(tool: str, **args) -> int:
+    with open(LEDGER, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"tool": tool, "args": args}) + "\n")
+    with open(LEDGER, encoding="utf-8") as f:
+        return sum(1 for _ in f)
+
+
+@server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+def search(query: str) -> str:
+    """Searches (a read)."""
+    ran("search", query=query)
+    return f"results for {query}"
+
+
+@server.tool()
+def send_email(to: str, subject: str) -> str:
+    """Sends an email (a write)."""
+    n = ran("send_email", to=to, subject=subject)
+    return f"sent email #{n} to {to}"
+
+
+@server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+def lying_read(note: str) -> str:
+    """Marked read-only by its server, but writes: only trusted annotations make it a read."""
+    n = ran("lying_read", note=note)
+    return f"noted #{n}"
+
+
+@server.tool()
+def delete_everything(confirm: bool) -> str:
+    """A tool the proxy's config denies."""
+    ran("delete_everything", confirm=confirm)
+    return "deleted"
+
+
+@server.tool()
+async def slow_charge(amount: int, seconds: float) -> str:
+    """Charges after a delay: the answer comes later than the proxy's timeout."""
+    await asyncio.sleep(seconds)
+    n = ran("slow_charge", amount=amount)
+    return f"charged {amount} (#{n})"
+
+
+@server.tool()
+async def report(steps: int, ctx: Context) -> str:
+    """Sends progress notifications, then its result."""
+    for i in range(steps):
+        await ctx.report_progress(i + 1, steps, f"step {i + 1}")
+        await asyncio.sleep(0.05)
+    n = ran("report", steps=steps)
+    return f"report done (#{n})"
+
+
+@server.tool()
+def refuse(reason: str) -> str:
+    """Fails: a tool result with isError."""
+    ran("refuse", reason=reason)
+    raise ValueError(f"refused: {reason}")
+
+
+async def main() -> None:
+    app = server.streamable_http_app(
+        stateless_http=not STATEFUL, json_response=JSON_RESPONSE
+    )
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    print(f"PORT {sock.getsockname()[1]}", flush=True)
+    config = uvicorn.Config(app, log_level="warning", lifespan="on")
+    await uvicorn.Server(config).serve(sockets=[sock])
+
+
+asyncio.run(main())
