@@ -238,13 +238,17 @@ impl Outgoing {
 
 /// A request body that can be handed to several tries but read by at most one: a try that fails
 /// to connect never polls it, so the next try can still stream it. Reads stay unbuffered.
-struct TakeOnce {
-    slot: Arc<Mutex<Option<Incoming>>>,
-    taken: Option<Incoming>,
+struct TakeOnce<B> {
+    slot: Arc<Mutex<Option<B>>>,
+    taken: Option<B>,
     hint: SizeHint,
 }
 
-impl Body for TakeOnce {
+impl<B> Body for TakeOnce<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
     type Data = Bytes;
     type Error = BoxError;
 
@@ -269,6 +273,22 @@ impl Body for TakeOnce {
 
     fn size_hint(&self) -> SizeHint {
         self.hint
+    }
+}
+
+/// A response body fed by the task that reads the upstream (a relayed SSE stream): the client's
+/// going away drops the receiver, never the upstream exchange.
+pub struct ChannelBody(pub tokio::sync::mpsc::Receiver<Bytes>);
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
     }
 }
 
@@ -339,18 +359,35 @@ pub enum AttemptResult {
     Unreachable(String),
     /// The request was, or may have been, sent and no complete answer came back.
     Lost { phase: Phase, error: String },
+    /// An SSE answer, left unread for the caller to relay event by event (MCP, SPEC §14.3).
+    Streaming {
+        head: http::response::Parts,
+        body: Incoming,
+    },
+}
+
+/// Whether a response head announces an SSE stream.
+pub fn is_event_stream(h: &HeaderMap) -> bool {
+    h.get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|m| m.trim().eq_ignore_ascii_case("text/event-stream"))
 }
 
 impl Upstreams {
     /// Forwards a read, streaming both ways. Tries again when a try certainly did not reach the
     /// upstream and the body was not consumed, or on a `retry_statuses` answer to a bodiless read.
-    pub async fn forward_read(
+    pub async fn forward_read<B>(
         &self,
         up: &Upstream,
         policy: &Policy,
         out: &Outgoing,
-        body: Incoming,
-    ) -> Result<Response<Incoming>, ReadFailure> {
+        body: B,
+    ) -> Result<Response<Incoming>, ReadFailure>
+    where
+        B: Body<Data = Bytes> + Send + Unpin + 'static,
+        B::Error: Into<BoxError>,
+    {
         let client = self.client(up, policy);
         let hint = body.size_hint();
         let bodiless = hint.exact() == Some(0);
@@ -394,7 +431,9 @@ impl Upstreams {
 
     /// Sends one attempt of a write. Only tries that certainly did not reach the upstream
     /// (connect failures) and `retry_statuses` answers are tried again; every try is returned as
-    /// evidence. The body of the answer is read up to `limit` bytes within the timeout.
+    /// evidence. The body of the answer is read up to `limit` bytes within the timeout, unless
+    /// `relay` is set and the answer is a successful SSE stream: that is left to the caller.
+    #[allow(clippy::too_many_arguments)]
     pub async fn send_write(
         &self,
         up: &Upstream,
@@ -402,6 +441,7 @@ impl Upstreams {
         out: &Outgoing,
         body: Bytes,
         limit: u64,
+        relay: bool,
         tries: &mut Vec<Try>,
     ) -> AttemptResult {
         let client = self.client(up, policy);
@@ -479,6 +519,18 @@ impl Upstreams {
                     n += 1;
                     continue;
                 }
+            }
+            if relay && status.is_success() && is_event_stream(&head.headers) {
+                tries.push(Try {
+                    at,
+                    status: Some(status.as_u16()),
+                    request_id: rid,
+                    ..Try::default()
+                });
+                return AttemptResult::Streaming {
+                    head,
+                    body: body_in,
+                };
             }
             let read = read_limited(body_in, limit, deadline).await;
             return match read {

@@ -112,3 +112,17 @@ mod tests {
         );
     }
 }
+
+/// A status lookup's answer (SPEC §9) as the result of the call it settled.
+pub fn lookup_result(body: &[u8], id: &Value) -> Bytes {
+    let text = String::from_utf8_lossy(body).into_owned();
+    let mut result = json!({
+        "content": [{"type": "text", "text": text}],
+        "isError": false,
+    });
+    if let Ok(v @ Value::Object(_)) = serde_json::from_slice::<Value>(body) {
+        result["structuredContent"] = v;
+    }
+    let v = json!({"jsonrpc": "2.0", "id": id, "result": result});
+    Bytes::from(serde_json::to_vec(&v).expect("JSON serializes"))
+}

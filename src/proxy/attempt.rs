@@ -16,17 +16,14 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Statuses after which sending the same write again unchanged is not expected to work.
-const NEEDS_DECISION: &[u16] = &[400, 401, 403, 404, 405, 409, 410, 422];
-
 impl Proxy {
     /// Phases `send`, `settle` and `answer`, in the action's task.
     pub(super) async fn run_attempt(
         self: Arc<Self>,
-        job: WriteJob,
+        mut job: WriteJob,
         rec: Record,
     ) -> Result<Response<ProxyBody>, ProxyError> {
-        let policy = &job.policy;
+        let policy = &job.policy.clone();
         let key_header = policy
             .key_header
             .as_ref()
@@ -74,6 +71,7 @@ impl Proxy {
                     &out,
                     body,
                     self.config.server.max_stored_response,
+                    job.call.relays(),
                     &mut tries,
                 );
                 // At the drain deadline an attempt still waiting for its answer is cut: its
@@ -100,6 +98,16 @@ impl Proxy {
             // Nothing can be sent: treated as a try that did not reach the upstream.
             Err(e) => AttemptResult::Unreachable(format!("cannot build the upstream request: {e}")),
         };
+        // An SSE answer is relayed while the lease is still renewed: the call runs until its
+        // final response, however long its progress events take.
+        let result = match result {
+            AttemptResult::Streaming { head, body } => {
+                let relayed = self.relay(&mut job, &rec, head, body, &mut tries).await;
+                drop(renewer);
+                return self.settle_relayed(&job, rec, relayed, tries).await;
+            }
+            other => other,
+        };
         drop(renewer);
         let now = (self.clock)();
         let attempt = rec.attempts;
@@ -119,13 +127,9 @@ impl Proxy {
         let answer = match result {
             AttemptResult::Answered(ans) => {
                 let status = ans.head.status;
-                let state = if is_applied(status) {
-                    State::Succeeded
-                } else if policy.unknown_statuses.contains(&status) {
-                    State::Unknown
-                } else {
-                    State::Failed
-                };
+                let (state, needs) = job
+                    .call
+                    .judge(status, &ans.body, ans.rest.is_none(), policy);
                 // A succeeded response is replayed only when all of it is kept: its body
                 // (within `max_stored_response`) and its head (within STORED_HEAD_MAX).
                 let kept = state == State::Succeeded
@@ -138,9 +142,7 @@ impl Proxy {
                     let stored = StoredResponse {
                         status: status.as_u16(),
                         headers: if kept {
-                            (ans.head.headers.iter())
-                                .map(|(k, v)| (k.as_str().to_string(), latin1(v.as_bytes())))
-                                .collect()
+                            job.call.kept_headers(&ans.head.headers)
                         } else {
                             Vec::new()
                         },
@@ -160,7 +162,6 @@ impl Proxy {
                 } else {
                     (None, None)
                 };
-                let needs = state == State::Failed && NEEDS_DECISION.contains(&status.as_u16());
                 let body = kept.then(|| ans.body.clone());
                 let req = settle(state, stored, ext, needs, body);
                 let rec = self.settle(req, &rec).await?;
@@ -191,6 +192,8 @@ impl Proxy {
                     error,
                 })
             }
+            // Relayed above.
+            AttemptResult::Streaming { .. } => unreachable!("a streamed answer is relayed"),
             AttemptResult::Lost { error, .. } => {
                 let rec = self
                     .settle(settle(State::Unknown, None, None, false, None), &rec)

@@ -32,8 +32,13 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 mod attempt;
+mod mcp;
 mod own;
+mod protocol;
+mod relay;
 mod write;
+
+use protocol::{Call, McpCall};
 
 use attempt::write_headers;
 pub use attempt::{external_id, stamp, SETTLE_PATIENCE};
@@ -43,18 +48,17 @@ use crate::action::{
     BodyRef, Claim, ClaimRequest, Clock, Millis, Record, RequestInfo, Settlement, Source, State,
     StoredResponse, Try,
 };
-use crate::config::{Config, Policy, Upstream};
+use crate::config::{Config, Policy, Protocol, Upstream};
 use crate::error::{action_json, ActionCtx, Completed, Outcome, ProxyError};
 use crate::identity::{self, Identity, KeyError};
 use crate::log::{Actor, Event, LogEvent};
 use crate::lookup;
 use crate::metrics::Metrics;
-use crate::redact::{latin1, Redactor};
-use crate::replay::replay;
+use crate::redact::Redactor;
 use crate::route::{route, Class, RouteError, Target};
 use crate::store::{Filter, SettleRequest, Store, StoreError};
 use crate::upstream::{
-    full, is_applied, strip_hop_by_hop, AttemptResult, Outgoing, Prefixed, ProxyBody, Upstreams,
+    full, strip_hop_by_hop, AttemptResult, Outgoing, Prefixed, ProxyBody, Upstreams,
 };
 
 /// The largest response head (header names and values) stored for replay. A succeeded write
@@ -114,6 +118,8 @@ pub struct Proxy {
     attempts: TaskTracker,
     /// Cancelled at the drain deadline: attempts still running are cut and recorded unknown.
     deadline: CancellationToken,
+    /// Read-only tools learned from trusted MCP servers' `tools/list` answers (SPEC §14.1).
+    annotations: Arc<crate::mcp::Annotations>,
 }
 
 /// What a claim leads to.
@@ -132,6 +138,11 @@ struct WriteJob {
     query: Option<String>,
     body: Bytes,
     identity: Identity,
+    /// Plain HTTP, or an MCP tool call: the protocol seam.
+    call: Call,
+    /// Where an answer that streams (a relayed SSE answer) is handed to the client while the
+    /// action's task goes on reading it.
+    early: Option<tokio::sync::oneshot::Sender<Response<ProxyBody>>>,
 }
 
 fn content_length(h: &HeaderMap) -> Option<u64> {
@@ -190,6 +201,7 @@ impl Proxy {
             waiters: Waiters::default(),
             attempts: TaskTracker::new(),
             deadline: CancellationToken::new(),
+            annotations: Arc::default(),
         })
     }
 
@@ -263,6 +275,10 @@ impl Proxy {
                 RouteError::BadPath(why) => ProxyError::BadRequest(why),
             })?;
         *labels = (target.upstream.label, target.class.as_str());
+        if let Protocol::Mcp(rules) = &target.upstream.protocol {
+            // The one protocol seam of this phase: MCP classifies by message (SPEC §14.1).
+            return Box::pin(self.mcp(target, rules, req, labels)).await;
+        }
         let span = tracing::Span::current();
         span.record("upstream", target.upstream.name.as_str());
         span.record("class", target.class.as_str());
@@ -283,7 +299,7 @@ impl Proxy {
         };
         if let Err(e) = &result {
             let shown = || self.redactor.path(&target.rest, query.as_deref());
-            self.note_problem(e, target.upstream, &method, shown, &principal);
+            self.note_problem(e, target.upstream, &method, shown, &principal, None);
         }
         result
     }
@@ -297,6 +313,7 @@ impl Proxy {
         method: &Method,
         path: impl FnOnce() -> String,
         principal: &str,
+        tool: Option<&str>,
     ) {
         let event = match e {
             ProxyError::KeyReused(_)
@@ -322,6 +339,7 @@ impl Proxy {
                 ev.method = Some(method.to_string());
                 ev.path = Some(path());
                 ev.principal = Some(identity::principal_short(principal).to_string());
+                ev.tool = tool.map(str::to_string);
                 ev
             }
         };
@@ -336,6 +354,22 @@ impl Proxy {
         req: Request<Incoming>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let (parts, body) = req.into_parts();
+        let resp = self.forward(&t, t.policy, parts, body).await?;
+        Ok(resp.map(|b| b.map_err(Into::into).boxed_unsync()))
+    }
+
+    /// Sends a read upstream and answers its response head; the body streams.
+    async fn forward<B>(
+        &self,
+        t: &Target<'_>,
+        policy: &Policy,
+        parts: http::request::Parts,
+        body: B,
+    ) -> Result<Response<Incoming>, ProxyError>
+    where
+        B: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
+        B::Error: Into<crate::upstream::BoxError>,
+    {
         let out = Outgoing::from_owned(
             t.upstream,
             &parts.method,
@@ -348,7 +382,7 @@ impl Proxy {
         let started = std::time::Instant::now();
         let answer = self
             .upstreams
-            .forward_read(t.upstream, t.policy, &out, body)
+            .forward_read(t.upstream, policy, &out, body)
             .await;
         self.metrics
             .upstream_latency(t.upstream.label, started.elapsed().as_secs_f64());
@@ -356,10 +390,7 @@ impl Proxy {
             Ok(resp) => {
                 let (mut head, body) = resp.into_parts();
                 strip_hop_by_hop(&mut head.headers);
-                Ok(Response::from_parts(
-                    head,
-                    body.map_err(Into::into).boxed_unsync(),
-                ))
+                Ok(Response::from_parts(head, body))
             }
             Err(crate::upstream::ReadFailure::Unreachable(error)) => {
                 Err(ProxyError::UpstreamUnreachable { ctx: None, error })

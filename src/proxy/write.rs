@@ -14,25 +14,7 @@ impl Proxy {
         principal: &str,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let (parts, body) = req.into_parts();
-        let max = self.config.server.max_body;
-        if content_length(&parts.headers).is_some_and(|n| n > max) {
-            return Err(ProxyError::BodyTooLarge { limit: max });
-        }
-        let limit = self.config.server.body_timeout;
-        let body = tokio::time::timeout(
-            limit,
-            http_body_util::Limited::new(body, max as usize).collect(),
-        )
-        .await
-        .map_err(|_| ProxyError::BodyTimeout(limit))?
-        .map_err(|e| {
-            if e.is::<http_body_util::LengthLimitError>() {
-                ProxyError::BodyTooLarge { limit: max }
-            } else {
-                ProxyError::BadRequest(format!("could not read the request body: {e}"))
-            }
-        })?
-        .to_bytes();
+        let body = self.buffer(&parts.headers, body).await?;
         let query = parts.uri.query().map(str::to_string);
         let identity = identity::identify(
             &identity::WriteRequest {
@@ -60,9 +42,38 @@ impl Proxy {
             query,
             body,
             identity,
+            call: Call::Http,
+            early: None,
         };
         let resp = self.claim(job).await?;
         Ok(resp)
+    }
+
+    /// Phase `buffer`: the whole body, within `max_body` and `body_timeout`.
+    pub(super) async fn buffer(
+        &self,
+        headers: &HeaderMap,
+        body: Incoming,
+    ) -> Result<Bytes, ProxyError> {
+        let max = self.config.server.max_body;
+        if content_length(headers).is_some_and(|n| n > max) {
+            return Err(ProxyError::BodyTooLarge { limit: max });
+        }
+        let limit = self.config.server.body_timeout;
+        Ok(tokio::time::timeout(
+            limit,
+            http_body_util::Limited::new(body, max as usize).collect(),
+        )
+        .await
+        .map_err(|_| ProxyError::BodyTimeout(limit))?
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                ProxyError::BodyTooLarge { limit: max }
+            } else {
+                ProxyError::BadRequest(format!("could not read the request body: {e}"))
+            }
+        })?
+        .to_bytes())
     }
 
     fn fresh_record(&self, job: &WriteJob) -> Record {
@@ -75,6 +86,7 @@ impl Proxy {
             path: self.redactor.path(&job.rest, job.query.as_deref()),
             task: id.task.clone(),
             step: id.step.clone(),
+            tool: job.call.tool().map(str::to_string),
             retention_ms: job.policy.retention.as_millis() as u64,
             request: RequestInfo {
                 headers: self.redactor.headers(&job.headers),
@@ -100,12 +112,15 @@ impl Proxy {
     /// §5 step 4): it runs in a task of its own, so a client that goes away while its claim is
     /// being made durable (or its attempt runs) cancels nothing, and the action never stays
     /// `in_flight` with no attempt behind it.
-    async fn claim(self: &Arc<Self>, job: WriteJob) -> Result<Response<ProxyBody>, ProxyError> {
+    pub(super) async fn claim(
+        self: &Arc<Self>,
+        mut job: WriteJob,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
         // A duplicate of a write that succeeded, held in memory: the answer a claim would give,
         // without building the fresh record or asking the writer.
         if let Some((rec, body)) = self.store.cached(&job.identity.action_id) {
             if rec.fingerprint == job.identity.fingerprint && !rec.is_expired((self.clock)()) {
-                return self.replay(&rec, body).await;
+                return self.replay(&rec, body, &job.call).await;
             }
         }
         let me = self.clone();
@@ -113,17 +128,31 @@ impl Proxy {
         // The attempt this task owns, once it owns one (0: none yet).
         let claimed = Arc::new(AtomicU32::new(0));
         let slot = claimed.clone();
+        let (early_tx, early_rx) = tokio::sync::oneshot::channel();
+        job.early = job.call.relays().then_some(early_tx);
         let span = tracing::Span::current();
-        let task = self
+        let mut task = self
             .attempts
             .spawn(async move { me.claim_and_act(job, slot).await }.instrument(span));
-        match task.await {
-            Ok(r) => r,
-            Err(e) => {
-                self.after_panic(e, &id, claimed.load(Ordering::SeqCst))
-                    .await
+        let early = tokio::select! {
+            r = &mut task => return match r {
+                Ok(r) => r,
+                Err(e) => {
+                    self.after_panic(e, &id, claimed.load(Ordering::SeqCst))
+                        .await
+                }
+            },
+            Ok(resp) = early_rx => resp,
+        };
+        // The answer streams from the action's task, which goes on alone: a panic there is
+        // still recorded (the client's answer then ends without its final event).
+        let me = self.clone();
+        self.attempts.spawn(async move {
+            if let Err(e) = task.await {
+                let _ = me.after_panic(e, &id, claimed.load(Ordering::SeqCst)).await;
             }
-        }
+        });
+        Ok(early)
     }
 
     /// The claim and what follows it, in the action's own task. `claimed` receives the number of
@@ -144,7 +173,7 @@ impl Proxy {
                 claimed.store(rec.attempts, Ordering::SeqCst);
                 self.run_attempt(job, rec).await
             }
-            Next::Replay(rec) => self.replay(&rec, None).await,
+            Next::Replay(rec) => self.replay(&rec, None, &job.call).await,
         }
     }
 
@@ -334,6 +363,7 @@ impl Proxy {
         &self,
         rec: &Record,
         body: Option<Bytes>,
+        call: &Call,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let stored = rec.response.as_ref().filter(|r| r.body != BodyRef::Absent);
         if stored.is_none() {
@@ -349,7 +379,7 @@ impl Proxy {
                 Err(e) => return Err(store_unavailable(e, None)),
             },
         };
-        let mut resp = replay(rec, body);
+        let mut resp = call.replay(rec, body);
         write_headers(resp.headers_mut(), rec, Outcome::Replayed);
         self.store.note(
             LogEvent::for_record(Event::Replayed, rec, Actor::Proxy)

@@ -1,0 +1,312 @@
+//! Phase `send` of an MCP tool call answered with an SSE stream (SPEC §14.3): events go to the
+//! client as they arrive, the final response is held until its outcome is durable, and a client
+//! that goes away cancels nothing: the stream is read to its final response and recorded.
+
+use tokio::sync::mpsc;
+
+use super::*;
+use crate::action::{Phase, EVIDENCE_BODY_MAX};
+use crate::mcp::{answer, stream};
+use crate::upstream::ChannelBody;
+
+/// Events waiting for a slow client. Past this, progress events are dropped for that client
+/// (never the final response): the call's progress never waits on its client.
+const CLIENT_QUEUE: usize = 64;
+
+/// Room beyond `max_stored_response` for one event still being read.
+const EVENT_SLACK: usize = 64 * 1024;
+
+/// How a relayed stream ended.
+pub(super) struct Relayed {
+    /// The client's side of the stream (dropped by the client when it went away).
+    to_client: mpsc::Sender<Bytes>,
+    /// The final JSON-RPC response to the request, when it came.
+    last: Option<Bytes>,
+    /// Why there is no final response.
+    lost: Option<String>,
+    /// A stream still open when its events stopped within the timeout: read on, so that a late
+    /// final response settles the unknown outcome (closing it could cancel the call).
+    late: Option<(Incoming, stream::Events)>,
+}
+
+/// How long a stream that went quiet is read on for a late final response.
+const LATE_PATIENCE: Duration = Duration::from_secs(300);
+
+impl Proxy {
+    /// Answers the client with the stream's head at once, then relays its events until the
+    /// final response to this request.
+    pub(super) async fn relay(
+        &self,
+        job: &mut WriteJob,
+        rec: &Record,
+        mut head: http::response::Parts,
+        mut body: Incoming,
+        tries: &mut [Try],
+    ) -> Relayed {
+        let Call::Mcp(call) = &job.call else {
+            unreachable!("only MCP calls relay")
+        };
+        let (to_client, rx) = mpsc::channel(CLIENT_QUEUE);
+        head.headers.remove(http::header::CONTENT_LENGTH);
+        let mut resp = Response::from_parts(head, ChannelBody(rx).boxed_unsync());
+        // The outcome is not known yet: it is the final event's, and the record's.
+        write_headers(resp.headers_mut(), rec, Outcome::Sent);
+        resp.headers_mut().remove("oncegate-outcome");
+        if let Some(early) = job.early.take() {
+            // Refused when the client is gone: the call is read to its end all the same.
+            let _ = early.send(resp);
+        }
+        let limit = self.config.server.max_stored_response as usize + EVENT_SLACK;
+        let mut events = stream::Events::default();
+        // Set when an event outgrew the limit: the rest is passed through unparsed.
+        let mut oversized = false;
+        let lost = loop {
+            let frame = tokio::select! {
+                f = tokio::time::timeout(job.policy.timeout, body.frame()) => f,
+                () = self.deadline.cancelled() => {
+                    break "the proxy stopped (drain_timeout) while the answer streamed".to_string()
+                }
+            };
+            let data = match frame {
+                Err(_) if !oversized => {
+                    let error = format!(
+                        "no event within {:?}, and no final response",
+                        job.policy.timeout
+                    );
+                    return Relayed {
+                        to_client,
+                        last: None,
+                        lost: Some(error),
+                        late: Some((body, events)),
+                    };
+                }
+                Err(_) => {
+                    break format!(
+                        "no event within {:?}, and no final response",
+                        job.policy.timeout
+                    )
+                }
+                Ok(None) if oversized => {
+                    break "an event of the answer was larger than max_stored_response: its final response could not be read".to_string()
+                }
+                Ok(None) => break "the stream ended without the final response".to_string(),
+                Ok(Some(Err(e))) => break format!("the stream broke: {e}"),
+                Ok(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(d) => d,
+                    Err(_) => continue,
+                },
+            };
+            if oversized {
+                let _ = to_client.try_send(data);
+                continue;
+            }
+            for ev in events.push(&data) {
+                if stream::final_response(ev.data.as_bytes(), &call.id).is_some() {
+                    if let Some(t) = tries.last_mut() {
+                        let n = ev.data.len().min(EVIDENCE_BODY_MAX);
+                        let cut = (0..=n)
+                            .rev()
+                            .find(|i| ev.data.is_char_boundary(*i))
+                            .unwrap_or(0);
+                        t.body = Some(ev.data[..cut].to_string());
+                    }
+                    return Relayed {
+                        to_client,
+                        last: Some(Bytes::from(ev.data)),
+                        lost: None,
+                        late: None,
+                    };
+                }
+                // A full queue means a client that does not read: it misses a progress event.
+                let _ = to_client.try_send(ev.raw);
+            }
+            if events.pending() > limit {
+                oversized = true;
+                let _ = to_client.try_send(events.take_rest());
+            }
+        };
+        Relayed {
+            to_client,
+            last: None,
+            lost: Some(lost),
+            late: None,
+        }
+    }
+
+    /// Phase `settle` of a relayed answer, then its last event: the final response, or the
+    /// problem that stands in for it.
+    pub(super) async fn settle_relayed(
+        &self,
+        job: &WriteJob,
+        rec: Record,
+        relayed: Relayed,
+        mut tries: Vec<Try>,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let Call::Mcp(call) = &job.call else {
+            unreachable!("only MCP calls relay")
+        };
+        let now = (self.clock)();
+        let (state, needs) = match &relayed.last {
+            Some(last) => match serde_json::from_slice::<Value>(last) {
+                Ok(v) => Call::state_of(&stream::verdict(&v)),
+                Err(_) => (State::Unknown, false),
+            },
+            None => (State::Unknown, false),
+        };
+        if let Some(error) = &relayed.lost {
+            tries.push(Try {
+                at: crate::action::now_millis(),
+                phase: Some(Phase::Body),
+                error: Some(error.clone()),
+                ..Try::default()
+            });
+        }
+        let limit = self.config.server.max_stored_response;
+        let (response, external_id, body) = match (&relayed.last, state) {
+            (Some(last), State::Succeeded) => {
+                let kept = last.len() as u64 <= limit;
+                let stored = StoredResponse {
+                    status: 200,
+                    headers: vec![("content-type".into(), "application/json".into())],
+                    size: last.len() as u64,
+                    body: if kept {
+                        BodyRef::Inline
+                    } else {
+                        BodyRef::Absent
+                    },
+                    source: Source::Upstream,
+                };
+                let ext = (job.policy.external_id.as_deref())
+                    .and_then(|spec| external_id(spec, &HeaderMap::new(), last));
+                (Some(stored), ext, kept.then(|| last.clone()))
+            }
+            _ => (None, None, None),
+        };
+        let req = SettleRequest {
+            id: rec.id.clone(),
+            attempt: rec.attempts,
+            settlement: Settlement {
+                state,
+                tries,
+                response,
+                external_id,
+                needs_decision: needs,
+                now,
+            },
+            body,
+        };
+        let settled = self.settle(req, &rec).await;
+        let unknown_now = matches!(&settled, Ok(r) if r.state == State::Unknown);
+        let last = match (settled, relayed.last) {
+            // The final response, now that its outcome is durable.
+            (Ok(_), Some(last)) => last,
+            (Ok(rec), None) => {
+                let e = ProxyError::OutcomeUnknown {
+                    ctx: self.ctx(rec).await,
+                    lost_now: true,
+                    reason: format!(
+                        "{}; the tool may have run",
+                        relayed.lost.as_deref().unwrap_or("no final response")
+                    ),
+                };
+                Bytes::from(
+                    serde_json::to_vec(&answer::tool_error_json(&e, &call.id))
+                        .expect("JSON serializes"),
+                )
+            }
+            (Err(e), _) => Bytes::from(
+                serde_json::to_vec(&answer::tool_error_json(&e, &call.id))
+                    .expect("JSON serializes"),
+            ),
+        };
+        // A client that went away (or stopped reading) does not hold the action's task.
+        let _ = tokio::time::timeout(
+            job.policy.timeout,
+            relayed.to_client.send(answer::event(&last)),
+        )
+        .await;
+        drop(relayed.to_client);
+        if let (true, Some((body, events))) = (unknown_now, relayed.late) {
+            self.read_late(job, &rec.id, body, events).await;
+        }
+        // The client's answer went out with the stream's head.
+        Ok(Response::new(crate::upstream::empty()))
+    }
+
+    /// Reads a quiet stream on, up to [`LATE_PATIENCE`]: a final response that comes settles
+    /// the unknown action as the upstream's own answer would have (logged as a lookup).
+    async fn read_late(
+        &self,
+        job: &WriteJob,
+        id: &str,
+        mut body: Incoming,
+        mut events: stream::Events,
+    ) {
+        let Call::Mcp(call) = &job.call else {
+            return;
+        };
+        let limit = self.config.server.max_stored_response as usize + EVENT_SLACK;
+        let give_up = tokio::time::Instant::now() + LATE_PATIENCE;
+        let last = 'read: loop {
+            let frame = tokio::select! {
+                f = tokio::time::timeout_at(give_up, body.frame()) => f,
+                () = self.deadline.cancelled() => return,
+            };
+            let Ok(Some(Ok(frame))) = frame else {
+                return;
+            };
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            for ev in events.push(&data) {
+                if stream::final_response(ev.data.as_bytes(), &call.id).is_some() {
+                    break 'read Bytes::from(ev.data);
+                }
+            }
+            if events.pending() > limit {
+                return;
+            }
+        };
+        let Ok(v) = serde_json::from_slice::<Value>(&last) else {
+            return;
+        };
+        let applied = match Call::state_of(&stream::verdict(&v)).0 {
+            State::Succeeded => true,
+            State::Failed => false,
+            _ => return,
+        };
+        let kept = applied && last.len() as u64 <= self.config.server.max_stored_response;
+        let res = crate::action::Resolve {
+            applied,
+            external_id: (job.policy.external_id.as_deref())
+                .and_then(|spec| external_id(spec, &HeaderMap::new(), &last)),
+            response: applied.then(|| StoredResponse {
+                status: 200,
+                headers: vec![("content-type".into(), "application/json".into())],
+                size: last.len() as u64,
+                body: if kept {
+                    BodyRef::Inline
+                } else {
+                    BodyRef::Absent
+                },
+                source: Source::Upstream,
+            }),
+            body: kept.then_some(last),
+            actor: "lookup".into(),
+            reason: "the tool's final response arrived after the timeout, on the same stream"
+                .into(),
+            now: (self.clock)(),
+            absent_after: None,
+        };
+        match self.store.resolve(id.to_string(), res, Event::Lookup).await {
+            Ok(_) => tracing::info!(
+                action = id,
+                applied,
+                "a late final response settled an unknown tool call"
+            ),
+            Err(e) => {
+                tracing::warn!(action = id, error = %e, "a late final response could not settle the action")
+            }
+        }
+    }
+}
