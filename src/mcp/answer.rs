@@ -82,6 +82,20 @@ pub fn event(message: &[u8]) -> Bytes {
     Bytes::from(out)
 }
 
+/// A status lookup's answer (SPEC §9) as the result of the call it settled.
+pub fn lookup_result(body: &[u8], id: &Value) -> Bytes {
+    let text = String::from_utf8_lossy(body).into_owned();
+    let mut result = json!({
+        "content": [{"type": "text", "text": text}],
+        "isError": false,
+    });
+    if let Ok(v @ Value::Object(_)) = serde_json::from_slice::<Value>(body) {
+        result["structuredContent"] = v;
+    }
+    let v = json!({"jsonrpc": "2.0", "id": id, "result": result});
+    Bytes::from(serde_json::to_vec(&v).expect("JSON serializes"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -89,8 +103,8 @@ mod tests {
     #[test]
     fn replays_carry_the_new_id() {
         let stored = br#"{"jsonrpc":"2.0","id":1,"result":{"content":[]}}"#;
-        let out = with_id(stored, &json!("resend-7")).unwrap();
-        let v: Value = serde_json::from_slice(&out).unwrap();
+        let out = with_id(stored, &json!("resend-7")).expect("test input");
+        let v: Value = serde_json::from_slice(&out).expect("test input");
         assert_eq!(v["id"], "resend-7");
         assert_eq!(v["result"], json!({"content": []}));
     }
@@ -104,25 +118,13 @@ mod tests {
         let v = tool_error_json(&err, &json!(4));
         assert_eq!(v["id"], 4);
         assert_eq!(v["result"]["isError"], true);
-        let text = v["result"]["content"][0]["text"].as_str().unwrap();
+        let text = v["result"]["content"][0]["text"]
+            .as_str()
+            .expect("test input");
         assert!(text.starts_with("Route denied"), "{text}");
         assert_eq!(
             v["result"]["structuredContent"]["type"],
             "urn:oncegate:problem:route-denied"
         );
     }
-}
-
-/// A status lookup's answer (SPEC §9) as the result of the call it settled.
-pub fn lookup_result(body: &[u8], id: &Value) -> Bytes {
-    let text = String::from_utf8_lossy(body).into_owned();
-    let mut result = json!({
-        "content": [{"type": "text", "text": text}],
-        "isError": false,
-    });
-    if let Ok(v @ Value::Object(_)) = serde_json::from_slice::<Value>(body) {
-        result["structuredContent"] = v;
-    }
-    let v = json!({"jsonrpc": "2.0", "id": id, "result": result});
-    Bytes::from(serde_json::to_vec(&v).expect("JSON serializes"))
 }

@@ -119,7 +119,7 @@ mod tests {
     }
 
     fn id_of(body: &str) -> Identity {
-        let Intake::Call(call) = intake(body.as_bytes()).unwrap() else {
+        let Intake::Call(call) = intake(body.as_bytes()).expect("test input") else {
             panic!("not a call")
         };
         identify(
@@ -130,7 +130,7 @@ mod tests {
             &call,
             &policy(),
         )
-        .unwrap()
+        .expect("test input")
     }
 
     #[test]
@@ -171,7 +171,7 @@ mod tests {
         assert_eq!(cont.key.len(), "order-9:".len() + 16);
         assert_ne!(cont.action_id, k.action_id);
         let bad = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"send","_meta":{"oncegate/key":5}}}"#;
-        let Intake::Call(call) = intake(bad.as_bytes()).unwrap() else {
+        let Intake::Call(call) = intake(bad.as_bytes()).expect("test input") else {
             panic!()
         };
         assert!(identify(

@@ -104,7 +104,7 @@ mod tests {
     #[test]
     fn messages_are_told_apart() {
         let call = br#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"send","arguments":{"a":1}}}"#;
-        match intake(call).unwrap() {
+        match intake(call).expect("test input") {
             Intake::Call(c) => {
                 assert_eq!(c.id, Value::from(7));
                 assert_eq!(c.name, "send");
@@ -113,16 +113,18 @@ mod tests {
         }
         let list = br#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#;
         assert!(matches!(
-            intake(list).unwrap(),
+            intake(list).expect("test input"),
             Intake::Other { tools_list: true }
         ));
         let note = br#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#;
         assert!(matches!(
-            intake(note).unwrap(),
+            intake(note).expect("test input"),
             Intake::Other { tools_list: false }
         ));
         let batch = br#"[{"jsonrpc":"2.0","id":1,"method":"ping"},{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"x"}}]"#;
-        assert!(matches!(intake(batch).unwrap(), Intake::Batch { tools } if tools == ["x"]));
+        assert!(
+            matches!(intake(batch).expect("test input"), Intake::Batch { tools } if tools == ["x"])
+        );
     }
 
     #[test]

@@ -174,7 +174,7 @@ mod tests {
 
     #[test]
     fn verdicts() {
-        let v = |s: &str| verdict(&serde_json::from_str(s).unwrap());
+        let v = |s: &str| verdict(&serde_json::from_str(s).expect("test input"));
         assert_eq!(v(r#"{"id":1,"result":{"content":[]}}"#), Verdict::Succeeded);
         assert_eq!(
             v(r#"{"id":1,"result":{"isError":true}}"#),

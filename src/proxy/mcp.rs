@@ -35,7 +35,7 @@ impl Proxy {
             tracing::info!(error = %e, upstream = t.upstream.label, "refused an MCP message");
             self.note_problem(
                 &e,
-                &t.upstream,
+                t.upstream,
                 &parts.method,
                 || t.rest.to_string(),
                 &principal,
@@ -91,7 +91,7 @@ impl Proxy {
             tracing::info!(error = %e, upstream = t.upstream.label, tool = %call.name, "problem");
             self.note_problem(
                 &e,
-                &t.upstream,
+                t.upstream,
                 &parts.method,
                 || t.rest.to_string(),
                 &principal,
