@@ -359,6 +359,12 @@ pub enum AttemptResult {
     Unreachable(String),
     /// The request was, or may have been, sent and no complete answer came back.
     Lost { phase: Phase, error: String },
+    /// No response head within the timeout to a request whose answer is relayed (MCP): the
+    /// exchange is handed over still open, since closing it could cancel a call already running.
+    Quiet {
+        error: String,
+        pending: hyper_util::client::legacy::ResponseFuture,
+    },
     /// An SSE answer, left unread for the caller to relay event by event (MCP, SPEC §14.3).
     Streaming {
         head: http::response::Parts,
@@ -452,7 +458,8 @@ impl Upstreams {
             let deadline = started + policy.timeout;
             let at = now_millis();
             let req = out.request(full(body.clone()));
-            let resp = match tokio::time::timeout_at(deadline, client.request(req)).await {
+            let mut pending = client.request(req);
+            let resp = match tokio::time::timeout_at(deadline, &mut pending).await {
                 Err(_) => {
                     let error = format!("no response within {:?}", policy.timeout);
                     tries.push(Try {
@@ -461,6 +468,9 @@ impl Upstreams {
                         error: Some(error.clone()),
                         ..Try::default()
                     });
+                    if relay {
+                        return AttemptResult::Quiet { error, pending };
+                    }
                     return AttemptResult::Lost {
                         phase: Phase::Response,
                         error,

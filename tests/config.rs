@@ -176,6 +176,7 @@ fn every_config_key_is_in_the_reference() {
         "[server]\n[defaults]\nbogus_key = 1\n".to_string(),
         format!("[server]\n{up}bogus_key = 1\n"),
         format!("[server]\n{up}[[upstreams.routes]]\nbogus_key = 1\n"),
+        format!("[server]\n{up}protocol = 'mcp'\n[[upstreams.tools]]\nname = 'x'\nclass = 'read'\nbogus_key = 1\n"),
         format!("[server]\n{up}lookup = {{ path = '/x', found = '/id', bogus_key = 1 }}\n"),
         "[server]\ntls = { cert = 'a', key = 'b', bogus_key = 1 }\n".to_string(),
     ];

@@ -21,14 +21,14 @@ fn json_response(status: StatusCode, v: &Value) -> Response<ProxyBody> {
 
 /// A problem as the tool result the model reads: `isError: true`, one text saying what happened
 /// and whether calling again could repeat the action, and the whole problem object.
-pub fn tool_error_json(err: &ProxyError, id: &Value) -> Value {
+pub fn tool_error_json(err: &ProxyError, id: &Value, modern: bool) -> Value {
     let problem = err.problem_json();
     let text = problem
         .pointer("/error/message")
         .and_then(Value::as_str)
         .unwrap_or("oncegate could not complete this call")
         .to_string();
-    json!({
+    let mut v = json!({
         "jsonrpc": "2.0",
         "id": id,
         "result": {
@@ -36,12 +36,16 @@ pub fn tool_error_json(err: &ProxyError, id: &Value) -> Value {
             "isError": true,
             "structuredContent": problem,
         }
-    })
+    });
+    if modern {
+        v["result"]["resultType"] = json!("complete");
+    }
+    v
 }
 
 /// A problem about a `tools/call`, as an HTTP 200 JSON-RPC response with the `Oncegate-*` headers.
-pub fn tool_error(err: &ProxyError, id: &Value) -> Response<ProxyBody> {
-    let mut resp = json_response(StatusCode::OK, &tool_error_json(err, id));
+pub fn tool_error(err: &ProxyError, id: &Value, modern: bool) -> Response<ProxyBody> {
+    let mut resp = json_response(StatusCode::OK, &tool_error_json(err, id, modern));
     err.problem_headers(resp.headers_mut());
     resp
 }
@@ -64,10 +68,16 @@ pub fn invalid(err: &ProxyError, id: Option<&Value>) -> Response<ProxyBody> {
     resp
 }
 
-/// The stored final response with its `id` replaced by the new request's.
-pub fn with_id(stored: &[u8], id: &Value) -> Option<Bytes> {
+/// The stored final response with its `id` replaced by the new request's (and, for a client of
+/// revision 2026-07-28 or later, a `resultType` its results must have).
+pub fn with_id(stored: &[u8], id: &Value, modern: bool) -> Option<Bytes> {
     let mut v: Value = serde_json::from_slice(stored).ok()?;
     v.as_object_mut()?.insert("id".into(), id.clone());
+    if modern {
+        if let Some(r) = v.get_mut("result").and_then(Value::as_object_mut) {
+            r.entry("resultType").or_insert_with(|| json!("complete"));
+        }
+    }
     Some(Bytes::from(
         serde_json::to_vec(&v).expect("JSON serializes"),
     ))
@@ -83,7 +93,7 @@ pub fn event(message: &[u8]) -> Bytes {
 }
 
 /// A status lookup's answer (SPEC §9) as the result of the call it settled.
-pub fn lookup_result(body: &[u8], id: &Value) -> Bytes {
+pub fn lookup_result(body: &[u8], id: &Value, modern: bool) -> Bytes {
     let text = String::from_utf8_lossy(body).into_owned();
     let mut result = json!({
         "content": [{"type": "text", "text": text}],
@@ -91,6 +101,9 @@ pub fn lookup_result(body: &[u8], id: &Value) -> Bytes {
     });
     if let Ok(v @ Value::Object(_)) = serde_json::from_slice::<Value>(body) {
         result["structuredContent"] = v;
+    }
+    if modern {
+        result["resultType"] = json!("complete");
     }
     let v = json!({"jsonrpc": "2.0", "id": id, "result": result});
     Bytes::from(serde_json::to_vec(&v).expect("JSON serializes"))
@@ -103,10 +116,13 @@ mod tests {
     #[test]
     fn replays_carry_the_new_id() {
         let stored = br#"{"jsonrpc":"2.0","id":1,"result":{"content":[]}}"#;
-        let out = with_id(stored, &json!("resend-7")).expect("test input");
+        let out = with_id(stored, &json!("resend-7"), true).expect("test input");
         let v: Value = serde_json::from_slice(&out).expect("test input");
         assert_eq!(v["id"], "resend-7");
-        assert_eq!(v["result"], json!({"content": []}));
+        assert_eq!(
+            v["result"],
+            json!({"content": [], "resultType": "complete"})
+        );
     }
 
     #[test]
@@ -115,7 +131,7 @@ mod tests {
             method: "tools/call".into(),
             path: "delete_everything".into(),
         };
-        let v = tool_error_json(&err, &json!(4));
+        let v = tool_error_json(&err, &json!(4), false);
         assert_eq!(v["id"], 4);
         assert_eq!(v["result"]["isError"], true);
         let text = v["result"]["content"][0]["text"]

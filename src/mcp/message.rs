@@ -25,10 +25,28 @@ pub struct ToolCall {
     pub params: Map<String, Value>,
 }
 
+/// The first revision whose results must say `resultType`.
+const MODERN: &str = "2026-07-28";
+
 impl ToolCall {
     /// A member of `params._meta`.
     pub fn meta(&self, name: &str) -> Option<&Value> {
         self.params.get("_meta")?.get(name)
+    }
+
+    /// Whether the call speaks revision 2026-07-28 or later (from its `_meta` envelope or its
+    /// `MCP-Protocol-Version` header): its results must carry `resultType`.
+    pub fn modern(&self, headers: &http::HeaderMap) -> bool {
+        let version = self
+            .meta("io.modelcontextprotocol/protocolVersion")
+            .and_then(Value::as_str)
+            .or_else(|| {
+                headers
+                    .get("mcp-protocol-version")
+                    .and_then(|v| v.to_str().ok())
+            });
+        // Revisions are dates: they compare as strings.
+        version.is_some_and(|v| v >= MODERN)
     }
 }
 

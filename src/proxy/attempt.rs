@@ -194,6 +194,25 @@ impl Proxy {
             }
             // Relayed above.
             AttemptResult::Streaming { .. } => unreachable!("a streamed answer is relayed"),
+            AttemptResult::Quiet { error, pending } => {
+                let rec = self
+                    .settle(settle(State::Unknown, None, None, false, None), &rec)
+                    .await?;
+                let err = ProxyError::OutcomeUnknown {
+                    ctx: self.ctx(rec.clone()).await,
+                    lost_now: true,
+                    reason: format!("{error}; the request may have reached the upstream"),
+                };
+                // The client hears now; the exchange stays open for a late answer.
+                match (&job.call, job.early.take()) {
+                    (Call::Mcp(c), Some(early)) => {
+                        let _ = early.send(crate::mcp::answer::tool_error(&err, &c.id, c.modern));
+                        self.await_late(&job, &rec.id, pending).await;
+                        Ok(Response::new(crate::upstream::empty()))
+                    }
+                    _ => Err(err),
+                }
+            }
             AttemptResult::Lost { error, .. } => {
                 let rec = self
                     .settle(settle(State::Unknown, None, None, false, None), &rec)

@@ -82,6 +82,7 @@ impl Proxy {
                 }
             }
         }
+        let modern = call.modern(&parts.headers);
         let (class, policy) = class_of(&call.name);
         *labels = (t.upstream.label, class.as_str());
         let span = tracing::Span::current();
@@ -97,7 +98,7 @@ impl Proxy {
                 &principal,
                 Some(&call.name),
             );
-            answer::tool_error(&e, &call.id)
+            answer::tool_error(&e, &call.id, modern)
         };
         match class {
             Class::Read => self.mcp_read(&t, policy, parts, body, false).await,
@@ -133,6 +134,7 @@ impl Proxy {
                     call: Call::Mcp(McpCall {
                         id: call.id.clone(),
                         tool: call.name.clone(),
+                        modern,
                     }),
                     early: None,
                 };
@@ -186,6 +188,14 @@ struct Learn {
     done: Option<Learned>,
 }
 
+impl Learn {
+    fn finish(&mut self) {
+        if let Some(done) = self.done.take() {
+            done(&self.seen);
+        }
+    }
+}
+
 impl Body for Learn {
     type Data = Bytes;
     type Error = crate::upstream::BoxError;
@@ -204,12 +214,11 @@ impl Body for Learn {
                         self.done = None; // too large to read: passed through unread
                     }
                 }
-            }
-            Poll::Ready(None) => {
-                if let Some(done) = self.done.take() {
-                    done(&self.seen);
+                if self.inner.is_end_stream() {
+                    self.finish();
                 }
             }
+            Poll::Ready(None) => self.finish(),
             _ => {}
         }
         polled.map_err(Into::into)

@@ -28,6 +28,8 @@ pub(crate) struct McpCall {
     /// The JSON-RPC id of this request: every answer to it carries it.
     pub id: Value,
     pub tool: String,
+    /// Revision 2026-07-28 or later: results carry `resultType`.
+    pub modern: bool,
 }
 
 impl Call {
@@ -104,9 +106,9 @@ impl Call {
                 let from_lookup = rec.response.as_ref().map(|r| r.source) == Some(Source::Lookup);
                 let message = if from_lookup {
                     // The service's own status answer, shown to the model as the tool's result.
-                    mcp::answer::lookup_result(&body, &c.id)
+                    mcp::answer::lookup_result(&body, &c.id, c.modern)
                 } else {
-                    mcp::answer::with_id(&body, &c.id).unwrap_or(body)
+                    mcp::answer::with_id(&body, &c.id, c.modern).unwrap_or(body)
                 };
                 let mut resp = crate::replay::replay(rec, message);
                 resp.headers_mut().insert(

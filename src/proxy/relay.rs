@@ -210,12 +210,12 @@ impl Proxy {
                     ),
                 };
                 Bytes::from(
-                    serde_json::to_vec(&answer::tool_error_json(&e, &call.id))
+                    serde_json::to_vec(&answer::tool_error_json(&e, &call.id, call.modern))
                         .expect("JSON serializes"),
                 )
             }
             (Err(e), _) => Bytes::from(
-                serde_json::to_vec(&answer::tool_error_json(&e, &call.id))
+                serde_json::to_vec(&answer::tool_error_json(&e, &call.id, call.modern))
                     .expect("JSON serializes"),
             ),
         };
@@ -231,6 +231,50 @@ impl Proxy {
         }
         // The client's answer went out with the stream's head.
         Ok(Response::new(crate::upstream::empty()))
+    }
+
+    /// Waits on for the head of an answer that did not come within the timeout, then reads it
+    /// as [`Proxy::read_late`] does.
+    pub(super) async fn await_late(
+        &self,
+        job: &WriteJob,
+        id: &str,
+        pending: hyper_util::client::legacy::ResponseFuture,
+    ) {
+        let head = tokio::select! {
+            r = tokio::time::timeout(LATE_PATIENCE, pending) => r,
+            () = self.deadline.cancelled() => return,
+        };
+        let Ok(Ok(resp)) = head else {
+            return;
+        };
+        if !resp.status().is_success() {
+            return;
+        }
+        let sse = crate::upstream::is_event_stream(resp.headers());
+        let body = resp.into_body();
+        if sse {
+            self.read_late(job, id, body, stream::Events::default())
+                .await;
+        } else {
+            self.read_late_json(job, id, body).await;
+        }
+    }
+
+    /// A late JSON answer: read whole (within `max_stored_response`), then settled like a late
+    /// final event.
+    async fn read_late_json(&self, job: &WriteJob, id: &str, body: Incoming) {
+        let limit = self.config.server.max_stored_response as usize;
+        let read = tokio::select! {
+            r = tokio::time::timeout(
+                LATE_PATIENCE,
+                http_body_util::Limited::new(body, limit).collect(),
+            ) => r,
+            () = self.deadline.cancelled() => return,
+        };
+        if let Ok(Ok(all)) = read {
+            self.settle_late(job, id, all.to_bytes()).await;
+        }
     }
 
     /// Reads a quiet stream on, up to [`LATE_PATIENCE`]: a final response that comes settles
@@ -267,7 +311,16 @@ impl Proxy {
                 return;
             }
         };
-        let Ok(v) = serde_json::from_slice::<Value>(&last) else {
+        self.settle_late(job, id, last).await;
+    }
+
+    /// Settles an unknown call from its final response, come late (logged as a lookup: the
+    /// upstream's own word).
+    async fn settle_late(&self, job: &WriteJob, id: &str, last: Bytes) {
+        let Call::Mcp(call) = &job.call else {
+            return;
+        };
+        let Some(v) = stream::final_response(&last, &call.id) else {
             return;
         };
         let applied = match Call::state_of(&stream::verdict(&v)).0 {

@@ -1,0 +1,505 @@
+//! MCP tool calls through the proxy (SPEC §14), against the official MCP SDKs: the Python SDK's
+//! server (`tests/mcp/server.py`, which counts every execution in its own ledger) and client
+//! (`tests/mcp/client.py`), and the TypeScript SDK's client (`tests/mcp/client.mjs`). Those tests
+//! need the SDKs (`ONCEGATE_PYTHON`, `ONCEGATE_MCP_NODE`; `.ci/run` installs them) and are marked
+//! ignored with what they need. The ones at the top need no SDK: what the proxy refuses unsent.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::io::BufRead;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use support::{Behavior, FakeUpstream, TestClient, TestProxy};
+
+/// A config with one MCP upstream `tools` at `/mcp`; `extra` is appended to its table.
+fn mcp_config(url: &str, extra: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+drain_timeout = "5s"
+
+[admin]
+listen = "127.0.0.1:0"
+
+[defaults]
+timeout = "1s"
+connect_timeout = "1s"
+in_flight_wait = "5s"
+
+[[upstreams]]
+name = "tools"
+prefix = "/mcp"
+url = "{url}"
+protocol = "mcp"
+{extra}
+
+[[upstreams.tools]]
+name = "search"
+class = "read"
+
+[[upstreams.tools]]
+name = "delete_*"
+class = "deny"
+"#
+    )
+}
+
+const JSON_SSE: &[(&str, &str)] = &[
+    ("content-type", "application/json"),
+    ("accept", "application/json, text/event-stream"),
+];
+
+fn call_body(id: u64, tool: &str, args: Value) -> String {
+    json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {"name": tool, "arguments": args}})
+        .to_string()
+}
+
+#[tokio::test]
+async fn what_cannot_be_classified_is_refused_unsent_as_json_rpc() {
+    let up = FakeUpstream::start().await;
+    up.set_default(Behavior::json(
+        200,
+        r#"{"jsonrpc":"2.0","id":1,"result":{}}"#,
+    ));
+    let proxy = TestProxy::start(&mcp_config(&format!("{}/mcp", up.url()), "")).await;
+    let c = TestClient::default();
+    let url = proxy.url("/mcp");
+    let batch = format!(
+        "[{},{}]",
+        json!({"jsonrpc":"2.0","id":1,"method":"ping"}),
+        call_body(2, "send_email", json!({"to": "a"}))
+    );
+    let mismatch = call_body(3, "send_email", json!({}));
+    type Case<'a> = (&'a str, Vec<(&'a str, &'a str)>, String);
+    let cases: Vec<Case> = vec![
+        ("a batch holding a write", vec![], batch),
+        ("Mcp-Name differs", vec![("mcp-name", "search")], mismatch),
+        ("not JSON", vec![], "{nope".into()),
+        (
+            "a duplicate key",
+            vec![],
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","method":"tools/call","params":{"name":"send_email"}}"#.into(),
+        ),
+    ];
+    for (what, extra, body) in cases {
+        let mut headers = JSON_SSE.to_vec();
+        headers.extend(extra);
+        let r = c.post(&url, &headers, &body).await;
+        assert_eq!(r.status, 400, "{what}: {r:?}");
+        let v = r.json();
+        assert_eq!(v["error"]["code"], -32600, "{what}: {v}");
+        assert_eq!(
+            v["error"]["data"]["type"], "urn:oncegate:problem:bad-request",
+            "{what}: {v}"
+        );
+    }
+    assert_eq!(up.count(), 0, "nothing refused reached the server");
+    // A batch of reads passes.
+    let reads = format!(
+        "[{},{}]",
+        json!({"jsonrpc":"2.0","id":1,"method":"ping"}),
+        call_body(2, "search", json!({"q": "a"}))
+    );
+    assert_eq!(c.post(&url, JSON_SSE, &reads).await.status, 200);
+    assert_eq!(up.count(), 1);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_json_answered_write_is_replayed_with_the_new_id_and_logged_with_its_tool() {
+    let up = FakeUpstream::start().await;
+    up.push(Behavior::json(
+        200,
+        r#"{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"sent"}]}}"#,
+    ));
+    let proxy = TestProxy::start(&mcp_config(&format!("{}/mcp", up.url()), "")).await;
+    let c = TestClient::default();
+    let url = proxy.url("/mcp");
+    let first = c
+        .post(
+            &url,
+            JSON_SSE,
+            &call_body(1, "send_email", json!({"to": "a", "n": 1})),
+        )
+        .await;
+    assert_eq!(first.status, 200);
+    assert_eq!(first.header("oncegate-outcome"), Some("sent"));
+    // The resend: a new id, other `_meta`, the arguments in another order.
+    let resend = json!({"jsonrpc":"2.0","id":"r-2","method":"tools/call","params":{
+        "_meta": {"progressToken": 9}, "arguments": {"n": 1, "to": "a"}, "name": "send_email"}});
+    let second = c.post(&url, JSON_SSE, &resend.to_string()).await;
+    assert_eq!(second.header("oncegate-outcome"), Some("replayed"));
+    assert_eq!(second.json()["id"], "r-2");
+    assert_eq!(second.json()["result"]["content"][0]["text"], "sent");
+    assert_eq!(up.count(), 1);
+    // The record and the write log name the tool; never its arguments.
+    let id = first.header("oncegate-action").unwrap().to_string();
+    let action = proxy
+        .admin("GET", &format!("/v1/actions/{id}"), "")
+        .await
+        .json();
+    assert_eq!(action["tool"], "send_email", "{action}");
+    let log = proxy.admin("GET", "/v1/log", "").await;
+    let text = String::from_utf8_lossy(&log.body).to_string();
+    assert!(text.contains("\"tool\":\"send_email\""), "{text}");
+    assert!(
+        !text.contains("\"to\""),
+        "arguments never reach the log: {text}"
+    );
+    proxy.stop().await;
+}
+
+// ---- against the official SDKs ----
+
+/// The Python with the MCP SDK (`ONCEGATE_PYTHON`).
+fn python() -> String {
+    std::env::var("ONCEGATE_PYTHON")
+        .ok()
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| {
+            panic!("this test needs ONCEGATE_PYTHON: a Python with the mcp SDK (as .ci/run makes)")
+        })
+}
+
+fn script(name: &str) -> String {
+    format!("{}/tests/mcp/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The Python SDK's server, on a port of its own choosing, with its ledger of executions.
+struct McpServer {
+    child: Child,
+    port: u16,
+    ledger: PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+impl McpServer {
+    fn start(flags: &[&str]) -> McpServer {
+        let tmp = tempfile::tempdir().unwrap();
+        let ledger = tmp.path().join("ledger.jsonl");
+        let mut child = Command::new(python())
+            .arg(script("server.py"))
+            .arg(&ledger)
+            .args(flags)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let port = line
+            .trim()
+            .strip_prefix("PORT ")
+            .unwrap_or_else(|| panic!("the MCP server did not start: {line:?}"))
+            .parse()
+            .unwrap();
+        McpServer {
+            child,
+            port,
+            ledger,
+            _tmp: tmp,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/mcp", self.port)
+    }
+
+    /// How many times the server ran `tool`, by its own ledger.
+    fn ran(&self, tool: &str) -> usize {
+        std::fs::read_to_string(&self.ledger)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| serde_json::from_str::<Value>(l).unwrap()["tool"] == tool)
+            .count()
+    }
+}
+
+impl Drop for McpServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs the Python SDK client: `tool` with `args`, plus `flags`; returns what it printed.
+async fn py_client(proxy: &TestProxy, tool: &str, args: Value, flags: &[&str]) -> Value {
+    let mut cmd = Command::new(python());
+    cmd.arg(script("client.py"))
+        .arg(proxy.url("/mcp"))
+        .arg(tool)
+        .arg(args.to_string())
+        .args(flags);
+    run_client(cmd).await
+}
+
+async fn run_client(mut cmd: Command) -> Value {
+    let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "the MCP client failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim().lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("client output is not JSON ({e}): {stdout}"))
+}
+
+async fn proxy_for(server: &McpServer, extra: &str) -> TestProxy {
+    TestProxy::start(&mcp_config(&server.url(), extra)).await
+}
+
+#[tokio::test]
+#[ignore = "needs the MCP Python SDK (ONCEGATE_PYTHON)"]
+async fn sdk_a_read_tool_runs_every_time_and_a_write_tool_once() {
+    let server = McpServer::start(&[]);
+    let proxy = proxy_for(&server, "").await;
+    let reads = py_client(&proxy, "search", json!({"query": "q"}), &["--calls", "2"]).await;
+    assert_eq!(server.ran("search"), 2, "{reads}");
+    // The agent resends the same call (a new JSON-RPC id each time), then again from a new
+    // connection: the server runs it once; every answer is the recorded result.
+    let args = json!({"to": "ana@example.com", "subject": "invoice"});
+    let first = py_client(&proxy, "send_email", args.clone(), &["--calls", "2"]).await;
+    let later = py_client(&proxy, "send_email", args, &[]).await;
+    assert_eq!(server.ran("send_email"), 1, "{first} {later}");
+    let text = first["calls"][0]["text"].as_str().unwrap();
+    assert!(text.starts_with("sent email #"), "{first}");
+    assert_eq!(first["calls"][1]["text"], text);
+    assert_eq!(later["calls"][0]["text"], text);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the MCP Python SDK (ONCEGATE_PYTHON)"]
+async fn sdk_keys_from_meta_and_headers() {
+    let server = McpServer::start(&[]);
+    let proxy = proxy_for(&server, "").await;
+    // `_meta["oncegate/key"]`: the same key with the same call is one action.
+    let meta = r#"{"oncegate/key": "invoice-41"}"#;
+    let args = json!({"to": "bo@example.com", "subject": "receipt"});
+    py_client(&proxy, "send_email", args.clone(), &["--meta", meta]).await;
+    py_client(&proxy, "send_email", args.clone(), &["--meta", meta]).await;
+    assert_eq!(server.ran("send_email"), 1);
+    // The same key with other arguments is refused, and the model is told why.
+    let other = json!({"to": "bo@example.com", "subject": "another"});
+    let reused = py_client(&proxy, "send_email", other, &["--meta", meta]).await;
+    assert_eq!(reused["calls"][0]["is_error"], true, "{reused}");
+    assert_eq!(
+        reused["calls"][0]["structured"]["type"], "urn:oncegate:problem:key-reused",
+        "{reused}"
+    );
+    assert_eq!(server.ran("send_email"), 1);
+    // Task and step headers: the agent regenerated the subject, it is still one step.
+    let h = [
+        "--header",
+        "Oncegate-Task=onboard-7",
+        "--header",
+        "Oncegate-Step=welcome",
+    ];
+    let a = json!({"to": "cy@example.com", "subject": "Welcome!"});
+    let b = json!({"to": "cy@example.com", "subject": "Welcome aboard"});
+    py_client(&proxy, "send_email", a, &h).await;
+    let again = py_client(&proxy, "send_email", b, &h).await;
+    assert_eq!(server.ran("send_email"), 2, "{again}");
+    assert_eq!(again["calls"][0]["is_error"], false, "{again}");
+    // The task view shows the step, with its tool.
+    let view = TestClient::default()
+        .get(&proxy.url("/_oncegate/tasks/onboard-7"))
+        .await
+        .json();
+    assert_eq!(view["actions"][0]["step"], "welcome", "{view}");
+    assert_eq!(view["actions"][0]["tool"], "send_email", "{view}");
+    proxy.stop().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the MCP Python SDK (ONCEGATE_PYTHON)"]
+async fn sdk_a_denied_tool_never_runs_and_the_model_is_told() {
+    let server = McpServer::start(&[]);
+    let proxy = proxy_for(&server, "").await;
+    let r = py_client(&proxy, "delete_everything", json!({"confirm": true}), &[]).await;
+    let call = &r["calls"][0];
+    assert_eq!(call["is_error"], true, "{r}");
+    assert!(
+        call["text"].as_str().unwrap().starts_with("Route denied"),
+        "{r}"
+    );
+    assert_eq!(call["structured"]["retry"], "never", "{r}");
+    assert_eq!(server.ran("delete_everything"), 0);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the MCP Python SDK (ONCEGATE_PYTHON)"]
+async fn sdk_a_late_answer_is_unknown_then_settles_and_the_resend_never_runs() {
+    let server = McpServer::start(&[]);
+    // The proxy waits 1 s for an event; the charge answers after 2.5 s.
+    let proxy = proxy_for(&server, "").await;
+    let args = json!({"amount": 4200, "seconds": 2.5});
+    let first = py_client(&proxy, "slow_charge", args.clone(), &[]).await;
+    let call = &first["calls"][0];
+    assert_eq!(call["is_error"], true, "{first}");
+    assert_eq!(call["structured"]["outcome"], "unknown", "{first}");
+    assert_eq!(call["structured"]["duplicate_risk"], true, "{first}");
+    assert!(
+        call["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("Outcome unknown"),
+        "{first}"
+    );
+    // The agent resends at once: the proxy does not send it.
+    let resend = py_client(&proxy, "slow_charge", args.clone(), &[]).await;
+    assert_eq!(
+        resend["calls"][0]["structured"]["outcome"], "unknown",
+        "{resend}"
+    );
+    // The server finishes the charge; the proxy, still reading the stream, records its answer.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let settled = py_client(&proxy, "slow_charge", args, &[]).await;
+    assert_eq!(server.ran("slow_charge"), 1, "{settled}");
+    let text = settled["calls"][0]["text"].as_str().unwrap();
+    assert!(text.starts_with("charged 4200"), "{settled}");
+    proxy.stop().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the MCP Python SDK (ONCEGATE_PYTHON)"]
+async fn sdk_a_client_that_disconnects_does_not_cancel_the_call_and_its_reissue_gets_the_result() {
+    let server = McpServer::start(&[]);
+    let proxy = proxy_for(&server, r#"timeout = "5s""#).await;
+    let args = json!({"amount": 99, "seconds": 1.0});
+    // A client sends the call, reads the stream's head, and goes away.
+    {
+        let req = hyper::Request::post(proxy.url("/mcp"))
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .body(http_body_util::Full::new(bytes::Bytes::from(call_body(
+                1,
+                "slow_charge",
+                args.clone(),
+            ))))
+            .unwrap();
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http::<http_body_util::Full<bytes::Bytes>>();
+        let resp = client.request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        drop(resp);
+    }
+    // The agent re-issues it under a new id (as MCP 2026-07-28 requires of a broken stream).
+    let reissued = py_client(&proxy, "slow_charge", args, &[]).await;
+    assert_eq!(server.ran("slow_charge"), 1, "{reissued}");
+    assert!(
+        reissued["calls"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("charged 99"),
+        "{reissued}"
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the MCP Python SDK (ONCEGATE_PYTHON)"]
+async fn sdk_progress_notifications_stream_through_before_the_result() {
+    let server = McpServer::start(&[]);
+    let proxy = proxy_for(&server, "").await;
+    let r = py_client(&proxy, "report", json!({"steps": 4}), &["--progress"]).await;
+    // The SDK calls back only for progress that arrives before the call's result.
+    assert_eq!(r["progress"], json!([1.0, 2.0, 3.0, 4.0]), "{r}");
+    assert_eq!(r["calls"][0]["is_error"], false, "{r}");
+    assert_eq!(server.ran("report"), 1);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the MCP Python SDK (ONCEGATE_PYTHON)"]
+async fn sdk_a_2025_client_with_a_session_works_too() {
+    let server = McpServer::start(&["--stateful"]);
+    let proxy = proxy_for(&server, "").await;
+    let args = json!({"to": "di@example.com", "subject": "hello"});
+    let r = py_client(
+        &proxy,
+        "send_email",
+        args.clone(),
+        &["--mode", "legacy", "--list", "--calls", "2"],
+    )
+    .await;
+    assert!(
+        r["tools"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("send_email")),
+        "{r}"
+    );
+    assert_eq!(r["calls"][1]["text"], r["calls"][0]["text"], "{r}");
+    // Another session, the same call: replayed, not run.
+    py_client(&proxy, "send_email", args, &["--mode", "legacy"]).await;
+    assert_eq!(server.ran("send_email"), 1);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the MCP Python SDK (ONCEGATE_PYTHON)"]
+async fn sdk_annotations_make_reads_only_when_trusted() {
+    let server = McpServer::start(&[]);
+    // Untrusted (the default): `lying_read` says it is read-only, and is guarded all the same.
+    let proxy = proxy_for(&server, "").await;
+    py_client(
+        &proxy,
+        "lying_read",
+        json!({"note": "n"}),
+        &["--list", "--calls", "2"],
+    )
+    .await;
+    assert_eq!(server.ran("lying_read"), 1);
+    proxy.stop().await;
+    // Trusted: once the server's own tools/list said so, it is a read.
+    let proxy = proxy_for(&server, "trust_annotations = true").await;
+    py_client(
+        &proxy,
+        "lying_read",
+        json!({"note": "m"}),
+        &["--list", "--calls", "2"],
+    )
+    .await;
+    assert_eq!(server.ran("lying_read"), 3);
+    proxy.stop().await;
+}
+
+/// The TypeScript SDK's client (`ONCEGATE_MCP_NODE`: a folder whose node_modules holds
+/// `@modelcontextprotocol/sdk`).
+#[tokio::test]
+#[ignore = "needs the MCP TypeScript SDK (ONCEGATE_MCP_NODE) and the Python SDK (ONCEGATE_PYTHON)"]
+async fn sdk_typescript_client_resends_run_once() {
+    let node_dir = std::env::var("ONCEGATE_MCP_NODE").unwrap_or_else(|_| {
+        panic!("this test needs ONCEGATE_MCP_NODE: a folder with @modelcontextprotocol/sdk installed (as .ci/run makes)")
+    });
+    let server = McpServer::start(&[]);
+    let proxy = proxy_for(&server, "").await;
+    let run = || {
+        let mut cmd = Command::new("node");
+        cmd.arg(script("client.mjs"))
+            .arg(proxy.url("/mcp"))
+            .arg("send_email")
+            .arg(json!({"to": "ed@example.com", "subject": "ts"}).to_string())
+            .arg("2")
+            .env("ONCEGATE_MCP_NODE", &node_dir);
+        cmd
+    };
+    let a = run_client(run()).await;
+    let b = run_client(run()).await;
+    assert_eq!(server.ran("send_email"), 1, "{a} {b}");
+    assert_eq!(a["calls"][0]["text"], a["calls"][1]["text"], "{a}");
+    assert_eq!(b["calls"][0]["text"], a["calls"][0]["text"], "{b}");
+    proxy.stop().await;
+}
