@@ -370,6 +370,27 @@ fn routing_table(c: &Config) -> String {
     let mut out = String::new();
     for u in &c.upstreams {
         out.push_str(&format!("{}  {}  →  {}\n", u.name, u.prefix, u.url));
+        if let oncegate::config::Protocol::Mcp(rules) = &u.protocol {
+            out.push_str("    MCP: only tools/call can be a write; other messages are reads\n");
+            for t in &rules.tools {
+                out.push_str(&format!(
+                    "    tool {:<27} {}\n",
+                    t.name.as_str(),
+                    t.class.as_str()
+                ));
+                if t.class == Class::Write {
+                    out.push_str(&format!("        {}\n", policy_line(&t.policy)));
+                }
+            }
+            let otherwise = if rules.trust_annotations {
+                "read if the server's tools/list marks it readOnlyHint, else write"
+            } else {
+                "write (annotations untrusted)"
+            };
+            out.push_str(&format!("    tool {:<27} {otherwise}\n", "(otherwise)"));
+            out.push_str(&format!("        {}\n", policy_line(&u.policy)));
+            continue;
+        }
         for r in &u.routes {
             let methods = if r.methods.is_empty() {
                 "*".to_string()

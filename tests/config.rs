@@ -145,6 +145,30 @@ fn check_cautions_about_policies_whose_records_can_outgrow_the_embedded_store() 
     assert!(!text.contains("upstreams.payments.routes"), "{text}");
 }
 
+#[test]
+fn check_lists_an_mcp_upstreams_tool_rules() {
+    let f = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/config/valid/mcp.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_oncegate"))
+        .args(["check", "--config"])
+        .arg(&f)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let line = |start: &str| {
+        text.lines()
+            .find(|l| l.trim_start().starts_with(start))
+            .unwrap_or_else(|| panic!("no {start:?} in:\n{text}"))
+            .to_string()
+    };
+    assert!(line("tool search*").ends_with("read"), "{text}");
+    assert!(line("tool delete_*").ends_with("deny"), "{text}");
+    assert!(line("tool charge").ends_with("write"), "{text}");
+    // The write's own policy follows it: one attempt, its lookup.
+    assert!(text.contains("attempts 1 · key optional"), "{text}");
+    assert!(line("tool (otherwise)").contains("readOnlyHint"), "{text}");
+}
+
 /// The keys a section accepts, read from the parser's own "expected one of" list.
 fn accepted_keys(toml_with_bogus_key: &str) -> Vec<String> {
     let err = Config::parse(toml_with_bogus_key).unwrap_err().to_string();
@@ -225,4 +249,20 @@ fn the_kubernetes_recipe_probes_a_listener_that_is_there() {
     );
     // The agent container reaches the proxy over the pod's loopback.
     assert!(doc.contains("http://127.0.0.1:8080/stripe"));
+}
+
+/// The README shows `oncegate check` on the example config: it is what the binary prints.
+#[test]
+fn the_readme_shows_what_check_prints_for_the_example() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let marker = "$ oncegate check --config config.example.toml\n";
+    let start = readme.find(marker).expect("the README shows check's output") + marker.len();
+    let shown = &readme[start..start + readme[start..].find("```").unwrap()];
+    let out = Command::new(env!("CARGO_BIN_EXE_oncegate"))
+        .args(["check", "--config"])
+        .arg(root.join("config.example.toml"))
+        .output()
+        .unwrap();
+    assert_eq!(shown, String::from_utf8(out.stdout).unwrap());
 }
