@@ -503,3 +503,36 @@ async fn sdk_typescript_client_resends_run_once() {
     assert_eq!(b["calls"][0]["text"], a["calls"][0]["text"], "{b}");
     proxy.stop().await;
 }
+
+/// The Python code block that follows `<!-- recipe:NAME -->` in docs/recipes.md.
+fn recipe(name: &str) -> String {
+    let doc =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/recipes.md")).unwrap();
+    let marker = format!("<!-- recipe:{name} -->");
+    let after = &doc[doc.find(&marker).unwrap_or_else(|| panic!("no {marker}")) + marker.len()..];
+    let start = after.find("```python\n").unwrap() + "```python\n".len();
+    let end = after[start..].find("```").unwrap();
+    after[start..start + end].to_string()
+}
+
+#[tokio::test]
+#[ignore = "needs the MCP Python SDK (ONCEGATE_PYTHON)"]
+async fn sdk_the_docs_mcp_recipe_runs_and_sends_once() {
+    let server = McpServer::start(&[]);
+    let proxy = proxy_for(&server, "").await;
+    let mut cmd = Command::new(python());
+    cmd.args(["-c", &recipe("mcp-python")])
+        .env("ONCEGATE_URL", proxy.url("").trim_end_matches('/'));
+    let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "the recipe failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.starts_with("sent email #1"), "{stdout}");
+    assert_eq!(server.ran("send_email"), 1);
+    proxy.stop().await;
+}
