@@ -1,6 +1,7 @@
 //! `oncegate demo`: the guide's scenario, narrated with real requests on loopback. A small
-//! payments service (which can stall after accepting a charge), the proxy on a temporary store,
-//! and an agent that times out, retries, resumes and audits. Exits 0 only if every expectation
+//! payments service (which can stall after accepting a charge), an MCP mail server (whose answer
+//! can come late), the proxy on a temporary store, and an agent that times out, retries, resumes,
+//! resends a tool call and audits. Exits 0 only if every expectation
 //! held.
 
 use std::collections::HashMap;
@@ -127,6 +128,62 @@ async fn start_payments(p: Arc<Payments>) -> Result<SocketAddr, String> {
     Ok(addr)
 }
 
+/// An MCP server with one tool, `send_email`, answered as an SSE stream. Every execution is
+/// counted; the first answer comes after the proxy's timeout.
+#[derive(Default)]
+struct Mail {
+    sent: AtomicU64,
+    slow_first: AtomicBool,
+}
+
+async fn serve_mail(
+    m: Arc<Mail>,
+    req: http::Request<hyper::body::Incoming>,
+) -> Result<Resp, hyper::Error> {
+    let body = req.into_body().collect().await?.to_bytes();
+    let msg: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let id = msg["id"].clone();
+    let result = if msg["method"] == "tools/call" && msg["params"]["name"] == "send_email" {
+        let n = m.sent.fetch_add(1, Ordering::SeqCst) + 1;
+        if m.slow_first.swap(false, Ordering::SeqCst) {
+            // Sent; the answer is slow to come back.
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+        }
+        json!({"content": [{"type": "text", "text": format!("email #{n} sent to ops@acme.test")}]})
+    } else {
+        json!({})
+    };
+    let event = format!(
+        "event: message\ndata: {}\n\n",
+        json!({"jsonrpc": "2.0", "id": id, "result": result})
+    );
+    let mut r = http::Response::new(Full::new(Bytes::from(event)));
+    r.headers_mut().insert(
+        "content-type",
+        http::HeaderValue::from_static("text/event-stream"),
+    );
+    Ok(r)
+}
+
+async fn start_mail(m: Arc<Mail>) -> Result<SocketAddr, String> {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = l.local_addr().map_err(|e| e.to_string())?;
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            let m = m.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req| serve_mail(m.clone(), req));
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    Ok(addr)
+}
+
 /// Narration, coloured on a terminal.
 struct Say {
     color: bool,
@@ -216,12 +273,56 @@ impl Agent {
     }
 }
 
+impl Agent {
+    /// An MCP `tools/call` of `send_email` with JSON-RPC id `id`; the answer's final message
+    /// (from a JSON body or the last event of an SSE stream).
+    async fn tool_call(&self, id: u64) -> Result<Answer, String> {
+        let body = json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+            "params": {"name": "send_email", "arguments": {"to": "ops@acme.test", "subject": "Your receipt"}}});
+        let req = http::Request::post(format!("http://{}/mail/mcp", self.proxy))
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .body(Full::new(Bytes::from(body.to_string())))
+            .map_err(|e| e.to_string())?;
+        let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
+        let (parts, body) = resp.into_parts();
+        let bytes = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+        let text = String::from_utf8_lossy(&bytes);
+        let last = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .last()
+            .unwrap_or(&text);
+        Ok(Answer {
+            status: parts.status.as_u16(),
+            headers: parts.headers,
+            body: serde_json::from_str(last).unwrap_or(Value::Null),
+        })
+    }
+}
+
+/// What a tool result says, in one line.
+fn tool_says(a: &Answer) -> String {
+    let text = a.body["result"]["content"][0]["text"]
+        .as_str()
+        .unwrap_or("-");
+    let cut: String = text.chars().take(72).collect();
+    format!(
+        "id {} · isError: {} · \"{cut}{}\"",
+        a.body["id"],
+        a.body["result"]["isError"].as_bool().unwrap_or(false),
+        if cut.len() < text.len() { "…" } else { "" }
+    )
+}
+
 /// Runs the scenario. `Err` lists the expectations that did not hold.
 pub async fn run(color: bool) -> Result<(), String> {
     let tmp = std::env::temp_dir().join(format!("oncegate-demo-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     let payments = Arc::new(Payments::default());
     let up = start_payments(payments.clone()).await?;
+    let mail = Arc::new(Mail::default());
+    let mail_up = start_mail(mail.clone()).await?;
     let config = crate::config::Config::parse(&format!(
         r#"
 [server]
@@ -242,6 +343,11 @@ lookup = {{ method = "GET", path = "/v1/charges?idempotency_key={{key}}", found 
   methods = ["POST"]
   path = "/v1/receipts"
   retries = 0
+[[upstreams]]
+name = "mail"
+prefix = "/mail"
+url = "http://{mail_up}"
+protocol = "mcp"
 "#,
         tmp.join("store").display().to_string()
     ))
@@ -420,7 +526,49 @@ lookup = {{ method = "GET", path = "/v1/charges?idempotency_key={{key}}", found 
         "both steps are done; nothing is left to send",
     );
 
-    say.step(5, "A security reviewer verifies the write log");
+    say.step(
+        5,
+        "An MCP tool call's answer is lost; the agent resends it under a new id",
+    );
+    mail.slow_first.store(true, Ordering::SeqCst);
+    say.agent("tools/call send_email (JSON-RPC id 1) via POST /mail/mcp");
+    let a = agent.tool_call(1).await?;
+    say.proxy(&tool_says(&a));
+    say.fact(&format!(
+        "the mail server sent {} email(s)",
+        mail.sent.load(Ordering::SeqCst)
+    ));
+    say.expect(
+        a.body["result"]["isError"] == true
+            && a.body["result"]["structuredContent"]["outcome"] == "unknown",
+        "the model reads that the email may have been sent",
+    );
+    say.agent("resends it at once, as a new call (id 2)");
+    let a = agent.tool_call(2).await?;
+    say.proxy(&tool_says(&a));
+    say.expect(
+        mail.sent.load(Ordering::SeqCst) == 1,
+        "the resend is not sent while the outcome is unknown",
+    );
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    say.agent("the late answer has come in; resends again (id 3)");
+    let a = agent.tool_call(3).await?;
+    say.proxy(&format!(
+        "{} · Oncegate-Outcome: {}",
+        tool_says(&a),
+        a.header("oncegate-outcome")
+    ));
+    say.fact(&format!(
+        "the mail server sent {} email(s)",
+        mail.sent.load(Ordering::SeqCst)
+    ));
+    say.expect(
+        a.header("oncegate-outcome") == "replayed" && a.body["id"] == 3,
+        "the resend gets the recorded result, under its own id",
+    );
+    say.expect(mail.sent.load(Ordering::SeqCst) == 1, "one email");
+
+    say.step(6, "A security reviewer verifies the write log");
     let verify = http::Request::get(format!("http://{admin}/v1/log/verify"))
         .header("authorization", format!("Bearer {token}"))
         .body(Full::new(Bytes::new()))
@@ -458,7 +606,7 @@ lookup = {{ method = "GET", path = "/v1/charges?idempotency_key={{key}}", found 
             "{}",
             say.paint(
                 "32;1",
-                "Every expectation held: one charge, one receipt, nothing sent twice."
+                "Every expectation held: one charge, one receipt, one email, nothing sent twice."
             )
         );
         Ok(())

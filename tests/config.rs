@@ -257,7 +257,10 @@ fn the_readme_shows_what_check_prints_for_the_example() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
     let marker = "$ oncegate check --config config.example.toml\n";
-    let start = readme.find(marker).expect("the README shows check's output") + marker.len();
+    let start = readme
+        .find(marker)
+        .expect("the README shows check's output")
+        + marker.len();
     let shown = &readme[start..start + readme[start..].find("```").unwrap()];
     let out = Command::new(env!("CARGO_BIN_EXE_oncegate"))
         .args(["check", "--config"])

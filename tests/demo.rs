@@ -19,6 +19,7 @@ fn the_demo_runs_and_every_expectation_holds() {
         "Oncegate-Outcome: replayed · Oncegate-Replay-Source: lookup",
         "the service holds 1 charge(s) and 1 receipt(s)",
         "charge-setup-fee succeeded",
+        "id 3 · isError: false · \"email #1 sent to ops@acme.test\" · Oncegate-Outcome: replayed",
         "ok: true",
         "Every expectation held",
     ] {
