@@ -290,8 +290,8 @@ impl Agent {
         let text = String::from_utf8_lossy(&bytes);
         let last = text
             .lines()
-            .filter_map(|l| l.strip_prefix("data: "))
-            .last()
+            .rev()
+            .find_map(|l| l.strip_prefix("data: "))
             .unwrap_or(&text);
         Ok(Answer {
             status: parts.status.as_u16(),
