@@ -54,6 +54,9 @@ async fn upstream() -> SocketAddr {
             tokio::spawn(async move {
                 let svc = service_fn(|req: http::Request<hyper::body::Incoming>| async move {
                     let slow = req.uri().path().ends_with("/slow");
+                    if req.uri().path().starts_with("/tools/") {
+                        return Ok(mcp_answer(req).await);
+                    }
                     let _ = req.into_body().collect().await;
                     if slow {
                         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -70,6 +73,30 @@ async fn upstream() -> SocketAddr {
         }
     });
     addr
+}
+
+/// An MCP server's answer to a `tools/call`: its JSON-RPC result, as one JSON body
+/// (`/tools/json`) or as an SSE stream of one event (`/tools/sse`).
+async fn mcp_answer(req: http::Request<hyper::body::Incoming>) -> http::Response<Full<Bytes>> {
+    let sse = req.uri().path().ends_with("/sse");
+    let body = req.into_body().collect().await.unwrap().to_bytes();
+    let id = serde_json::from_slice::<serde_json::Value>(&body)
+        .map(|v| v["id"].clone())
+        .unwrap_or_default();
+    let msg = serde_json::json!({"jsonrpc": "2.0", "id": id,
+        "result": {"content": [{"type": "text", "text": "charged"}], "isError": false}})
+    .to_string();
+    let (ct, body) = if sse {
+        (
+            "text/event-stream",
+            format!("event: message\ndata: {msg}\n\n"),
+        )
+    } else {
+        ("application/json", msg)
+    };
+    let mut r = http::Response::new(Full::new(Bytes::from(body)));
+    r.headers_mut().insert("content-type", ct.parse().unwrap());
+    r
 }
 
 // ---------------------------------------------------------------- the bare hyper proxy
@@ -238,6 +265,11 @@ timeout = "10s"
 name = "pay"
 prefix = "/pay"
 url = "http://{upstream}"
+[[upstreams]]
+name = "tools"
+prefix = "/tools"
+url = "http://{upstream}/tools"
+protocol = "mcp"
 "#,
             dir.join("store").display()
         ),
@@ -290,6 +322,10 @@ enum Workload {
     Replay,
     Mixed,
     Storm,
+    /// Unique MCP `tools/call`s, answered as JSON.
+    ToolJson,
+    /// Unique MCP `tools/call`s, answered as an SSE stream.
+    ToolSse,
 }
 
 struct Spec {
@@ -383,6 +419,25 @@ fn build(w: Workload, conn: usize, i: u64, recent: &mut Vec<String>) -> http::Re
             &format!("replay-{}", (conn as u64 * 7919 + i) % 512),
         ),
         Workload::Storm => post("/pay/v1/slow", "storm-key"),
+        Workload::ToolJson | Workload::ToolSse => {
+            let path = if w == Workload::ToolSse {
+                "/tools/sse"
+            } else {
+                "/tools/json"
+            };
+            // A new call each time: new arguments, so that each is a new action.
+            let body = format!(
+                r#"{{"jsonrpc":"2.0","id":{i},"method":"tools/call","params":{{"name":"charge","arguments":{{"amount":500,"order":"{}"}}}}}}"#,
+                fresh()
+            );
+            http::Request::post(path)
+                .header("host", "bench")
+                .header("content-type", "application/json")
+                .header("accept", "application/json, text/event-stream")
+                .header("authorization", format!("Bearer agent-{}", conn % 8))
+                .body(Full::new(Bytes::from(body)))
+                .unwrap()
+        }
         Workload::Mixed => {
             let roll = (i * 2654435761 + conn as u64 * 40503) % 100;
             if roll < 80 {
@@ -836,6 +891,16 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             name: "duplicate storm on one key, slow upstream, 64 connections",
             workload: Workload::Storm,
             conns: 64,
+        },
+        Spec {
+            name: "MCP tools/call, JSON answer, 1 connection",
+            workload: Workload::ToolJson,
+            conns: 1,
+        },
+        Spec {
+            name: "MCP tools/call, SSE answer, 1 connection",
+            workload: Workload::ToolSse,
+            conns: 1,
         },
     ];
     // `BENCH_ONLY=replays` runs only the workloads whose name contains it, `|` separating
