@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use support::{Behavior, FakeUpstream, TestClient, TestProxy};
+use support::{Behavior, ChildProxy, FakeUpstream, TestClient, TestProxy};
 
 /// A config with one MCP upstream `tools` at `/mcp`; `extra` is appended to its table.
 fn mcp_config(url: &str, extra: &str) -> String {
@@ -230,9 +230,13 @@ impl Drop for McpServer {
 
 /// Runs the Python SDK client: `tool` with `args`, plus `flags`; returns what it printed.
 async fn py_client(proxy: &TestProxy, tool: &str, args: Value, flags: &[&str]) -> Value {
+    py_client_at(&proxy.url("/mcp"), tool, args, flags).await
+}
+
+async fn py_client_at(url: &str, tool: &str, args: Value, flags: &[&str]) -> Value {
     let mut cmd = Command::new(python());
     cmd.arg(script("client.py"))
-        .arg(proxy.url("/mcp"))
+        .arg(url)
         .arg(tool)
         .arg(args.to_string())
         .args(flags);
@@ -535,4 +539,63 @@ async fn sdk_the_docs_mcp_recipe_runs_and_sends_once() {
     assert!(stdout.starts_with("sent email #1"), "{stdout}");
     assert_eq!(server.ran("send_email"), 1);
     proxy.stop().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the MCP Python SDK (ONCEGATE_PYTHON)"]
+async fn sdk_a_proxy_killed_mid_call_leaves_it_unknown_and_the_resend_is_not_sent() {
+    let server = McpServer::start(&[]);
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("oncegate.toml");
+    let text = mcp_config(&server.url(), r#"timeout = "30s""#).replace(
+        "[defaults]",
+        &format!(
+            "[store]\npath = {:?}\n\n[defaults]",
+            tmp.path().join("store")
+        ),
+    );
+    std::fs::write(&config, text).unwrap();
+    let proxy = ChildProxy::spawn(&config);
+    let url = proxy.url("/mcp");
+    let args = json!({"amount": 7, "seconds": 1.5});
+    // The agent's call is on its way (recorded, sent) when the proxy is killed.
+    let call = {
+        let body = call_body(1, "slow_charge", args.clone());
+        tokio::spawn(async move {
+            let req = hyper::Request::post(url)
+                .header("content-type", "application/json")
+                .header("accept", "application/json, text/event-stream")
+                .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+                .unwrap();
+            let client =
+                hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                    .build_http::<http_body_util::Full<bytes::Bytes>>();
+            let resp = client.request(req).await;
+            match resp {
+                Ok(r) => http_body_util::BodyExt::collect(r.into_body())
+                    .await
+                    .is_ok(),
+                Err(_) => false,
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    proxy.kill();
+    assert!(
+        !call.await.unwrap(),
+        "the call's answer was cut by the kill"
+    );
+    // Restarted, the proxy finds the call in flight with no attempt behind it: unknown. The
+    // agent's resend (a new process, a new id) is not sent.
+    let proxy = ChildProxy::spawn(&config);
+    let resend = py_client_at(&proxy.url("/mcp"), "slow_charge", args, &[]).await;
+    let call = &resend["calls"][0];
+    assert_eq!(call["is_error"], true, "{resend}");
+    assert_eq!(call["structured"]["outcome"], "unknown", "{resend}");
+    assert_eq!(
+        call["structured"]["action"]["tool"], "slow_charge",
+        "{resend}"
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(server.ran("slow_charge") <= 1, "never run twice");
 }
