@@ -160,7 +160,11 @@ pub async fn actions_list(c: &AdminClient, a: &ListArgs, as_json: bool) -> Resul
                 s(&a["id"]),
                 s(&a["state"]),
                 s(&a["upstream"]),
-                format!("{} {}", s(&a["method"]), s(&a["path"])),
+                match a["tool"].as_str() {
+                    // An MCP tool call: the tool says what it was.
+                    Some(tool) => format!("tools/call {tool}"),
+                    None => format!("{} {}", s(&a["method"]), s(&a["path"])),
+                },
                 match (&a["task"], &a["step"]) {
                     (Value::Null, _) => "-".into(),
                     (t, st) => format!("{}/{}", s(t), s(st)),
