@@ -96,6 +96,37 @@ fn store_problem(e: StoreError) -> Response<ProxyBody> {
 }
 
 /// Query parameters, decoded.
+/// The operator's and auditor's console (`src/console/`), embedded: nothing is fetched at run time.
+const CONSOLE_HTML: &str = include_str!("console/index.html");
+const CONSOLE_JS: &str = include_str!("console/console.js");
+const CONSOLE_CSS: &str = include_str!("console/console.css");
+
+/// A console asset, with headers that keep the page to itself: scripts and styles only from
+/// this listener, no framing, no referrer, nothing cached.
+fn console(body: &'static str, content_type: &'static str) -> Response<ProxyBody> {
+    let mut r = Response::new(full(Bytes::from_static(body.as_bytes())));
+    let h = r.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    h.insert(
+        "content-security-policy",
+        HeaderValue::from_static(
+            "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; \
+             connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+        ),
+    );
+    h.insert(
+        "x-content-type-options",
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert("x-frame-options", HeaderValue::from_static("DENY"));
+    h.insert("referrer-policy", HeaderValue::from_static("no-referrer"));
+    h.insert("cache-control", HeaderValue::from_static("no-store"));
+    r
+}
+
+/// Log entries read at most per filtered `GET /v1/log` request.
+const LOG_SCAN: usize = 50_000;
+
 fn query(req: &Request<Incoming>) -> Vec<(String, String)> {
     req.uri()
         .query()
@@ -217,6 +248,21 @@ impl Admin {
             }
             (Method::GET, ["readyz"]) => return self.ready().await,
             (Method::GET, ["metrics"]) => return self.metrics().await,
+            // The console's page and assets hold no data: the data comes from the API, with the
+            // token the operator types in.
+            (Method::GET, [""]) => return console(CONSOLE_HTML, "text/html; charset=utf-8"),
+            (Method::GET, ["console.js"]) => {
+                return console(CONSOLE_JS, "text/javascript; charset=utf-8")
+            }
+            (Method::GET, ["console.css"]) => {
+                return console(CONSOLE_CSS, "text/css; charset=utf-8")
+            }
+            // Browsers ask for one on every page: none, rather than a 401 in the console's log.
+            (Method::GET, ["favicon.ico"]) => {
+                let mut r = Response::new(full(Bytes::new()));
+                *r.status_mut() = StatusCode::NO_CONTENT;
+                return r;
+            }
             _ => {}
         }
         if let Some(why) = self.foreign(&req) {
@@ -260,6 +306,7 @@ impl Admin {
             (Method::GET, ["v1", "tasks", task]) => self.task(task).await,
             (Method::GET, ["v1", "log"]) => self.log(&req).await,
             (Method::GET, ["v1", "log", "verify"]) => self.verify().await,
+            (Method::GET, ["v1", "overview"]) => self.overview().await,
             _ => problem(
                 StatusCode::NOT_FOUND,
                 "not-found",
@@ -345,6 +392,7 @@ impl Admin {
             upstream: param(&q, "upstream").map(str::to_string),
             principal: None,
             task: param(&q, "task").map(str::to_string),
+            tool: param(&q, "tool").map(str::to_string),
             newest_first: true,
             before,
         };
@@ -527,6 +575,10 @@ impl Admin {
         }
     }
 
+    /// `GET /v1/log`: entries after `after`, as NDJSON, at most `limit`. With filters (`event`,
+    /// `action`, `principal`, `since`, `until`: RFC 3339 times or their prefixes), at most
+    /// [`LOG_SCAN`] entries are read per request; `Oncegate-Log-Next` names the last one read, to
+    /// continue from (a page costs what it reads, never the whole log).
     async fn log(&self, req: &Request<Incoming>) -> Response<ProxyBody> {
         let q = query(req);
         let after = param(&q, "after").and_then(|a| a.parse().ok()).unwrap_or(0);
@@ -534,22 +586,87 @@ impl Admin {
             .and_then(|a| a.parse().ok())
             .unwrap_or(1000usize)
             .clamp(1, 10_000);
-        match self.proxy.store.log(after, limit).await {
-            Ok(entries) => {
-                let mut out = Vec::new();
-                for e in entries {
+        let want = |name: &str| param(&q, name).filter(|v| !v.is_empty());
+        let (event, action, principal) = (want("event"), want("action"), want("principal"));
+        let (since, until) = (want("since"), want("until"));
+        let filtered = [event, action, principal, since, until]
+            .iter()
+            .any(Option::is_some);
+        let keep = |e: &crate::log::Entry| {
+            let ev = serde_json::to_value(e.event).ok();
+            event.is_none_or(|want| ev.as_ref().and_then(Value::as_str) == Some(want))
+                && action.is_none_or(|a| e.action.as_deref() == Some(a))
+                && principal.is_none_or(|p| e.principal.as_deref() == Some(p))
+                && since.is_none_or(|t| e.ts.as_str() >= t)
+                && until.is_none_or(|t| e.ts.as_str() < t)
+        };
+        let mut out = Vec::new();
+        let (mut cursor, mut read, mut found) = (after, 0usize, 0usize);
+        loop {
+            let batch = if filtered { 1000 } else { limit };
+            let entries = match self.proxy.store.log(cursor, batch).await {
+                Ok(e) => e,
+                Err(e) => return store_problem(e),
+            };
+            let n = entries.len();
+            for e in entries {
+                cursor = e.seq;
+                read += 1;
+                if keep(&e) {
                     out.extend(serde_json::to_vec(&e).expect("entries serialize"));
                     out.push(b'\n');
+                    found += 1;
+                    if found >= limit {
+                        break;
+                    }
                 }
-                let mut r = Response::new(full(Bytes::from(out)));
-                r.headers_mut().insert(
-                    CONTENT_TYPE,
-                    HeaderValue::from_static("application/x-ndjson"),
-                );
-                r
             }
-            Err(e) => store_problem(e),
+            if !filtered || n < batch || found >= limit || read >= LOG_SCAN {
+                break;
+            }
         }
+        let mut r = Response::new(full(Bytes::from(out)));
+        r.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/x-ndjson"),
+        );
+        r.headers_mut()
+            .insert("oncegate-log-next", HeaderValue::from(cursor));
+        r
+    }
+
+    /// `GET /v1/overview`: actions by state, and the unknown ones waiting longest (oldest first).
+    async fn overview(&self) -> Response<ProxyBody> {
+        let counts = match self.proxy.store.counts().await {
+            Ok(c) => c,
+            Err(e) => return store_problem(e),
+        };
+        let unknown = Filter {
+            state: Some(State::Unknown),
+            ..Filter::default()
+        };
+        let waiting = match self.proxy.store.scan(unknown, 50).await {
+            Ok(rs) => rs,
+            Err(e) => return store_problem(e),
+        };
+        let by_state: serde_json::Map<String, Value> = counts
+            .into_iter()
+            .map(|(s, n)| (s.as_str().to_string(), json!(n)))
+            .collect();
+        let now = (self.proxy.clock)();
+        let waiting: Vec<Value> = waiting
+            .iter()
+            .map(|r| {
+                let mut v = action_json(r);
+                v["waiting_secs"] = json!(now.saturating_sub(r.updated_at) / 1000);
+                v
+            })
+            .collect();
+        let head = self.proxy.store.log_head().await.map(|(seq, _)| seq).ok();
+        json_response(
+            StatusCode::OK,
+            &json!({"actions": by_state, "unknown_oldest": waiting, "log_head_seq": head}),
+        )
     }
 
     async fn verify(&self) -> Response<ProxyBody> {

@@ -140,6 +140,8 @@ pub struct Filter {
     pub upstream: Option<String>,
     pub principal: Option<String>,
     pub task: Option<String>,
+    /// The MCP tool of a `tools/call`.
+    pub tool: Option<String>,
     /// Newest first (by `created_at`, then id) instead of oldest first.
     pub newest_first: bool,
     /// Newest first only: the records strictly older than this `(created_at, id)`: a page's cursor.
@@ -155,6 +157,10 @@ impl Filter {
                 .task
                 .as_ref()
                 .is_none_or(|t| r.task.as_ref() == Some(t))
+            && self
+                .tool
+                .as_ref()
+                .is_none_or(|t| r.tool.as_ref() == Some(t))
     }
 }
 

@@ -215,3 +215,63 @@ async fn the_cli_finds_the_admin_api_and_its_token_through_the_config() {
         assert!(err.contains("401") && err.contains("OPS_TOKEN"), "{err}");
     }
 }
+
+/// What the console reads: the overview, the write log filtered server-side (a page reads a
+/// bounded part of the log and says where to go on), actions filtered by tool.
+#[tokio::test]
+async fn the_console_reads_an_overview_a_filtered_log_and_actions_by_tool() {
+    let (up, proxy, id) = with_unknown_write(Some(ADMIN_TOKEN)).await;
+    up.push(Behavior::json(201, r#"{"id":"ch_2"}"#));
+    TestClient::default()
+        .post(&proxy.url("/pay/v1/charges"), &[(KEY, "other")], "amount=6")
+        .await;
+    let o = proxy.admin("GET", "/v1/overview", "").await.json();
+    assert_eq!(o["actions"]["unknown"], 1, "{o}");
+    assert_eq!(o["actions"]["succeeded"], 1, "{o}");
+    assert_eq!(o["unknown_oldest"][0]["id"], id.as_str(), "{o}");
+    assert!(o["unknown_oldest"][0]["waiting_secs"].is_u64(), "{o}");
+    let head = o["log_head_seq"].as_u64().unwrap();
+    assert!(head >= 6, "{o}");
+
+    let lines = |r: &support::Resp| -> Vec<serde_json::Value> {
+        String::from_utf8_lossy(&r.body)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let r = proxy
+        .admin("GET", &format!("/v1/log?event=unknown&action={id}"), "")
+        .await;
+    let found = lines(&r);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0]["event"], "unknown");
+    assert_eq!(
+        r.header("oncegate-log-next"),
+        Some(head.to_string().as_str())
+    );
+    // Nothing matches: an empty page, and where the reading stopped.
+    let r = proxy.admin("GET", "/v1/log?event=expired", "").await;
+    assert!(lines(&r).is_empty());
+    assert_eq!(
+        r.header("oncegate-log-next"),
+        Some(head.to_string().as_str())
+    );
+    // A time window: nothing before the epoch's end of 2000.
+    let r = proxy.admin("GET", "/v1/log?until=2000-01-01", "").await;
+    assert!(lines(&r).is_empty());
+    let r = proxy
+        .admin("GET", "/v1/log?since=2000-01-01&limit=2", "")
+        .await;
+    assert_eq!(lines(&r).len(), 2);
+    assert_eq!(r.header("oncegate-log-next"), Some("2"));
+
+    // No MCP call here: a tool filter finds nothing; without it, both actions.
+    let r = proxy
+        .admin("GET", "/v1/actions?tool=send_email", "")
+        .await
+        .json();
+    assert_eq!(r["actions"].as_array().unwrap().len(), 0, "{r}");
+    let r = proxy.admin("GET", "/v1/actions", "").await.json();
+    assert_eq!(r["actions"].as_array().unwrap().len(), 2, "{r}");
+    proxy.stop().await;
+}

@@ -260,9 +260,10 @@ async fn scan_ids(s: &S, filter: Filter, limit: usize) -> Vec<String> {
 
 async fn scans_by_state_and_task_and_counts(s: S) {
     for (id, task) in [("g1", Some("t")), ("g2", Some("t")), ("g3", None)] {
-        s.claim(claim_req(record(id, "f", task), T0, 10_000))
-            .await
-            .unwrap();
+        let mut r = record(id, "f", task);
+        // g3 is an MCP tool call.
+        r.tool = (id == "g3").then(|| "send_email".to_string());
+        s.claim(claim_req(r, T0, 10_000)).await.unwrap();
     }
     settle(&s, "g1", 1, State::Succeeded, T0 + 1, Some("{}")).await;
     let task = Filter {
@@ -280,6 +281,19 @@ async fn scans_by_state_and_task_and_counts(s: S) {
         ..Default::default()
     };
     assert_eq!(scan_ids(&s, done, 10).await, ["g1"]);
+    // By tool, both ways round (the console's newest-first pages too).
+    for newest_first in [false, true] {
+        let tool = Filter {
+            tool: Some("send_email".into()),
+            newest_first,
+            ..Default::default()
+        };
+        assert_eq!(scan_ids(&s, tool, 10).await, ["g3"]);
+    }
+    assert_eq!(
+        s.get("g3").await.unwrap().unwrap().tool.as_deref(),
+        Some("send_email")
+    );
     let counts = s.counts().await.unwrap();
     assert!(counts.contains(&(State::InFlight, 2)) && counts.contains(&(State::Succeeded, 1)));
 }

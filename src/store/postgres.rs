@@ -696,15 +696,19 @@ impl Store for PostgresStore {
                 &filter.principal,
                 &filter.task,
                 &limit,
+                &filter.tool,
             ];
+            // The tool is read from the record (never sealed): an operator's filter, not a
+            // path of the proxy's own.
             const SELECT: &str = "SELECT id, record, lease_until FROM oncegate_actions
                  WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR upstream = $2)
-                   AND ($3::text IS NULL OR principal = $3) AND ($4::text IS NULL OR task = $4)";
+                   AND ($3::text IS NULL OR principal = $3) AND ($4::text IS NULL OR task = $4)
+                   AND ($6::text IS NULL OR (record::jsonb ->> 'tool') = $6)";
             let sql = if filter.newest_first {
                 params.push(&before_at);
                 params.push(&before_id);
                 format!(
-                    "{SELECT} AND ($6::bigint IS NULL OR (created_at, id) < ($6, $7::text))
+                    "{SELECT} AND ($7::bigint IS NULL OR (created_at, id) < ($7, $8::text))
                      ORDER BY created_at DESC, id DESC LIMIT $5"
                 )
             } else {

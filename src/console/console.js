@@ -1,0 +1,620 @@
+// The oncegate console: a page over the admin API, served by the proxy itself. The admin token is
+// kept in sessionStorage (never a cookie) and sent as a bearer header. Every value shown is set as
+// text, never as markup: paths, headers and reasons come from clients and operators.
+"use strict";
+
+const TOKEN = "oncegate-admin-token";
+const main = document.getElementById("main");
+const nav = document.getElementById("nav");
+let lastWrites = null; // { at, n }: the write counter at the previous overview, for writes/min
+
+// ---------------------------------------------------------------- helpers
+
+function h(tag, attrs, ...children) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
+    else if (k === "class") el.className = v;
+    else el.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined || c === false) continue;
+    el.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return el;
+}
+
+function show(...nodes) {
+  main.replaceChildren(...nodes);
+}
+
+function token() {
+  return sessionStorage.getItem(TOKEN);
+}
+
+class ApiError extends Error {}
+
+async function api(path, opts = {}) {
+  const headers = { Authorization: "Bearer " + token() };
+  if (opts.body !== undefined) headers["Content-Type"] = "application/json";
+  const r = await fetch(path, {
+    method: opts.method || "GET",
+    headers,
+    body: opts.body === undefined ? undefined : JSON.stringify(opts.body),
+    cache: "no-store",
+  });
+  if (r.status === 401) {
+    sessionStorage.removeItem(TOKEN);
+    route();
+    throw new ApiError("the token was refused");
+  }
+  const type = r.headers.get("content-type") || "";
+  if (!r.ok) {
+    let detail = r.status + " " + r.statusText;
+    if (type.includes("json")) {
+      const p = await r.json();
+      detail = p.detail || p.title || detail;
+    }
+    throw new ApiError(detail);
+  }
+  if (opts.raw) return r;
+  return type.includes("ndjson")
+    ? (await r.text()).split("\n").filter(Boolean).map((l) => JSON.parse(l))
+    : r.json();
+}
+
+function stateTag(s) {
+  return h("span", { class: "state " + s }, s);
+}
+
+function age(secs) {
+  if (secs < 90) return secs + " s";
+  if (secs < 5400) return Math.round(secs / 60) + " min";
+  if (secs < 172800) return Math.round(secs / 3600) + " h";
+  return Math.round(secs / 86400) + " d";
+}
+
+function request(a) {
+  return a.tool ? "tools/call " + a.tool : a.method + " " + a.path;
+}
+
+function table(head, rows, rowAttrs) {
+  return h(
+    "div",
+    { class: "scroll" },
+    h(
+      "table",
+      {},
+      h("thead", {}, h("tr", {}, head.map((c) => h("th", { class: c.narrow ? null : "" }, c.label || c)))),
+      h(
+        "tbody",
+        {},
+        rows.length === 0
+          ? h("tr", {}, h("td", { colspan: head.length, class: "muted" }, "none"))
+          : rows.map((r, i) => h("tr", rowAttrs ? rowAttrs(i) : {}, r.map((c) => (c instanceof Node ? h("td", {}, c) : h("td", {}, c))))),
+      ),
+    ),
+  );
+}
+
+function failure(e) {
+  return h("p", { class: "error", role: "alert" }, "Error: " + e.message);
+}
+
+function download(name, text) {
+  const a = h("a", { href: URL.createObjectURL(new Blob([text], { type: "application/x-ndjson" })), download: name });
+  document.body.append(a);
+  a.click();
+  a.remove();
+}
+
+// ---------------------------------------------------------------- login
+
+function login(message) {
+  nav.hidden = true;
+  const input = h("input", { id: "token", type: "password", autocomplete: "off", required: true, "aria-label": "Admin token" });
+  const form = h(
+    "form",
+    {
+      class: "card",
+      id: "login",
+      onsubmit: async (ev) => {
+        ev.preventDefault();
+        sessionStorage.setItem(TOKEN, input.value.trim());
+        try {
+          await api("/v1/overview");
+          location.hash = "#/actions";
+          route();
+        } catch (e) {
+          login("That token was refused.");
+        }
+      },
+    },
+    h("h1", {}, "Sign in"),
+    h("p", { class: "muted" }, "The admin token (the variable named by admin.token_env). It stays in this tab only."),
+    message ? h("p", { class: "error", role: "alert" }, message) : null,
+    h("label", {}, "Admin token", input),
+    h("div", {}, h("button", { class: "primary", type: "submit" }, "Sign in")),
+  );
+  show(form);
+  input.focus();
+}
+
+// ---------------------------------------------------------------- overview
+
+function parseMetrics(text) {
+  const out = [];
+  for (const line of text.split("\n")) {
+    const m = line.match(/^([a-z_]+)(\{([^}]*)\})? ([0-9.eE+-]+)$/);
+    if (!m) continue;
+    const labels = {};
+    for (const kv of (m[3] || "").matchAll(/([a-z_]+)="([^"]*)"/g)) labels[kv[1]] = kv[2];
+    out.push({ name: m[1], labels, value: Number(m[4]) });
+  }
+  return out;
+}
+
+async function overview() {
+  const [o, metricsText] = await Promise.all([api("/v1/overview"), fetch("/metrics").then((r) => r.text())]);
+  const metrics = parseMetrics(metricsText);
+  const writes = metrics.filter((m) => m.name === "oncegate_requests_total" && m.labels.class === "write");
+  const total = writes.reduce((s, m) => s + m.value, 0);
+  const now = Date.now();
+  let perMin = "—";
+  if (lastWrites && now > lastWrites.at) perMin = (((total - lastWrites.n) * 60000) / (now - lastWrites.at)).toFixed(1);
+  lastWrites = { at: now, n: total };
+  const byUpstream = {};
+  for (const m of writes) {
+    const u = (byUpstream[m.labels.upstream] ||= {});
+    u[m.labels.outcome] = (u[m.labels.outcome] || 0) + m.value;
+  }
+  const lookups = metrics.filter((m) => m.name === "oncegate_lookups_total");
+  const states = ["unknown", "in_flight", "succeeded", "failed"];
+  show(
+    h("h1", {}, "Overview"),
+    h(
+      "div",
+      { class: "tiles" },
+      states.map((s) => h("a", { class: "tile", href: "#/actions?state=" + s }, stateTag(s), h("b", { "data-state": s }, o.actions[s] || 0))),
+      h("div", { class: "tile" }, "writes / min", h("b", { title: "since the previous refresh of this page" }, perMin)),
+      h("div", { class: "tile" }, "write log entries", h("b", {}, o.log_head_seq ?? "—")),
+    ),
+    h(
+      "section",
+      {},
+      h("h2", {}, "Unknown, waiting longest"),
+      table(
+        ["action", "request", "upstream", "waiting"],
+        o.unknown_oldest.map((a) => [h("a", { href: "#/actions/" + a.id, class: "mono" }, a.id), request(a), a.upstream, age(a.waiting_secs)]),
+      ),
+    ),
+    h(
+      "section",
+      {},
+      h("h2", {}, "Writes by upstream, since the proxy started"),
+      table(
+        ["upstream", "sent", "replayed", "unknown", "not applied", "other"],
+        Object.entries(byUpstream).map(([u, c]) => [
+          u,
+          c.sent || 0,
+          c.replayed || 0,
+          c.unknown || 0,
+          c["not-applied"] || 0,
+          Object.entries(c)
+            .filter(([k]) => !["sent", "replayed", "unknown", "not-applied"].includes(k))
+            .reduce((s, [, v]) => s + v, 0),
+        ]),
+      ),
+      h("h2", {}, "Status lookups by result"),
+      table(["result", "count"], lookups.map((m) => [m.labels.result, m.value])),
+    ),
+    h("p", {}, h("button", { type: "button", onclick: () => route() }, "Refresh")),
+  );
+}
+
+// ---------------------------------------------------------------- actions
+
+async function actions(params) {
+  const [o, page] = await Promise.all([api("/v1/overview"), api("/v1/actions?" + params.toString())]);
+  const field = (name, label, el) => {
+    el.name = name;
+    el.value = params.get(name) || "";
+    return h("label", {}, label, el);
+  };
+  const stateSel = h("select", {}, ["", "unknown", "in_flight", "succeeded", "failed"].map((s) => h("option", { value: s }, s || "any")));
+  const filters = h(
+    "form",
+    {
+      class: "card",
+      id: "filters",
+      onsubmit: (ev) => {
+        ev.preventDefault();
+        const p = new URLSearchParams();
+        for (const [k, v] of new FormData(ev.target)) if (v) p.set(k, v);
+        location.hash = "#/actions?" + p.toString();
+      },
+    },
+    field("state", "State", stateSel),
+    field("upstream", "Upstream", h("input", {})),
+    field("task", "Task", h("input", {})),
+    field("tool", "Tool", h("input", {})),
+    h("label", {}, "\u00a0", h("button", { type: "submit" }, "Filter")),
+  );
+  const next = page.next;
+  const nextParams = new URLSearchParams(params);
+  if (next) nextParams.set("after", next);
+  show(
+    h("h1", {}, "Actions"),
+    h(
+      "section",
+      { id: "unknown" },
+      h("h2", {}, "Unknown: waiting to be settled (" + (o.actions.unknown || 0) + ")"),
+      table(
+        ["action", "request", "upstream", "task/step", "waiting"],
+        o.unknown_oldest.map((a) => [
+          h("a", { href: "#/actions/" + a.id, class: "mono" }, a.id),
+          request(a),
+          a.upstream,
+          a.task ? a.task + "/" + (a.step || "-") : "-",
+          age(a.waiting_secs),
+        ]),
+      ),
+    ),
+    filters,
+    h(
+      "section",
+      {},
+      h("h2", {}, "Newest first"),
+      table(
+        ["action", "state", "request", "upstream", "task/step", "attempts", "updated"],
+        page.actions.map((a) => [
+          h("a", { href: "#/actions/" + a.id, class: "mono" }, a.id),
+          stateTag(a.state),
+          request(a),
+          a.upstream,
+          a.task ? h("a", { href: "#/tasks/" + encodeURIComponent(a.task) }, a.task + "/" + (a.step || "-")) : "-",
+          a.attempts,
+          a.updated_at,
+        ]),
+      ),
+      h(
+        "p",
+        {},
+        params.get("after") ? h("a", { href: "#/actions" }, "First page") : null,
+        " ",
+        next ? h("a", { href: "#/actions?" + nextParams.toString(), id: "next" }, "Next page") : h("span", { class: "muted" }, "end of list"),
+      ),
+    ),
+  );
+}
+
+function kv(pairs) {
+  return h(
+    "dl",
+    { class: "kv" },
+    pairs.filter(([, v]) => v !== null && v !== undefined && v !== "").flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, v)]),
+  );
+}
+
+async function action(id) {
+  const a = await api("/v1/actions/" + encodeURIComponent(id));
+  const result = h("div", { id: "result", "aria-live": "polite" });
+  const parts = [
+    h("h1", {}, "Action ", h("span", { class: "mono" }, a.id), " ", stateTag(a.state)),
+    h(
+      "section",
+      {},
+      kv([
+        ["request", request(a)],
+        ["upstream", a.upstream],
+        ["key", h("span", { class: "mono" }, a.key)],
+        ["task / step", a.task ? h("a", { href: "#/tasks/" + encodeURIComponent(a.task) }, a.task + " / " + (a.step || "-")) : null],
+        ["principal", a.principal],
+        ["attempts", a.attempts],
+        ["created", a.created_at],
+        ["updated", a.updated_at],
+        ["expires", a.expires_at],
+        ["external id", a.external_id],
+        ["fingerprint", h("span", { class: "mono" }, a.fingerprint)],
+        ["needs a decision", a.needs_decision ? "yes: sending it again unchanged is not expected to work" : null],
+        ["resolution", a.resolution ? a.resolution.outcome + " by " + a.resolution.actor + " at " + a.resolution.at + ": " + a.resolution.reason : null],
+      ]),
+    ),
+    h(
+      "section",
+      {},
+      h("h2", {}, "Request (redacted)"),
+      kv([
+        ["body", a.request.body_size + " bytes, SHA-256 " + a.request.body_sha256],
+      ]),
+      table(["header", "value"], (a.request.headers || []).map(([k, v]) => [k, h("span", { class: "mono" }, v)])),
+    ),
+    h(
+      "section",
+      {},
+      h("h2", {}, "Evidence"),
+      table(
+        ["attempt", "try at", "phase", "status", "error", "upstream's answer (excerpt)"],
+        a.evidence.flatMap((at) =>
+          (at.tries.length ? at.tries : [{}]).map((t, i) => [
+            i === 0 ? at.attempt + " (" + (at.state || "running") + ")" : "",
+            t.at || at.started_at,
+            t.phase || "",
+            t.status ?? "",
+            t.error || "",
+            t.body ? h("span", { class: "mono" }, t.body) : "",
+          ]),
+        ),
+      ),
+    ),
+  ];
+  if (a.response) {
+    parts.push(
+      h(
+        "section",
+        {},
+        h("h2", {}, "Stored response"),
+        kv([
+          ["status", a.response.status],
+          ["size", a.response.size + " bytes" + (a.response.stored ? "" : " (not kept for replay)")],
+          ["source", a.response.source],
+        ]),
+        table(["header", "value"], a.response.headers.map(([k, v]) => [k, h("span", { class: "mono" }, v)])),
+      ),
+    );
+  }
+  if (a.state === "unknown") {
+    const reason = h("textarea", { id: "reason", rows: 2, required: true, minlength: 3 });
+    const outcome = h("select", { id: "outcome" }, h("option", { value: "applied" }, "applied: it happened"), h("option", { value: "not-applied" }, "not applied: it did not happen"));
+    const ext = h("input", { id: "external", placeholder: "optional" });
+    parts.push(
+      h(
+        "section",
+        { id: "settle" },
+        h("h2", {}, "Settle this action"),
+        h("p", { class: "muted" }, "Nothing is sent for this action until it is settled. Ask the service first; settle by hand only with what the service says."),
+        h(
+          "p",
+          {},
+          h(
+            "button",
+            {
+              type: "button",
+              id: "lookup",
+              onclick: async () => {
+                result.replaceChildren(h("p", { class: "muted" }, "asking the service…"));
+                try {
+                  const r = await api("/v1/actions/" + encodeURIComponent(a.id) + "/lookup", { method: "POST", body: {} });
+                  result.replaceChildren(h("p", {}, "Lookup: " + (r.result || r.state || JSON.stringify(r))));
+                  setTimeout(route, 800);
+                } catch (e) {
+                  result.replaceChildren(failure(e));
+                }
+              },
+            },
+            "Status lookup",
+          ),
+        ),
+        h(
+          "form",
+          {
+            id: "resolve",
+            onsubmit: async (ev) => {
+              ev.preventDefault();
+              if (reason.value.trim().length < 3) {
+                result.replaceChildren(h("p", { class: "error", role: "alert" }, "A reason is required."));
+                return;
+              }
+              const body = { outcome: outcome.value, reason: reason.value.trim() };
+              if (ext.value.trim()) body.external_id = ext.value.trim();
+              try {
+                await api("/v1/actions/" + encodeURIComponent(a.id) + "/resolve", { method: "POST", body });
+                const entries = await api("/v1/log?limit=10000&event=resolved&action=" + encodeURIComponent(a.id));
+                const entry = entries[entries.length - 1];
+                show(
+                  h("h1", {}, "Action ", h("span", { class: "mono" }, a.id), " settled"),
+                  h("p", { class: "banner ok", id: "resolved" }, "Settled " + body.outcome + ". The write log recorded it:"),
+                  entry ? h("pre", { id: "entry" }, JSON.stringify(entry, null, 2)) : h("p", { class: "error" }, "no write-log entry found"),
+                  h("p", {}, h("a", { href: "#/actions/" + a.id }, "Back to the action"), " · ", h("a", { href: "#/log?action=" + a.id }, "Its write-log entries")),
+                );
+              } catch (e) {
+                result.replaceChildren(failure(e));
+              }
+            },
+          },
+          h("label", {}, "Outcome", outcome),
+          h("label", {}, "External id", ext),
+          h("label", { class: "wide" }, "Reason (required, kept in the write log)", reason),
+          h("button", { class: "primary", type: "submit" }, "Resolve"),
+        ),
+        result,
+      ),
+    );
+  }
+  parts.push(h("p", {}, h("a", { href: "#/log?action=" + a.id }, "This action's write-log entries")));
+  show(...parts);
+}
+
+// ---------------------------------------------------------------- tasks
+
+async function tasks(task) {
+  const input = h("input", { name: "task", value: task || "", required: true });
+  const form = h(
+    "form",
+    {
+      class: "card",
+      onsubmit: (ev) => {
+        ev.preventDefault();
+        location.hash = "#/tasks/" + encodeURIComponent(input.value.trim());
+      },
+    },
+    h("label", {}, "Task", input),
+    h("label", {}, "\u00a0", h("button", { type: "submit" }, "Show")),
+  );
+  if (!task) return show(h("h1", {}, "Tasks"), form, h("p", { class: "muted" }, "A task's steps in order, as a resumed worker sees them."));
+  const t = await api("/v1/tasks/" + encodeURIComponent(task));
+  const steps = [...t.actions].sort((a, b) => (a.created_at < b.created_at ? -1 : 1));
+  show(
+    h("h1", {}, "Task ", task),
+    form,
+    h(
+      "section",
+      {},
+      table(
+        ["#", "step", "state", "request", "status", "external id", "action"],
+        steps.map((a, i) => [i + 1, a.step || "-", stateTag(a.state), request(a), a.status ?? "-", a.external_id || "-", h("a", { href: "#/actions/" + a.id, class: "mono" }, a.id)]),
+      ),
+    ),
+  );
+}
+
+// ---------------------------------------------------------------- write log
+
+async function log(params) {
+  const o = await api("/v1/overview");
+  const head = o.log_head_seq || 0;
+  const q = new URLSearchParams(params);
+  if (!q.has("after")) q.set("after", String(Math.max(0, head - 50)));
+  q.set("limit", q.get("limit") || "50");
+  const r = await api("/v1/log?" + q.toString(), { raw: true });
+  const nextSeq = r.headers.get("oncegate-log-next");
+  const entries = (await r.text()).split("\n").filter(Boolean).map((l) => JSON.parse(l));
+  const field = (name, label, el) => {
+    el.name = name;
+    el.value = q.get(name) || "";
+    return h("label", {}, label, el);
+  };
+  const events = ["", "intent", "sent", "outcome", "replayed", "conflict", "rejected", "unknown", "lookup", "resolved", "expired"];
+  const verdict = h("div", { id: "verify", "aria-live": "polite" });
+  let bad = null;
+  const rows = h("div", {});
+  const drawRows = () =>
+    rows.replaceChildren(
+      table(
+        ["seq", "time", "event", "action", "request", "outcome", "actor", "detail"],
+        entries.map((e) => [
+          e.seq,
+          e.ts,
+          e.event,
+          e.action ? h("a", { href: "#/actions/" + e.action, class: "mono" }, e.action.slice(0, 12) + "…") : "-",
+          e.tool ? "tools/call " + e.tool : (e.method || "") + " " + (e.path || ""),
+          e.outcome || "",
+          e.actor,
+          e.detail || "",
+        ]),
+        (i) => (bad !== null && entries[i].seq >= bad ? { class: "bad" } : {}),
+      ),
+    );
+  drawRows();
+  const from = h("input", { name: "from", type: "number", min: 0, value: Math.max(0, head - 1000) });
+  const count = h("input", { name: "count", type: "number", min: 1, max: 10000, value: 1000 });
+  const older = new URLSearchParams(q);
+  older.set("after", String(Math.max(0, Number(q.get("after")) - 50)));
+  const newer = new URLSearchParams(q);
+  newer.set("after", nextSeq || q.get("after"));
+  show(
+    h("h1", {}, "Write log"),
+    h(
+      "section",
+      {},
+      h(
+        "button",
+        {
+          type: "button",
+          id: "verify-button",
+          class: "primary",
+          onclick: async () => {
+            verdict.replaceChildren(h("p", { class: "muted" }, "verifying the whole chain…"));
+            try {
+              const v = await api("/v1/log/verify");
+              bad = v.first_bad_seq ?? null;
+              verdict.replaceChildren(
+                v.ok
+                  ? h("p", { class: "banner ok" }, "The chain verifies: " + v.entries + " entries, head seq " + v.head_seq + ".")
+                  : h("p", { class: "banner bad", role: "alert" }, "The chain does NOT verify: the first bad entry is seq " + bad + ". Entries from there on cannot be trusted."),
+                h("p", {}, "Anchor line to keep outside this machine: ", h("span", { class: "mono", id: "anchor" }, v.head_seq + ":" + v.head)),
+              );
+              drawRows();
+            } catch (e) {
+              verdict.replaceChildren(failure(e));
+            }
+          },
+        },
+        "Verify the chain",
+      ),
+      verdict,
+    ),
+    h(
+      "form",
+      {
+        class: "card",
+        onsubmit: (ev) => {
+          ev.preventDefault();
+          const p = new URLSearchParams();
+          for (const [k, v] of new FormData(ev.target)) if (v) p.set(k, v);
+          location.hash = "#/log?" + p.toString();
+        },
+      },
+      field("event", "Event", h("select", {}, events.map((e) => h("option", { value: e }, e || "any")))),
+      field("action", "Action", h("input", {})),
+      field("principal", "Principal", h("input", {})),
+      field("since", "Since (RFC 3339)", h("input", { placeholder: "2026-12-01T08:00" })),
+      field("until", "Until", h("input", {})),
+      field("after", "After seq", h("input", { type: "number", min: 0 })),
+      h("label", {}, "\u00a0", h("button", { type: "submit" }, "Show")),
+    ),
+    h(
+      "section",
+      {},
+      h("p", { class: "muted" }, entries.length + " entries after seq " + q.get("after") + (nextSeq ? " (read up to seq " + nextSeq + ")" : "") + ", head seq " + head + "."),
+      rows,
+      h("p", {}, h("a", { href: "#/log?" + older.toString() }, "Older"), " · ", h("a", { href: "#/log?" + newer.toString() }, "Newer")),
+    ),
+    h(
+      "form",
+      {
+        class: "card",
+        onsubmit: async (ev) => {
+          ev.preventDefault();
+          const text = await api("/v1/log?after=" + Number(from.value) + "&limit=" + Number(count.value), { raw: true }).then((x) => x.text());
+          download("oncegate-log-" + from.value + ".ndjson", text);
+        },
+      },
+      h("h2", {}, "Export a range as NDJSON"),
+      h("label", {}, "After seq", from),
+      h("label", {}, "Entries", count),
+      h("label", {}, "\u00a0", h("button", { type: "submit" }, "Export")),
+      h("p", { class: "muted" }, "Verify an export offline: oncegate log verify --file FILE --expect-head SEQ:HASH"),
+    ),
+  );
+}
+
+// ---------------------------------------------------------------- routing
+
+async function route() {
+  if (!token()) return login();
+  nav.hidden = false;
+  const [path, query] = (location.hash.slice(1) || "/actions").split("?");
+  const params = new URLSearchParams(query || "");
+  const parts = path.split("/").filter(Boolean);
+  for (const a of nav.querySelectorAll("a")) a.classList.toggle("on", a.getAttribute("href") === "#/" + (parts[0] || "actions"));
+  try {
+    if (parts[0] === "overview") await overview();
+    else if (parts[0] === "actions" && parts[1]) await action(decodeURIComponent(parts[1]));
+    else if (parts[0] === "tasks") await tasks(parts[1] ? decodeURIComponent(parts[1]) : "");
+    else if (parts[0] === "log") await log(params);
+    else await actions(params);
+  } catch (e) {
+    if (e instanceof ApiError && !token()) return;
+    show(failure(e));
+  }
+}
+
+document.getElementById("logout").addEventListener("click", () => {
+  sessionStorage.removeItem(TOKEN);
+  location.hash = "";
+  route();
+});
+window.addEventListener("hashchange", route);
+route();

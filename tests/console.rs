@@ -1,0 +1,159 @@
+//! The console (`src/console/`), in a real browser: headless Chromium, driven by playwright-core
+//! (`tests/console/drive.mjs`) against a running proxy with an unknown action. Needs Chromium
+//! (`ONCEGATE_CHROMIUM`) and playwright-core (`ONCEGATE_CONSOLE_NODE`); `.ci/run` installs both.
+//! Screenshots go to `target/console-screenshots/`.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::Value;
+use support::{config, Behavior, FakeUpstream, TestClient, TestProxy, ADMIN_TOKEN};
+
+#[tokio::test]
+async fn the_console_is_served_by_the_admin_listener_and_keeps_to_itself() {
+    let up = FakeUpstream::start().await;
+    let proxy = TestProxy::start(&config(&up.url(), "")).await;
+    let c = TestClient::default();
+    let page = c.get(&proxy.admin_url("/")).await;
+    assert_eq!(page.status, 200);
+    assert!(String::from_utf8_lossy(&page.body).contains("/console.js"));
+    let csp = page.header("content-security-policy").unwrap();
+    assert!(
+        csp.contains("default-src 'self'") && csp.contains("frame-ancestors 'none'"),
+        "{csp}"
+    );
+    for asset in ["/console.js", "/console.css"] {
+        let r = c.get(&proxy.admin_url(asset)).await;
+        assert_eq!(r.status, 200, "{asset}");
+        assert!(r.header("set-cookie").is_none());
+    }
+    // The page holds no data: without the token the API still answers 401.
+    assert_eq!(c.get(&proxy.admin_url("/v1/overview")).await.status, 401);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+#[ignore = "needs Chromium (ONCEGATE_CHROMIUM) and playwright-core (ONCEGATE_CONSOLE_NODE)"]
+async fn an_operator_settles_an_unknown_write_and_the_log_shows_it_in_a_browser() {
+    let node = std::env::var("ONCEGATE_CONSOLE_NODE").unwrap_or_else(|_| {
+        panic!("this test needs ONCEGATE_CONSOLE_NODE: a folder with playwright-core (as .ci/run makes)")
+    });
+    let up = FakeUpstream::start().await;
+    let proxy = TestProxy::start(&config(&up.url(), r#"timeout = "300ms""#)).await;
+    let c = TestClient::default();
+    // Some history: a write that succeeded (and its replay), then one whose answer never came.
+    up.push(Behavior::json(201, r#"{"id":"ch_1"}"#));
+    let h = [
+        ("idempotency-key", "console-ok"),
+        ("content-type", "application/json"),
+    ];
+    c.post(&proxy.url("/pay/v1/charges"), &h, r#"{"amount":1}"#)
+        .await;
+    c.post(&proxy.url("/pay/v1/charges"), &h, r#"{"amount":1}"#)
+        .await;
+    up.push(Behavior::Hang);
+    let lost = c
+        .post(
+            &proxy.url("/pay/v1/charges"),
+            &[
+                ("idempotency-key", "console-lost"),
+                ("oncegate-task", "t-console"),
+                ("oncegate-step", "charge"),
+            ],
+            r#"{"amount":4200}"#,
+        )
+        .await;
+    assert_eq!(lost.header("oncegate-outcome"), Some("unknown"));
+    let id = lost.header("oncegate-action").unwrap().to_string();
+
+    let shots = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/console-screenshots");
+    std::fs::create_dir_all(&shots).unwrap();
+    let mut cmd = std::process::Command::new("node");
+    cmd.arg(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/console/drive.mjs"
+    ))
+    .arg(proxy.admin_url("").trim_end_matches('/'))
+    .arg(ADMIN_TOKEN)
+    .arg(&id)
+    .arg(&shots)
+    .env("ONCEGATE_CONSOLE_NODE", &node);
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::task::spawn_blocking(move || cmd.output().unwrap()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let saw: Value = serde_json::from_str(stdout.trim().lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| {
+            panic!(
+                "the driver said ({e}): {stdout}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    assert!(saw["failed"].is_null(), "{}", saw["failed"]);
+    assert_eq!(saw["errors"], serde_json::json!([]), "page errors: {saw}");
+    assert!(
+        saw["wrong_token"].as_str().unwrap().contains("refused"),
+        "{saw}"
+    );
+    assert_eq!(saw["unknown_listed"], true, "{saw}");
+    assert!(
+        saw["evidence"]
+            .as_str()
+            .unwrap()
+            .contains("no response within 300ms"),
+        "{saw}"
+    );
+    assert_eq!(saw["reason_required"], true, "{saw}");
+    // The write-log entry the resolve made, as the page showed it.
+    let entry = &saw["entry"];
+    assert_eq!(entry["event"], "resolved", "{saw}");
+    assert_eq!(entry["action"], id.as_str());
+    assert_eq!(entry["actor"], "admin");
+    assert_eq!(entry["outcome"], "applied");
+    assert!(
+        entry["detail"]
+            .as_str()
+            .unwrap()
+            .contains("ch_console_1 exists"),
+        "{saw}"
+    );
+    assert!(
+        saw["verify"]
+            .as_str()
+            .unwrap()
+            .contains("The chain verifies"),
+        "{saw}"
+    );
+    assert!(
+        saw["log_text"].as_str().unwrap().contains("resolved"),
+        "{saw}"
+    );
+    let anchor = saw["anchor"].as_str().unwrap();
+    assert!(
+        anchor
+            .split_once(':')
+            .is_some_and(|(seq, hash)| seq.parse::<u64>().is_ok() && hash.len() == 64),
+        "{anchor}"
+    );
+    assert_eq!(saw["overview_unknown"], "0", "{saw}");
+    for (page, overflow) in saw["overflow"].as_object().unwrap() {
+        assert!(
+            overflow.as_i64().unwrap() <= 0,
+            "{page} scrolls sideways at a phone's width: {saw}"
+        );
+    }
+    assert!(saw["token_after_logout"].is_null(), "{saw}");
+    assert_eq!(saw["cookies"], 0, "the console keeps no cookie");
+    // And the store agrees.
+    let rec = proxy.store.get(&id).await.unwrap().unwrap();
+    assert_eq!(rec.state, oncegate::action::State::Succeeded);
+    assert_eq!(rec.external_id.as_deref(), Some("ch_console_1"));
+    assert!(shots.join("4-resolved.png").exists());
+    proxy.stop().await;
+}

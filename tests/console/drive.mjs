@@ -1,0 +1,98 @@
+// Drives the console in headless Chromium as an operator and an auditor would (playwright-core,
+// installed in $ONCEGATE_CONSOLE_NODE by .ci/run; Chromium at $ONCEGATE_CHROMIUM).
+//
+//   node drive.mjs ADMIN_URL TOKEN UNKNOWN_ACTION_ID SCREENSHOT_DIR
+//
+// Signs in, finds the unknown action, resolves it with a reason, checks the write log shows the
+// resolution and that the chain verifies, and looks at the pages at a phone's width. Prints one
+// JSON line of what it saw; screenshots go to SCREENSHOT_DIR.
+import path from "node:path";
+import { pathToFileURL } from "node:url";
+
+const { chromium } = await import(
+  pathToFileURL(path.join(process.env.ONCEGATE_CONSOLE_NODE, "node_modules/playwright-core/index.mjs")).href
+);
+const [base, token, unknownId, shots] = process.argv.slice(2);
+const browser = await chromium.launch({
+  executablePath: process.env.ONCEGATE_CHROMIUM || "/usr/bin/chromium",
+  args: ["--no-sandbox", "--disable-dev-shm-usage"],
+});
+const out = { errors: [] };
+let expect401 = false; // the wrong token's own refusal is expected
+try {
+  const page = await browser.newPage({ viewport: { width: 1280, height: 900 } });
+  page.on("pageerror", (e) => out.errors.push(String(e)));
+  page.on("console", (m) => {
+    if (m.type() !== "error") return;
+    if (expect401 && m.text().includes("401")) return;
+    out.errors.push(m.text());
+  });
+  const shot = (name) => page.screenshot({ path: path.join(shots, name + ".png"), fullPage: true });
+
+  await page.goto(base + "/");
+  await page.waitForSelector("#login");
+  await shot("1-sign-in");
+  // A wrong token is refused, and said so.
+  await page.fill("#token", "not-the-token");
+  expect401 = true;
+  await page.click("#login button[type=submit]");
+  await page.waitForSelector("#login [role=alert]");
+  out.wrong_token = await page.textContent("#login [role=alert]");
+  expect401 = false;
+
+  await page.fill("#token", token);
+  await page.click("#login button[type=submit]");
+  await page.waitForSelector("#unknown");
+  out.unknown_listed = (await page.locator(`#unknown a[href="#/actions/${unknownId}"]`).count()) === 1;
+  await shot("2-actions");
+
+  await page.click(`#unknown a[href="#/actions/${unknownId}"]`);
+  await page.waitForSelector("#settle");
+  out.evidence = await page.textContent("main");
+  await shot("3-unknown-action");
+
+  // A reason is required.
+  await page.click("#resolve button[type=submit]");
+  out.reason_required = await page.evaluate(() => !document.getElementById("reason").checkValidity());
+  await page.selectOption("#outcome", "applied");
+  await page.fill("#external", "ch_console_1");
+  await page.fill("#reason", "checked in the service's dashboard: charge ch_console_1 exists");
+  await page.click("#resolve button[type=submit]");
+  await page.waitForSelector("#resolved");
+  out.entry = JSON.parse(await page.textContent("#entry"));
+  await shot("4-resolved");
+
+  await page.goto(base + "/#/log?action=" + unknownId);
+  await page.waitForSelector("#verify-button");
+  await page.click("#verify-button");
+  await page.waitForSelector("#verify .banner");
+  out.verify = await page.textContent("#verify");
+  out.anchor = await page.textContent("#anchor");
+  out.log_text = await page.textContent("main");
+  await shot("5-write-log");
+
+  await page.goto(base + "/#/overview");
+  await page.waitForSelector(".tiles");
+  out.overview_unknown = await page.textContent('[data-state="unknown"]');
+  await shot("6-overview");
+
+  // A phone's width: every page fits, nothing scrolls sideways but the tables' own boxes.
+  await page.setViewportSize({ width: 390, height: 844 });
+  out.overflow = {};
+  for (const [name, hash] of [["actions", "#/actions"], ["action", "#/actions/" + unknownId], ["log", "#/log"], ["overview", "#/overview"]]) {
+    await page.goto(base + "/" + hash);
+    await page.waitForSelector("main h1");
+    out.overflow[name] = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+    await shot("7-phone-" + name);
+  }
+  // Signing out forgets the token.
+  await page.click("#logout");
+  await page.waitForSelector("#login");
+  out.token_after_logout = await page.evaluate(() => sessionStorage.getItem("oncegate-admin-token"));
+  out.cookies = (await page.context().cookies()).length;
+} catch (e) {
+  out.failed = String(e.stack || e);
+} finally {
+  await browser.close();
+}
+console.log(JSON.stringify(out));
