@@ -37,9 +37,7 @@ async fn the_console_is_served_by_the_admin_listener_and_keeps_to_itself() {
 #[tokio::test]
 #[ignore = "needs Chromium (ONCEGATE_CHROMIUM) and playwright-core (ONCEGATE_CONSOLE_NODE)"]
 async fn an_operator_settles_an_unknown_write_and_the_log_shows_it_in_a_browser() {
-    let node = std::env::var("ONCEGATE_CONSOLE_NODE").unwrap_or_else(|_| {
-        panic!("this test needs ONCEGATE_CONSOLE_NODE: a folder with playwright-core (as .ci/run makes)")
-    });
+    let node = console_node();
     let up = FakeUpstream::start().await;
     let proxy = TestProxy::start(&config(&up.url(), r#"timeout = "300ms""#)).await;
     let c = TestClient::default();
@@ -154,6 +152,108 @@ async fn an_operator_settles_an_unknown_write_and_the_log_shows_it_in_a_browser(
     let rec = proxy.store.get(&id).await.unwrap().unwrap();
     assert_eq!(rec.state, oncegate::action::State::Succeeded);
     assert_eq!(rec.external_id.as_deref(), Some("ch_console_1"));
-    assert!(shots.join("4-resolved.png").exists());
+    assert!(screenshots().join("4-resolved.png").exists());
+    proxy.stop().await;
+}
+
+fn screenshots() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/console-screenshots")
+}
+
+fn console_node() -> String {
+    std::env::var("ONCEGATE_CONSOLE_NODE").unwrap_or_else(|_| {
+        panic!("this test needs ONCEGATE_CONSOLE_NODE: a folder with playwright-core (as .ci/run makes)")
+    })
+}
+
+/// Runs `tests/console/drive.mjs` against the proxy's console; returns what it saw.
+async fn drive(node: &str, proxy: &TestProxy, what: &str) -> Value {
+    let shots = screenshots();
+    std::fs::create_dir_all(&shots).unwrap();
+    let mut cmd = std::process::Command::new("node");
+    cmd.arg(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/console/drive.mjs"
+    ))
+    .arg(proxy.admin_url("").trim_end_matches('/'))
+    .arg(ADMIN_TOKEN)
+    .arg(what)
+    .arg(&shots)
+    .env("ONCEGATE_CONSOLE_NODE", node);
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::task::spawn_blocking(move || cmd.output().unwrap()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let saw: Value = serde_json::from_str(stdout.trim().lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| {
+            panic!(
+                "the driver said ({e}): {stdout}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    assert!(saw["failed"].is_null(), "{}", saw["failed"]);
+    saw
+}
+
+/// An entry edited in the database (PostgreSQL: anyone with write access to the table) shows red
+/// in the console, from the first bad entry on.
+#[tokio::test]
+#[ignore = "needs Chromium (ONCEGATE_CHROMIUM), playwright-core (ONCEGATE_CONSOLE_NODE) and PostgreSQL (ONCEGATE_TEST_POSTGRES)"]
+async fn a_log_edited_in_the_database_shows_red_from_the_first_bad_entry() {
+    let node = console_node();
+    let db = support::fresh_database(&support::postgres_url()).await;
+    let store: std::sync::Arc<dyn oncegate::store::Store> = std::sync::Arc::new(
+        oncegate::store::postgres::PostgresStore::open(&db, Default::default())
+            .await
+            .unwrap(),
+    );
+    let up = FakeUpstream::start().await;
+    let cfg = oncegate::config::Config::parse(&config(&up.url(), "")).unwrap();
+    let proxy = TestProxy::start_with_services(
+        cfg,
+        store,
+        std::path::Path::new("/nonexistent"),
+        Some(ADMIN_TOKEN.to_string()),
+        oncegate::action::system_clock(),
+    )
+    .await;
+    let c = TestClient::default();
+    for k in ["a", "b"] {
+        up.push(Behavior::json(201, r#"{"id":"ch"}"#));
+        c.post(
+            &proxy.url("/pay/v1/charges"),
+            &[("idempotency-key", k)],
+            "amount=1",
+        )
+        .await;
+    }
+    // Someone with write access to the table makes entry 3 say another amount's path.
+    let (client, conn) = tokio_postgres::connect(&db, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let n = client
+        .execute(
+            "UPDATE oncegate_log SET entry = replace(entry, '/v1/charges', '/v1/refunds') WHERE seq = 3",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+    let saw = drive(&node, &proxy, "--verify-only").await;
+    let verdict = saw["verify"].as_str().unwrap();
+    assert!(
+        verdict.contains("does NOT verify") && verdict.contains("seq 3"),
+        "{saw}"
+    );
+    assert_eq!(saw["first_bad_row"], "3", "{saw}");
+    assert!(
+        saw["bad_rows"].as_u64().unwrap() >= 4,
+        "entries 3 onward are marked: {saw}"
+    );
     proxy.stop().await;
 }

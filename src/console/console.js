@@ -533,7 +533,9 @@ async function log(params) {
                 v.ok
                   ? h("p", { class: "banner ok" }, "The chain verifies: " + v.entries + " entries, head seq " + v.head_seq + ".")
                   : h("p", { class: "banner bad", role: "alert" }, "The chain does NOT verify: the first bad entry is seq " + bad + ". Entries from there on cannot be trusted."),
-                h("p", {}, "Anchor line to keep outside this machine: ", h("span", { class: "mono", id: "anchor" }, v.head_seq + ":" + v.head)),
+                v.ok
+                  ? h("p", {}, "Anchor line to keep outside this machine: ", h("span", { class: "mono", id: "anchor" }, v.head_seq + ":" + v.head))
+                  : h("p", {}, "Compare with the last anchor kept outside this machine; entries before seq " + bad + " still verify."),
               );
               drawRows();
             } catch (e) {
