@@ -1,0 +1,63 @@
+//! Checkpoints: sled made durable on its own, so that write-ahead log files can go.
+
+use super::*;
+
+/// sled's flush, then what its flush leaves out: its blob files and an fdatasync of its log file
+/// (sled's flush ends in `sync_file_range`, which does not survive a power loss; SPEC §13).
+///
+/// sled writes a value too large for its log into a separate blob file, and its flush does not
+/// fsync those. Every blob file not seen before is fsynced (with the folder) before the log's
+/// fdatasync, so the log never points at a blob a power loss could take. Normally there are
+/// none: this is one `readdir`.
+pub(super) fn sled_durable(
+    db: &sled::Db,
+    dir: &Path,
+    seen: &mut HashSet<std::ffi::OsString>,
+    log: &File,
+) -> Result<(), String> {
+    db.flush().map_err(|e| format!("sled flush: {e}"))?;
+    let blobs = dir.join("blobs");
+    if let Ok(entries) = std::fs::read_dir(&blobs) {
+        let mut present = HashSet::new();
+        let mut new = false;
+        for e in entries {
+            let e = e.map_err(|e| format!("list sled blobs: {e}"))?;
+            let name = e.file_name();
+            if !seen.contains(&name) {
+                File::open(e.path())
+                    .and_then(|f| f.sync_all())
+                    .map_err(|e| format!("fsync sled blob: {e}"))?;
+                new = true;
+            }
+            present.insert(name);
+        }
+        *seen = present;
+        if new {
+            fsync_dir(&blobs).map_err(|e| format!("fsync sled blobs folder: {e}"))?;
+        }
+    }
+    log.sync_data()
+        .map_err(|e| format!("fdatasync sled log: {e}"))
+}
+
+/// The checkpoint thread's queue and handle.
+pub(super) type Checkpointer = (mpsc::Sender<(u64, u64)>, std::thread::JoinHandle<()>);
+
+/// Removes log files once sled holds their frames durably: waits until the drainer has applied
+/// the file's last batch, then flushes and fsyncs sled (the checkpoint) and deletes the files.
+pub(super) fn checkpoint_loop(
+    db: &sled::Db,
+    dir: &Path,
+    shared: &Shared,
+    rx: mpsc::Receiver<(u64, u64)>,
+) -> Result<(), String> {
+    let log = File::open(dir.join("db")).map_err(|e| format!("open sled log file: {e}"))?;
+    let mut blobs = HashSet::new();
+    while let Ok((seq, generation)) = rx.recv() {
+        shared.wait_applied(seq)?;
+        sled_durable(db, dir, &mut blobs, &log)?;
+        shared.logfiles().map_err(|e| e.to_string())?.sync()?;
+        wal::remove_through(&dir.join("wal"), generation)?;
+    }
+    Ok(())
+}

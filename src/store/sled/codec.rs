@@ -1,0 +1,219 @@
+//! A record's stored form: bounded in size, sealed when encryption is on.
+
+use super::*;
+
+/// Encodes a record within [`RECORD_MAX`]. A record over it sheds evidence until it fits: the
+/// tries' bodies, oldest first, except the last try's; then the request's headers, last first;
+/// then whole tries, oldest first (each attempt keeps its last); then the last try's body. Each
+/// dropped piece is marked in the record.
+/// Returns the record as stored and its encoding.
+pub(super) fn encode_bounded(mut r: Record, sealer: Option<&Sealer>) -> (Record, Vec<u8>) {
+    // With a sealer the bound applies to the sealed form, which is what sled holds.
+    let encode = |r: &Record| match sealer {
+        None => serde_json::to_vec(r).expect("records always serialize"),
+        Some(s) => {
+            let mut sealed = r.clone();
+            s.seal_record(&mut sealed);
+            serde_json::to_vec(&sealed).expect("records always serialize")
+        }
+    };
+    let mut v = encode(&r);
+    if v.len() <= RECORD_MAX {
+        return (r, v);
+    }
+    let size = v.len();
+    let tries: Vec<(usize, usize)> = r
+        .evidence
+        .iter()
+        .enumerate()
+        .flat_map(|(a, at)| (0..at.tries.len()).map(move |t| (a, t)))
+        .collect();
+    let last = tries.last().copied();
+    pub(super) fn drop_body(t: &mut crate::action::Try) -> usize {
+        t.body.take().map_or(0, |b| {
+            t.body_dropped = true;
+            b.len()
+        })
+    }
+    // Each step sheds about `excess` bytes (counted from the pieces' raw sizes) and says whether
+    // it shed anything; it runs again until the encoding fits or it has nothing left.
+    type Step<'a> = &'a dyn Fn(&mut Record, usize) -> bool;
+    let steps: [Step; 4] = [
+        &|r, mut excess| {
+            let mut shed = false;
+            for &(a, t) in tries.iter().filter(|&&at| Some(at) != last) {
+                if excess == 0 {
+                    break;
+                }
+                let n = drop_body(&mut r.evidence[a].tries[t]);
+                excess = excess.saturating_sub(n);
+                shed |= n > 0;
+            }
+            shed
+        },
+        &|r, mut excess| {
+            let mut shed = false;
+            while excess > 0 {
+                let Some((k, val)) = r.request.headers.pop() else {
+                    break;
+                };
+                excess = excess.saturating_sub(k.len() + val.len());
+                r.request.headers_dropped += 1;
+                shed = true;
+            }
+            shed
+        },
+        &|r, mut excess| {
+            let mut shed = false;
+            for a in r.evidence.iter_mut() {
+                while excess > 0 && a.tries.len() > 1 {
+                    let t = a.tries.remove(0);
+                    excess = excess.saturating_sub(serde_json::to_vec(&t).map_or(0, |v| v.len()));
+                    a.tries_dropped += 1;
+                    shed = true;
+                }
+            }
+            shed
+        },
+        // Whole tries may have gone: the last try is still its attempt's last.
+        &|r, _| {
+            r.evidence
+                .iter_mut()
+                .rev()
+                .find_map(|a| a.tries.last_mut())
+                .is_some_and(|t| drop_body(t) > 0)
+        },
+    ];
+    for step in steps {
+        while step(&mut r, v.len() - RECORD_MAX) {
+            v = encode(&r);
+            if v.len() <= RECORD_MAX {
+                tracing::debug!(id = %r.id, size, "record shed evidence to fit the store's bound");
+                return (r, v);
+            }
+        }
+    }
+    // Only a very long path and response head with very many attempts get here.
+    tracing::warn!(
+        id = %r.id,
+        size = v.len(),
+        "record exceeds the store's bound even without its tries' evidence"
+    );
+    (r, v)
+}
+
+/// Parses a stored record and, with a sealer, opens its secrets. Without one a sealed record
+/// keeps them sealed (index maintenance needs none of them).
+pub(super) fn decode(key: &[u8], v: &[u8], sealer: Option<&Sealer>) -> Result<Record, StoreError> {
+    let corrupt = |reason: String| StoreError::Corrupt {
+        id: String::from_utf8_lossy(key).into_owned(),
+        reason,
+    };
+    let mut r: Record = serde_json::from_slice(v).map_err(|e| corrupt(e.to_string()))?;
+    if let Some(s) = sealer {
+        s.open_record(&mut r).map_err(corrupt)?;
+    }
+    Ok(r)
+}
+
+/// The first sequence number of a log block, from its key.
+pub(super) fn log_seq(key: &[u8]) -> Option<u64> {
+    key.strip_prefix(b"l/")
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map(u64::from_be_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::action::tests::fresh;
+
+    fn with_tries(attempts: usize, tries: usize, body: usize) -> Record {
+        let mut r = fresh("fp");
+        for n in 0..attempts {
+            r.evidence.push(crate::action::Attempt {
+                n: n as u32 + 1,
+                started_at: 1,
+                ended_at: Some(2),
+                state: Some(State::Failed),
+                tries: (0..tries)
+                    .map(|t| crate::action::Try {
+                        at: 2,
+                        status: Some(503),
+                        error: Some(format!("attempt {n} try {t}")),
+                        body: Some("b".repeat(body)),
+                        ..Default::default()
+                    })
+                    .collect(),
+                tries_dropped: 0,
+            });
+        }
+        r
+    }
+
+    #[test]
+    fn a_small_record_is_stored_as_it_is() {
+        let r = with_tries(5, 3, 4096);
+        let (stored, v) = encode_bounded(r.clone(), None);
+        assert_eq!(stored, r);
+        assert_eq!(v, serde_json::to_vec(&r).expect("encodes"));
+    }
+
+    #[test]
+    fn a_record_sheds_headers_then_whole_tries_then_the_last_body() {
+        // Request headers over the bound: every try body goes, then headers, last first.
+        let mut r = with_tries(2, 2, 4096);
+        r.request.headers = (0..40)
+            .map(|i| (format!("x-h{i:02}"), "v".repeat(4096)))
+            .collect();
+        let (stored, v) = encode_bounded(r, None);
+        assert!(v.len() <= RECORD_MAX);
+        let tries: Vec<_> = stored.evidence.iter().flat_map(|a| &a.tries).collect();
+        assert!(tries[..3]
+            .iter()
+            .all(|t| t.body_dropped && t.body.is_none()));
+        assert!(tries[3].body.is_some(), "the last try's body goes last");
+        let kept = stored.request.headers.len();
+        assert_eq!(kept as u32 + stored.request.headers_dropped, 40);
+        assert!(kept > 0 && stored.request.headers[kept - 1].0 == format!("x-h{:02}", kept - 1));
+
+        // Tries beyond what bodiless evidence fits: whole tries go, oldest first, each attempt
+        // keeping its last.
+        let r = with_tries(20, 200, 10);
+        let (stored, v) = encode_bounded(r, None);
+        assert!(v.len() <= RECORD_MAX);
+        let first = &stored.evidence[0];
+        assert!(first.tries_dropped > 0);
+        assert_eq!(first.tries.len() + first.tries_dropped as usize, 200);
+        assert_eq!(
+            first.tries.last().expect("kept").error.as_deref(),
+            Some("attempt 0 try 199")
+        );
+        assert!(stored.evidence.iter().all(|a| !a.tries.is_empty()));
+        assert_eq!(stored.evidence.last().expect("kept").tries_dropped, 0);
+    }
+
+    #[test]
+    fn the_largest_record_a_safe_policy_makes_fits_the_bound() {
+        // The worst a request can bring: a head at the server's limit, all path. The worst a
+        // succeeded response leaves: a head at the stored limit. Every attempt a policy within
+        // `SLED_SAFE_ATTEMPTS` allows, each with long errors, request ids and 4 KiB bodies.
+        let attempts = crate::config::SLED_SAFE_ATTEMPTS as usize;
+        let mut r = with_tries(attempts, 3, 4096);
+        r.path = "p".repeat(crate::server::HEAD_MAX);
+        for t in r.evidence.iter_mut().flat_map(|a| a.tries.iter_mut()) {
+            t.error = Some("e".repeat(200));
+            t.request_id = Some("r".repeat(64));
+        }
+        r.response = Some(crate::action::StoredResponse {
+            status: 201,
+            headers: vec![("x".into(), "h".repeat(crate::proxy::STORED_HEAD_MAX - 1))],
+            size: 2,
+            body: BodyRef::Inline,
+            source: crate::action::Source::Upstream,
+        });
+        let (stored, v) = encode_bounded(r, None);
+        assert!(v.len() <= RECORD_MAX, "{} bytes", v.len());
+        assert_eq!(stored.evidence.len(), attempts);
+    }
+}

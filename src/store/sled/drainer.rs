@@ -1,0 +1,67 @@
+//! The drainer thread: durable changes applied to sled in bulk.
+
+use super::*;
+
+/// Applies durable changes one by one: log blocks (in order) to the log files, the rest to sled.
+/// (Removing a log block is what a store from before the log files did to prune; the anchor says
+/// where the log starts, so it is nothing to do here.)
+///
+/// Not as a `sled::Batch`: the write-ahead log already makes the batch atomic (a crash replays it
+/// whole), and sled 0.34 pays for batch atomicity twice: it seals and writes its I/O buffer after
+/// every batch (a `pwrite` on one of its threads), and once a batch has been used it puts every
+/// read behind one global lock. Readers may see a batch half applied for a moment; each key they
+/// read is a durable value.
+///
+/// The log files are locked per block, not across the sled inserts: readers of the log and the
+/// checkpoint's fsync of the files do not wait for a drain.
+pub(super) fn apply_changes<'a>(
+    db: &sled::Db,
+    files: &Mutex<LogFiles>,
+    changes: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
+) -> Result<(), String> {
+    for (k, v) in changes {
+        match (log_seq(k), v) {
+            (Some(first), Some(block)) => files
+                .lock()
+                .map_err(|_| "store lock poisoned".to_string())?
+                .append(first, block)?,
+            (Some(_), None) => {}
+            (None, Some(v)) => drop(db.insert(k, v).map_err(|e| format!("sled insert: {e}"))?),
+            (None, None) => drop(db.remove(k).map_err(|e| format!("sled remove: {e}"))?),
+        }
+    }
+    Ok(())
+}
+
+/// Applies frozen changes to sled, then lets readers forget them.
+pub(super) fn drain_loop(db: &sled::Db, shared: &Shared, rx: mpsc::Receiver<(Arc<Changes>, u64)>) {
+    while let Ok((changes, seq)) = rx.recv() {
+        // Log blocks in order (the map has none); records and indexes in any.
+        let mut pairs: Vec<(&[u8], Option<&[u8]>)> = changes
+            .iter()
+            .map(|(k, v)| (k.as_slice(), v.as_deref()))
+            .collect();
+        pairs.sort_unstable_by_key(|(k, _)| log_seq(k));
+        let applied = match apply_changes(db, &shared.logfiles, pairs.into_iter()) {
+            Ok(()) => true,
+            Err(e) => {
+                shared.fail(&format!("apply durable changes: {e}"));
+                false
+            }
+        };
+        if let Ok(mut m) = shared.mem.write() {
+            // What sled could not take stays readable here (the store takes no more changes).
+            if applied {
+                m.frozen = Arc::new(Changes::new());
+            }
+            m.draining = false;
+        }
+        // Under the lock the waiters check under, so that none misses the notification.
+        if let Ok(mut a) = shared.applied.lock() {
+            if applied {
+                *a = (*a).max(seq);
+            }
+            shared.progress.notify_all();
+        }
+    }
+}

@@ -1,0 +1,199 @@
+//! Keys and indexes: what sled must find by key, and scans over the indexes.
+
+use super::*;
+
+pub(super) fn rec_key(id: &str) -> Vec<u8> {
+    format!("a/{id}").into_bytes()
+}
+pub(super) fn body_key(id: &str) -> Vec<u8> {
+    format!("b/{id}").into_bytes()
+}
+/// Whether the state index lists actions in `state`: every state but `succeeded`, the bulk of a
+/// store, whose count is the rest of the creation index and which no scan looks up by state.
+pub(super) fn state_indexed(state: State) -> bool {
+    state != State::Succeeded
+}
+
+pub(super) fn state_key(state: State, id: &str) -> Vec<u8> {
+    format!("s/{}/{id}", state.as_str()).into_bytes()
+}
+pub(super) fn task_key(task: &str, id: &str) -> Vec<u8> {
+    format!("t/{task}\0{id}").into_bytes()
+}
+
+/// The expiry index groups settled actions by the minute they expire in (an action in flight or
+/// unknown has no entry: it never expires).
+pub(super) const EXPIRY_BUCKET: Millis = 60_000;
+/// The expiry index's prefix; an entry is `e/{bucket:be64}{id}`.
+pub(super) const EXPIRY_PREFIX: &[u8] = b"e/";
+/// Expiry index entries one step reads at most: the writer's pause between batches.
+pub(super) const EXPIRE_STEP: usize = 2_048;
+
+pub(super) fn expiry_key(expires_at: Millis, id: &str) -> Vec<u8> {
+    let mut k = EXPIRY_PREFIX.to_vec();
+    k.extend_from_slice(&(expires_at / EXPIRY_BUCKET).to_be_bytes());
+    k.extend_from_slice(id.as_bytes());
+    k
+}
+
+/// The action id of an expiry or creation index key (`{prefix}{be64}{id}`).
+pub(super) fn index_id(key: &[u8], prefix: &[u8]) -> Result<String, StoreError> {
+    match key.get(prefix.len() + 8..) {
+        Some(id) if !id.is_empty() => Ok(String::from_utf8_lossy(id).into_owned()),
+        _ => Err(StoreError::Corrupt {
+            id: String::from_utf8_lossy(key).into_owned(),
+            reason: "an index key too short to name an action".into(),
+        }),
+    }
+}
+
+/// The expiry index's keys up to and including the bucket of `now`.
+pub(super) fn expiry_end(now: Millis) -> Vec<u8> {
+    let mut k = EXPIRY_PREFIX.to_vec();
+    k.extend_from_slice(&(now / EXPIRY_BUCKET + 1).to_be_bytes());
+    k
+}
+
+/// The creation index: `c/{created_at:be64}{id}`, for listing newest first in pages.
+pub(super) const CREATED_PREFIX: &[u8] = b"c/";
+/// The first key after every creation index key.
+pub(super) const CREATED_END: &[u8] = b"c0";
+
+pub(super) fn created_key(created_at: Millis, id: &str) -> Vec<u8> {
+    let mut k = CREATED_PREFIX.to_vec();
+    k.extend_from_slice(&created_at.to_be_bytes());
+    k.extend_from_slice(id.as_bytes());
+    k
+}
+
+/// `f/{sha256}/{id}`: the actions whose stored response is the body file `bodies/{sha256}`.
+pub(super) fn file_key(sha: &str, id: &str) -> Vec<u8> {
+    format!("f/{sha}/{id}").into_bytes()
+}
+
+/// The body file a record's response is kept in, if any.
+pub(super) fn body_file(r: &Record) -> Option<&str> {
+    match r.response.as_ref().map(|s| &s.body) {
+        Some(BodyRef::File { sha256 }) => Some(sha256),
+        _ => None,
+    }
+}
+
+/// A record's index entries: every key besides its record and body that names it.
+pub(super) fn index_keys(r: &Record) -> impl Iterator<Item = Vec<u8>> + '_ {
+    [
+        state_indexed(r.state).then(|| state_key(r.state, &r.id)),
+        r.task.as_ref().map(|t| task_key(t, &r.id)),
+        r.expires_at.map(|e| expiry_key(e, &r.id)),
+        Some(created_key(r.created_at, &r.id)),
+        body_file(r).map(|sha| file_key(sha, &r.id)),
+    ]
+    .into_iter()
+    .flatten()
+}
+
+/// Every key the store writes for `r` with a small stored body: the record, the body and the
+/// index entries (public for the benches' `sled alone` floor, which writes the same keys).
+pub fn action_keys(r: &Record) -> Vec<Vec<u8>> {
+    let mut keys = vec![rec_key(&r.id), body_key(&r.id)];
+    keys.extend(index_keys(r));
+    keys
+}
+
+/// The indexes a store opened by an earlier version may lack are built once; this key records it.
+pub(super) const INDEXES_KEY: &[u8] = b"m/indexes";
+pub(super) const INDEXES_VERSION: &[u8] = b"4";
+
+/// Builds the expiry, creation and body-file indexes of a store from before them, from its
+/// records (writing every index entry again is harmless).
+pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
+    if db.get(INDEXES_KEY).map_err(|e| e.to_string())?.as_deref() == Some(INDEXES_VERSION) {
+        return Ok(());
+    }
+    // Plain inserts, not a sled batch: one batch would put every later read in this process
+    // behind sled's global lock. The marker goes last, so an interrupted build starts again.
+    let mut n = 0;
+    for kv in db.scan_prefix(b"a/") {
+        let (k, v) = kv.map_err(|e| e.to_string())?;
+        let r = decode(&k, &v, None).map_err(|e| e.to_string())?;
+        for key in index_keys(&r) {
+            db.insert(key, &[]).map_err(|e| e.to_string())?;
+        }
+        n += 1;
+    }
+    // The state index no longer lists `succeeded` actions.
+    let prefix = format!("s/{}/", State::Succeeded.as_str());
+    for k in db.scan_prefix(prefix.as_bytes()).keys() {
+        db.remove(k.map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
+    }
+    db.insert(INDEXES_KEY, INDEXES_VERSION)
+        .map_err(|e| e.to_string())?;
+    if n > 0 {
+        tracing::info!(actions = n, "store: built the expiry index");
+    }
+    Ok(())
+}
+
+pub(super) fn log_key(seq: u64) -> Vec<u8> {
+    let mut k = b"l/".to_vec();
+    k.extend_from_slice(&seq.to_be_bytes());
+    k
+}
+
+pub(super) fn scan(
+    db: &sled::Db,
+    filter: &Filter,
+    limit: usize,
+    sealer: Option<&Sealer>,
+) -> Result<Vec<Record>, StoreError> {
+    let mut out = Vec::new();
+    if filter.newest_first {
+        // Streamed from the creation index, newest first, until the page is full: a page costs
+        // what it shows (plus what the filter skips), not the whole store.
+        let end = match &filter.before {
+            Some((at, id)) => created_key(*at, id),
+            None => CREATED_END.to_vec(),
+        };
+        for k in db.range(CREATED_PREFIX.to_vec()..end).keys().rev() {
+            if out.len() >= limit {
+                break;
+            }
+            let k = k.map_err(unavailable)?;
+            let id = index_id(&k, CREATED_PREFIX)?;
+            let key = rec_key(&id);
+            let Some(v) = db.get(&key).map_err(unavailable)? else {
+                continue;
+            };
+            let r = decode(&key, &v, sealer)?;
+            if filter.matches(&r) {
+                out.push(r);
+            }
+        }
+        return Ok(out);
+    }
+    let (prefix, skip) = match (&filter.task, filter.state) {
+        (Some(task), _) => (format!("t/{task}\0"), None),
+        (None, Some(state)) if state_indexed(state) => (format!("s/{}/", state.as_str()), None),
+        (None, _) => ("a/".to_string(), Some(())),
+    };
+    for kv in db.scan_prefix(prefix.as_bytes()) {
+        let (k, v) = kv.map_err(unavailable)?;
+        let id = String::from_utf8_lossy(&k[prefix.len()..]).into_owned();
+        let r = if skip.is_some() {
+            decode(&k, &v, sealer)?
+        } else {
+            let key = rec_key(&id);
+            match db.get(&key).map_err(unavailable)? {
+                Some(v) => decode(&key, &v, sealer)?,
+                None => continue,
+            }
+        };
+        if filter.matches(&r) {
+            out.push(r);
+        }
+    }
+    out.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+    out.truncate(limit);
+    Ok(out)
+}

@@ -1,0 +1,475 @@
+//! The embedded store: sled 0.34.7 behind one writer thread with group commit.
+//!
+//! Every change goes through a single writer thread. It takes a batch of operations off its queue,
+//! decides each against the current records (plus the changes of batches not yet in sled), stages
+//! the records and their write-log entries and appends the batch as one frame to the write-ahead
+//! log ([`super::wal`]). A syncer thread makes waiting frames durable with one `fdatasync`, then
+//! makes their changes visible to readers ([`Mem`]) and answers; a drainer thread applies the
+//! durable changes to sled in bulk. sled's own `flush()` (which ends in `sync_file_range`, not
+//! enough for a power loss; SPEC §13) runs only at checkpoints, on a thread of their own, followed
+//! by an fsync of sled's files; only then are the log files it covers deleted. So:
+//! - a claim is durable before its request leaves, an outcome before its client is answered;
+//! - a state change and its log entry are in one atomic batch: neither exists without the other;
+//! - claims are atomic without locks (one thread decides), and the log has one chain;
+//! - many concurrent writes share one flush, and a claim that finds an existing record never
+//!   waits for a flush it does not need;
+//! - claims of settled or running records (replays, conflicts) are answered off the writer, from a
+//!   cache of their last durable versions.
+//!
+//! The code follows the threads: `writer.rs` decides and seals batches, `syncer.rs` makes them
+//! durable and visible, `drainer.rs` applies them to sled, `checkpoint.rs` lets log files go;
+//! `shared.rs` is what they share (the durable changes not yet in sled, counts, health); `ops.rs`
+//! what callers send; `cache.rs`, `codec.rs`, `index.rs`, `bodies.rs` and `open.rs` the rest.
+//!
+//! Keys (one tree): `a/{id}` record (JSON), `b/{id}` small stored body, `s/{state}/{id}` state index
+//! (all states but `succeeded`),
+//! `t/{task}\0{id}` task index, `e/{minute:be64}{id}` expiry index (the sweeper reads only what is
+//! due), `c/{created_at:be64}{id}` creation index (lists page newest first), `f/{sha256}/{id}` the
+//! actions whose response is a body file. Bodies over 64 KiB live in `bodies/{sha256}` beside the database;
+//! sled's own blob files are fsynced at each checkpoint. The write log lives in files of its own
+//! ([`super::logfiles`]): in a batch's frame its entries are a change to the key
+//! `l/{first seq:be64}` (the NDJSON lines the batch appended), which the drainer appends to the
+//! log files instead of sled. Stores from before kept those keys (and `m/log_anchor`) in sled;
+//! opening one moves them to the files.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
+
+use bytes::Bytes;
+use sha2::{Digest, Sha256};
+use tokio::sync::oneshot;
+
+use super::files::{self, fsync_dir};
+use super::history;
+use super::logfiles::LogFiles;
+use super::seal::{seal_opt, Sealer};
+use super::wal::{self, Change, Wal};
+use super::{
+    claim_events, recover_event, resolve_event, settle_event, BoxFuture, Filter, SettleRequest,
+    Store, StoreError, StoreOptions,
+};
+use crate::action::{
+    apply_resolve, apply_settle, decide_claim, now_millis, recover_in_flight, BodyRef, Claim,
+    ClaimRequest, Millis, Record, Resolve, State,
+};
+use crate::log::{self, Actor, Chain, Entry, Event, LogEvent, Verification, GENESIS};
+
+mod bodies;
+mod cache;
+mod checkpoint;
+mod codec;
+mod drainer;
+mod index;
+mod open;
+mod ops;
+mod shared;
+mod syncer;
+mod writer;
+
+use cache::*;
+use checkpoint::*;
+use codec::*;
+use drainer::*;
+pub use index::action_keys;
+
+use index::*;
+
+use ops::*;
+use shared::*;
+use syncer::*;
+use writer::*;
+
+/// Bodies larger than this are kept as files, not in sled.
+pub const INLINE_BODY_MAX: usize = 64 * 1024;
+/// Most operations one flush covers.
+const MAX_BATCH: usize = 1024;
+/// sled writes a value (or a consolidated page) larger than a quarter of a segment as a separate
+/// blob file, and blob files do not survive a SIGKILL reliably in sled 0.34 (seen in the torture
+/// harness with 2 MiB segments: the store no longer opened). With 8 MiB segments every page we
+/// store stays in the log: records ≤ `RECORD_MAX`, bodies ≤ 64 KiB and log blocks ≤ 64 KiB,
+/// at most 17 to a leaf.
+const SEGMENT_SIZE: usize = 8 << 20;
+/// The largest record value given to sled. A leaf splits only once it holds more than 16
+/// entries, so 17 records of this size (1,904 KiB, plus keys) stay under a quarter segment
+/// (2 MiB, less headers), past which sled writes a page as a blob file; so do stored bodies
+/// (`INLINE_BODY_MAX`) and log blocks (`LOG_BLOCK_MAX`). Past it, a record sheds evidence: see
+/// [`encode_bounded`].
+pub const RECORD_MAX: usize = 112 * 1024;
+/// A log block is closed at this size and the next entries start a new one.
+const LOG_BLOCK_MAX: usize = 64 * 1024;
+/// sled's page cache (its default is 1 GiB): the proxy's memory is mostly this.
+const SLED_CACHE: u64 = 16 << 20;
+const ANCHOR_KEY: &[u8] = b"m/log_anchor";
+/// Audit-only log entries and lease renewals are made durable within this.
+const LAZY_FLUSH: std::time::Duration = std::time::Duration::from_millis(100);
+/// Audit-only log entries (notes: `replayed`, `conflict`, …) wait at most this long, or until
+/// this many are buffered, for a batch to join: fewer, larger log blocks.
+const NOTES_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
+const NOTES_BATCH: usize = 256;
+
+pub struct SledStore {
+    /// `None` once closed: closing releases sled's file lock, so the folder can be reopened.
+    db: RwLock<Option<sled::Db>>,
+    dir: PathBuf,
+    chain: Chain,
+    tx: Mutex<Option<mpsc::Sender<Op>>>,
+    writer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Flushes performed, for metrics and the "flushes per write" figure.
+    flushes: Arc<AtomicU64>,
+    /// Audit-only log events waiting for the writer.
+    notes: Arc<Mutex<Vec<LogEvent>>>,
+    /// The last durable version of recently settled records, with small bodies.
+    cache: Arc<Mutex<Cache>>,
+    /// Body files being placed by settlements not yet committed, by hash.
+    placing: Arc<Mutex<HashMap<String, i64>>>,
+    /// Durable changes on their way into sled, among others.
+    shared: Arc<Shared>,
+    /// Seals stored heads and bodies (`store.encrypt_key_env`).
+    sealer: Option<Arc<Sealer>>,
+}
+
+/// sled as the store configures it at `dir` (public for the benches' `sled alone` floor).
+pub fn sled_config(dir: &Path) -> sled::Config {
+    sled::Config::new()
+        .path(dir)
+        .segment_size(SEGMENT_SIZE)
+        .cache_capacity(SLED_CACHE)
+        .flush_every_ms(None)
+}
+
+fn unavailable(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Unavailable(e.to_string())
+}
+
+/// The write log's head: its last entry, or where a pruned log starts, or the genesis.
+fn log_head(files: &LogFiles) -> Result<(u64, String), StoreError> {
+    if let Some(last) = files.last() {
+        return Ok(last);
+    }
+    Ok(files
+        .anchor()
+        .map_err(unavailable)?
+        .map(|(seq, prev)| (seq - 1, prev))
+        .unwrap_or((0, GENESIS.to_string())))
+}
+
+impl SledStore {
+    /// How many times the store has made batches durable (one fdatasync of the write-ahead log each).
+    pub fn flush_count(&self) -> u64 {
+        self.flushes.load(Ordering::Relaxed)
+    }
+
+    /// The fast path of a claim: a record that exists, is durable, and cannot be claimed
+    /// (`succeeded`, `unknown`, in flight under a live lease, or a reused key) is answered from
+    /// the cache of durable records, off the writer thread, so that replays and conflicts scale
+    /// with cores. Anything else goes to the writer.
+    fn settled(&self, req: &ClaimRequest) -> Option<Claim> {
+        // From the cache only. A miss goes to the writer, which reads the record anyway (and
+        // fills the cache from what it reads in sled): most misses are new keys, and a read of
+        // sled here found nothing for them at the cost of a tree walk.
+        // The shared record under the lock; a copy only for an answer, outside it.
+        let r = Arc::clone(&self.cache.lock().ok()?.map.get(&req.fresh.id)?.0);
+        if r.is_expired(req.now) {
+            return None;
+        }
+        // What the cache holds is durable: the syncer puts a change in only after its
+        // write-ahead log frame is (lease renewals aside, which only ever extend a lease).
+        if req.reuses_key(&r) {
+            return Some(Claim::KeyReused(Record::clone(&r)));
+        }
+        match r.state {
+            State::Succeeded | State::Unknown => Some(Claim::Existing(Record::clone(&r))),
+            State::InFlight if r.lease_until.is_some_and(|l| l >= req.now) => {
+                Some(Claim::Existing(Record::clone(&r)))
+            }
+            _ => None,
+        }
+    }
+
+    /// Counts settlements writing (`+1`) or done with (`-1`) a body file.
+    fn placing(&self, sha: &str, delta: i64) {
+        if let Ok(mut p) = self.placing.lock() {
+            let n = p.entry(sha.to_string()).or_insert(0);
+            *n += delta;
+            if *n <= 0 {
+                p.remove(sha);
+            }
+        }
+    }
+
+    fn db(&self) -> Result<sled::Db, StoreError> {
+        self.db
+            .read()
+            .map_err(|_| unavailable("store lock poisoned"))?
+            .clone()
+            .ok_or_else(|| unavailable("store is closed"))
+    }
+
+    fn send(&self, op: Op) -> Result<(), StoreError> {
+        let guard = self
+            .tx
+            .lock()
+            .map_err(|_| unavailable("store lock poisoned"))?;
+        let sender = guard
+            .as_ref()
+            .ok_or_else(|| unavailable("store is closed"))?;
+        sender
+            .send(op)
+            .map_err(|_| unavailable("store writer stopped"))
+    }
+
+    async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Op) -> Result<T, StoreError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(make(tx))?;
+        rx.await.map_err(|_| unavailable("store writer stopped"))?
+    }
+}
+
+impl Store for SledStore {
+    fn claim(&self, req: ClaimRequest) -> BoxFuture<'_, Result<Claim, StoreError>> {
+        if let Some(claim) = self.settled(&req) {
+            return Box::pin(async move { Ok(claim) });
+        }
+        Box::pin(self.call(|tx| Op::Claim(Box::new(req), tx)))
+    }
+
+    fn settle(&self, mut req: SettleRequest) -> BoxFuture<'_, Result<Record, StoreError>> {
+        Box::pin(async move {
+            if let Some(resp) = req.settlement.response.as_mut() {
+                self.place_body(&mut req.body, &mut resp.body).await?;
+            }
+            let file = match req.settlement.response.as_ref().map(|r| &r.body) {
+                Some(BodyRef::File { sha256 }) => Some(sha256.clone()),
+                _ => None,
+            };
+            let result = self.call(|tx| Op::Settle(Box::new(req), tx)).await;
+            if let Some(sha) = file {
+                self.placing(&sha, -1);
+            }
+            result
+        })
+    }
+
+    fn resolve(
+        &self,
+        id: String,
+        mut res: Resolve,
+        event: Event,
+    ) -> BoxFuture<'_, Result<Record, StoreError>> {
+        Box::pin(async move {
+            // A lookup's answer is kept like any other stored response.
+            if let Some(resp) = res.response.as_mut() {
+                self.place_body(&mut res.body, &mut resp.body).await?;
+            }
+            self.call(|tx| Op::Resolve(id, Box::new(res), event, tx))
+                .await
+        })
+    }
+
+    fn cached(&self, id: &str) -> Option<(Arc<Record>, Option<Bytes>)> {
+        let c = self.cache.lock().ok()?;
+        c.map
+            .get(id)
+            .filter(|(r, _)| r.state == State::Succeeded)
+            .cloned()
+    }
+
+    fn note(&self, event: LogEvent) {
+        // Buffered, and the writer told only of the first and of a full batch: under load many
+        // notes share one wake-up, one batch and one log block.
+        let wake = match self.notes.lock() {
+            Ok(mut n) => {
+                n.push(event);
+                n.len() == 1 || n.len() == NOTES_BATCH
+            }
+            Err(_) => return,
+        };
+        if wake {
+            if let Err(e) = self.send(Op::Notes) {
+                tracing::warn!(error = %e, "could not append a write-log entry");
+            }
+        }
+    }
+
+    fn log(&self, after: u64, limit: usize) -> BoxFuture<'_, Result<Vec<Entry>, StoreError>> {
+        Box::pin(async move {
+            self.call(Op::Drain).await?;
+            let start = after.saturating_add(1);
+            let reader = self.shared.logfiles()?.reader(start).map_err(unavailable)?;
+            tokio::task::spawn_blocking(move || {
+                let mut out = Vec::new();
+                for e in reader.entries() {
+                    let e = e.map_err(|seq| StoreError::Corrupt {
+                        id: format!("write log entry {seq}"),
+                        reason: "does not parse".into(),
+                    })?;
+                    if e.seq >= start {
+                        out.push(e);
+                    }
+                    if out.len() >= limit {
+                        break;
+                    }
+                }
+                Ok(out)
+            })
+            .await
+            .map_err(unavailable)?
+        })
+    }
+
+    fn verify_log(&self) -> BoxFuture<'_, Result<Verification, StoreError>> {
+        Box::pin(async move {
+            self.call(Op::Drain).await?;
+            let reader = self.shared.logfiles()?.reader(0).map_err(unavailable)?;
+            let chain = self.chain.clone();
+            tokio::task::spawn_blocking(move || {
+                let anchor = reader.anchor.clone();
+                // Entries of a store from before the log files, pruned there but kept in a frame
+                // replayed since, come before the anchor.
+                let from = anchor.as_ref().map_or(0, |(seq, _)| *seq);
+                let entries = reader
+                    .entries()
+                    .filter(move |e| !matches!(e, Ok(e) if e.seq < from));
+                Ok(log::verify(&chain, entries, anchor))
+            })
+            .await
+            .map_err(unavailable)?
+        })
+    }
+
+    fn log_head(&self) -> BoxFuture<'_, Result<(u64, String), StoreError>> {
+        Box::pin(async move {
+            self.call(Op::Drain).await?;
+            log_head(&*self.shared.logfiles()?)
+        })
+    }
+
+    fn renew(
+        &self,
+        id: &str,
+        owner: &str,
+        lease: Millis,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<bool, StoreError>> {
+        let (id, owner) = (id.to_string(), owner.to_string());
+        let until = now.saturating_add(lease);
+        Box::pin(self.call(move |tx| Op::Renew(id, owner, until, tx)))
+    }
+
+    fn counts(&self) -> BoxFuture<'_, Result<Vec<(State, u64)>, StoreError>> {
+        // Kept by the writer as it stages changes: a metrics scrape neither scans sled nor
+        // holds up writes.
+        Box::pin(async move {
+            let c = self
+                .shared
+                .counts
+                .lock()
+                .map_err(|_| unavailable("store lock poisoned"))?;
+            Ok(State::ALL.iter().map(|&st| (st, c[slot(st)])).collect())
+        })
+    }
+
+    fn get<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        Box::pin(async move {
+            let key = rec_key(id);
+            match read_key(&self.shared, &self.db()?, &key)? {
+                Some(v) => decode(&key, &v, self.sealer.as_deref()).map(Some),
+                None => Ok(None),
+            }
+        })
+    }
+
+    fn body<'a>(&'a self, record: &'a Record) -> BoxFuture<'a, Result<Option<Bytes>, StoreError>> {
+        Box::pin(async move {
+            let (cached, gen) = match self.cache.lock() {
+                Ok(c) => (
+                    c.map.get(&record.id).and_then(|(_, b)| b.clone()),
+                    Some(c.generation(&record.id)),
+                ),
+                Err(_) => (None, None),
+            };
+            if cached.is_some() {
+                return Ok(cached);
+            }
+            match record.response.as_ref().map(|r| &r.body) {
+                Some(BodyRef::Inline) => {
+                    let body = read_key(&self.shared, &self.db()?, &body_key(&record.id))?
+                        .map(|v| self.open_body(&v))
+                        .transpose()?;
+                    if let (Some(b), Some(gen), Ok(mut c)) = (&body, gen, self.cache.lock()) {
+                        c.fill_body(gen, &record.id, b);
+                    }
+                    Ok(body)
+                }
+                Some(BodyRef::File { sha256 }) => {
+                    let bytes = tokio::fs::read(self.body_path(sha256))
+                        .await
+                        .map_err(unavailable)?;
+                    self.open_body(&bytes).map(Some)
+                }
+                Some(BodyRef::Absent) | None => Ok(None),
+            }
+        })
+    }
+
+    fn scan(&self, filter: Filter, limit: usize) -> BoxFuture<'_, Result<Vec<Record>, StoreError>> {
+        Box::pin(async move {
+            self.call(Op::Drain).await?;
+            let db = self.db()?;
+            let sealer = self.sealer.clone();
+            tokio::task::spawn_blocking(move || scan(&db, &filter, limit, sealer.as_deref()))
+                .await
+                .map_err(unavailable)?
+        })
+    }
+
+    fn recover(
+        &self,
+        owner: Option<String>,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<usize, StoreError>> {
+        Box::pin(self.call(move |tx| Op::Recover(owner, now, tx)))
+    }
+
+    fn expire(&self, now: Millis) -> BoxFuture<'_, Result<usize, StoreError>> {
+        Box::pin(async move {
+            // In steps, each a batch of its own, so that writes go on between them.
+            let (mut total, mut from) = (0, None);
+            loop {
+                let (n, next) = self.call(move |tx| Op::Expire(now, from, tx)).await?;
+                total += n;
+                match next {
+                    Some(k) => from = Some(k),
+                    None => return Ok(total),
+                }
+            }
+        })
+    }
+
+    fn close(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.call(Op::Sync).await?;
+            if let Ok(mut g) = self.tx.lock() {
+                // Dropping the sender ends the writer thread once its queue is empty.
+                g.take();
+            }
+            let writer = self.writer.lock().ok().and_then(|mut w| w.take());
+            if let Some(w) = writer {
+                tokio::task::spawn_blocking(move || w.join())
+                    .await
+                    .map_err(unavailable)?
+                    .map_err(|_| unavailable("store writer panicked"))?;
+            }
+            if let Ok(mut db) = self.db.write() {
+                db.take();
+            }
+            Ok(())
+        })
+    }
+}

@@ -1,0 +1,151 @@
+//! What the writer, syncer, drainer and readers share: durable changes not yet in sled
+//! ([`Mem`]), counts by state, and the store's health.
+
+use super::*;
+
+/// What the writer and the syncer share.
+pub(super) struct Shared {
+    /// Set when a change could not be made durable or applied: from then on every change fails
+    /// (the write-ahead log may end in a torn frame, and sled may lack a durable batch) until the
+    /// proxy restarts and replays the log.
+    pub(super) broken: Mutex<Option<String>>,
+    /// The last batch applied to sled (batches are numbered by the writer).
+    pub(super) applied: Mutex<u64>,
+    pub(super) progress: std::sync::Condvar,
+    /// Durable changes not yet applied to sled.
+    pub(super) mem: RwLock<Mem>,
+    /// The write log's files: the drainer appends, checkpoints fsync, the writer prunes, readers
+    /// take snapshots.
+    pub(super) logfiles: Mutex<LogFiles>,
+    /// Actions per state (by [`slot`]): counted once at open, then kept by the writer.
+    pub(super) counts: Mutex<Counts>,
+}
+
+/// Actions per state, indexed by [`slot`].
+pub(super) type Counts = [u64; State::ALL.len()];
+
+pub(super) fn slot(st: State) -> usize {
+    st as usize
+}
+
+/// Actions per state (once, at open): from the state index, and `succeeded` as the rest of the
+/// creation index.
+pub(super) fn count_states(db: &sled::Db) -> Counts {
+    let mut c = Counts::default();
+    for st in State::ALL.into_iter().filter(|s| state_indexed(*s)) {
+        let prefix = format!("s/{}/", st.as_str());
+        c[slot(st)] = db.scan_prefix(prefix.as_bytes()).keys().count() as u64;
+    }
+    let all = db.scan_prefix(CREATED_PREFIX).keys().count() as u64;
+    c[slot(State::Succeeded)] = all.saturating_sub(c.iter().sum());
+    c
+}
+
+pub(super) type Changes = HashMap<Vec<u8>, Option<Vec<u8>>>;
+
+/// Durable changes on their way into sled, newest value per key (`None`: removed). Point reads
+/// look here before sled; sled gets them in bulk, so that an action's claim and its outcome,
+/// made durable moments apart, cost sled one write of the record instead of two.
+#[derive(Default)]
+pub(super) struct Mem {
+    /// Changes since the last drain started.
+    pub(super) active: Changes,
+    /// Keys put in `active` that neither `frozen` nor sled holds: removing one again drops the
+    /// change instead of sending sled a delete of a key it never had (a new action's
+    /// `s/in_flight/` entry, put by its claim and removed by its outcome moments later).
+    pub(super) absent: HashSet<Vec<u8>>,
+    /// The changes a drain is applying to sled now.
+    pub(super) frozen: Arc<Changes>,
+    pub(super) draining: bool,
+    /// When the oldest change in `active` arrived.
+    pub(super) since: Option<Instant>,
+}
+
+impl Mem {
+    pub(super) fn get(&self, key: &[u8]) -> Option<Option<Vec<u8>>> {
+        self.active
+            .get(key)
+            .or_else(|| self.frozen.get(key))
+            .cloned()
+    }
+}
+
+/// Drains run at least this often, and when this many keys wait.
+pub(super) const DRAIN_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+pub(super) const DRAIN_KEYS: usize = 2_048;
+
+/// Reads one key: the durable changes not yet in sled first, then sled.
+pub(super) fn read_key(
+    shared: &Shared,
+    db: &sled::Db,
+    key: &[u8],
+) -> Result<Option<sled::IVec>, StoreError> {
+    let pending = shared
+        .mem
+        .read()
+        .map_err(|_| unavailable("store lock poisoned"))?
+        .get(key);
+    match pending {
+        Some(v) => Ok(v.map(sled::IVec::from)),
+        None => db.get(key).map_err(unavailable),
+    }
+}
+
+impl Shared {
+    pub(super) fn new(logfiles: LogFiles, counts: Counts) -> Shared {
+        Shared {
+            counts: Mutex::new(counts),
+            broken: Mutex::new(None),
+            applied: Mutex::new(0),
+            progress: std::sync::Condvar::new(),
+            mem: RwLock::new(Mem::default()),
+            logfiles: Mutex::new(logfiles),
+        }
+    }
+
+    pub(super) fn logfiles(&self) -> Result<std::sync::MutexGuard<'_, LogFiles>, StoreError> {
+        self.logfiles
+            .lock()
+            .map_err(|_| unavailable("store lock poisoned"))
+    }
+
+    pub(super) fn check(&self) -> Result<(), String> {
+        match self.broken.lock().map(|b| b.clone()) {
+            Ok(None) => Ok(()),
+            Ok(Some(e)) => Err(format!(
+                "the store stopped taking changes after an earlier failure ({e}); restart the proxy"
+            )),
+            Err(_) => Err("store lock poisoned".into()),
+        }
+    }
+
+    /// Stops the store taking changes; the first failure is logged, once.
+    pub(super) fn fail(&self, e: &str) {
+        if let Ok(mut b) = self.broken.lock() {
+            if b.is_none() {
+                tracing::error!(error = %e, "store failed; no further changes until restart");
+                *b = Some(e.to_string());
+            }
+        }
+        // Under the lock the waiters check under, so that none misses the notification.
+        if let Ok(_applied) = self.applied.lock() {
+            self.progress.notify_all();
+        }
+    }
+
+    pub(super) fn applied(&self) -> u64 {
+        self.applied.lock().map(|a| *a).unwrap_or(0)
+    }
+
+    /// Waits until batch `seq` is applied to sled (or the store broke).
+    pub(super) fn wait_applied(&self, seq: u64) -> Result<(), String> {
+        let guard = self.applied.lock().map_err(|_| "store lock poisoned")?;
+        let _guard = self
+            .progress
+            .wait_while(guard, |a| {
+                *a < seq && self.broken.lock().map(|b| b.is_none()).unwrap_or(false)
+            })
+            .map_err(|_| "store lock poisoned")?;
+        self.check()
+    }
+}

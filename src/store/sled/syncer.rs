@@ -1,0 +1,214 @@
+//! The syncer thread: one fdatasync per group of batches, then the batch made visible and its
+//! callers answered.
+
+use super::*;
+
+/// A batch written to the write-ahead log, on its way to being durable and applied.
+pub(super) struct Sealed {
+    pub(super) seq: u64,
+    /// The log file it was written to (fdatasynced by the syncer).
+    pub(super) file: Arc<File>,
+    pub(super) changes: Vec<Change>,
+    /// Someone waits for it to be durable (else: within [`LAZY_FLUSH`]).
+    pub(super) durable: bool,
+    pub(super) answers: Vec<Answer>,
+    pub(super) records: HashMap<String, Option<Arc<Record>>>,
+    pub(super) bodies: HashMap<String, Bytes>,
+    /// Writing it to the log failed.
+    pub(super) failed: Option<String>,
+    /// Apply everything so far to sled before going on (scans and checkpoints need it).
+    pub(super) drain: bool,
+    /// Keys this batch puts that no earlier batch ever did (see [`Mem::absent`]).
+    pub(super) new_keys: HashSet<Vec<u8>>,
+}
+
+/// The thread that makes batches durable, so that the writer decides the next batch while this
+/// one's fdatasync runs. In order, per group of batches waiting: one fdatasync for all of them,
+/// then their changes join [`Mem`] (where point reads see them), the cache is updated and the
+/// callers answered. So reads and the cache only ever see durable batches, and nobody is
+/// answered before. A drainer thread applies [`Mem`] to sled in bulk.
+pub(super) struct Syncer {
+    pub(super) db: sled::Db,
+    pub(super) shared: Arc<Shared>,
+    pub(super) cache: Arc<Mutex<Cache>>,
+    pub(super) flushes: Arc<AtomicU64>,
+    pub(super) flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
+}
+
+impl Syncer {
+    pub(super) fn run(self, rx: mpsc::Receiver<Sealed>) {
+        let (drain_tx, drain_rx) = mpsc::channel::<(Arc<Changes>, u64)>();
+        let drainer = {
+            let (db, shared) = (self.db.clone(), self.shared.clone());
+            std::thread::Builder::new()
+                .name("oncegate-drain".into())
+                .spawn(move || drain_loop(&db, &shared, drain_rx))
+        };
+        let drainer = match drainer {
+            Ok(d) => d,
+            Err(e) => {
+                self.shared.fail(&format!("start drainer thread: {e}"));
+                return;
+            }
+        };
+        // Written but not yet fdatasynced: audit-only entries (notes) and lease renewals, which
+        // no caller waits for. The next durable batch, or this timer, makes them durable.
+        let mut lazy: Option<Arc<File>> = None;
+        // The last batch whose changes are in `Mem`.
+        let mut visible = 0;
+        loop {
+            let first = match rx.recv_timeout(LAZY_FLUSH) {
+                Ok(b) => b,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if let Some(f) = lazy.take() {
+                        if let Err(e) = f.sync_data() {
+                            self.shared.fail(&format!("write-ahead log fdatasync: {e}"));
+                        }
+                    }
+                    self.maybe_drain(&drain_tx, visible, false);
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    if let Some(f) = lazy.take() {
+                        let _ = f.sync_data();
+                    }
+                    break;
+                }
+            };
+            let mut group = vec![first];
+            while let Ok(b) = rx.try_recv() {
+                group.push(b);
+            }
+            let mut result = self.shared.check();
+            if let Some(e) = group.iter().find_map(|b| b.failed.clone()) {
+                result = Err(e);
+            }
+            if result.is_ok() && group.iter().any(|b| b.durable) {
+                let started = Instant::now();
+                let mut files: Vec<Arc<File>> = lazy.take().into_iter().collect();
+                for b in &group {
+                    if !files.iter().any(|f| Arc::ptr_eq(f, &b.file)) {
+                        files.push(b.file.clone());
+                    }
+                }
+                for f in files {
+                    if let Err(e) = f.sync_data() {
+                        result = Err(format!("write-ahead log fdatasync: {e}"));
+                        break;
+                    }
+                }
+                if result.is_ok() {
+                    self.flushes.fetch_add(1, Ordering::Relaxed);
+                    if let Some(h) = &self.flush_latency {
+                        h.observe(started.elapsed().as_secs_f64());
+                    }
+                }
+            } else if result.is_ok() {
+                lazy = group.last().map(|b| b.file.clone());
+            }
+            if let Err(e) = &result {
+                self.shared.fail(e);
+            }
+            let force = group.iter().any(|b| b.drain);
+            let mut answers = Vec::new();
+            if result.is_ok() {
+                if let Ok(mut m) = self.shared.mem.write() {
+                    for b in &mut group {
+                        if !b.changes.is_empty() {
+                            m.since.get_or_insert_with(Instant::now);
+                        }
+                        for c in b.changes.drain(..) {
+                            match c {
+                                Change::Put(k, v) => {
+                                    if b.new_keys.contains(&k)
+                                        && !m.active.contains_key(&k)
+                                        && !m.frozen.contains_key(&k)
+                                    {
+                                        m.absent.insert(k.clone());
+                                    }
+                                    m.active.insert(k, Some(v));
+                                }
+                                Change::Del(k) => {
+                                    if m.absent.remove(&k) {
+                                        m.active.remove(&k);
+                                    } else {
+                                        m.active.insert(k, None);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                if let Ok(mut c) = self.cache.lock() {
+                    for b in &mut group {
+                        for (id, r) in b.records.drain() {
+                            let body = b.bodies.get(&id);
+                            c.update(id, r, body);
+                        }
+                    }
+                }
+                visible = group.last().map_or(visible, |b| b.seq);
+            }
+            for b in group {
+                answers.extend(b.answers);
+            }
+            for a in answers {
+                a.send(&result);
+            }
+            if result.is_ok() {
+                self.maybe_drain(&drain_tx, visible, force);
+            }
+        }
+        drop(drain_tx);
+        let _ = drainer.join();
+    }
+
+    /// Hands the changes waiting in [`Mem`] to the drainer when they are old or many enough, or
+    /// when asked (`force`: the writer waits for everything up to `visible` to be in sled).
+    pub(super) fn maybe_drain(
+        &self,
+        tx: &mpsc::Sender<(Arc<Changes>, u64)>,
+        visible: u64,
+        force: bool,
+    ) {
+        if self.shared.check().is_err() {
+            return;
+        }
+        let Ok(mut m) = self.shared.mem.write() else {
+            return;
+        };
+        let due =
+            m.since.is_some_and(|t| t.elapsed() >= DRAIN_EVERY) || m.active.len() >= DRAIN_KEYS;
+        if !force && (!due || m.draining) {
+            return;
+        }
+        if m.draining {
+            // One drain at a time: wait for the running one.
+            drop(m);
+            let Ok(guard) = self.shared.applied.lock() else {
+                return;
+            };
+            drop(self.shared.progress.wait_while(guard, |_| {
+                self.shared.mem.read().map(|m| m.draining).unwrap_or(false)
+                    && self.shared.check().is_ok()
+            }));
+            if self.shared.check().is_err() {
+                return;
+            }
+            let Ok(again) = self.shared.mem.write() else {
+                return;
+            };
+            m = again;
+        }
+        let frozen = Arc::new(std::mem::take(&mut m.active));
+        // Once drained, sled holds them.
+        m.absent.clear();
+        m.frozen = frozen.clone();
+        m.draining = true;
+        m.since = None;
+        drop(m);
+        if tx.send((frozen, visible)).is_err() {
+            self.shared.fail("the drainer thread stopped");
+        }
+    }
+}

@@ -1,0 +1,622 @@
+//! The writer thread: the one place every change to the store is decided.
+
+use super::*;
+
+/// The single thread that decides every change to the store.
+pub(super) struct Writer {
+    pub(super) sealer: Option<Arc<Sealer>>,
+    pub(super) placing: Arc<Mutex<HashMap<String, i64>>>,
+    /// The cache of durable records, which the writer fills from what it reads in sled.
+    pub(super) cache: Arc<Mutex<Cache>>,
+    /// The store's folder, and the sled blob files already fsynced.
+    pub(super) dir: PathBuf,
+    pub(super) blobs: HashSet<std::ffi::OsString>,
+    pub(super) notes: Arc<Mutex<Vec<LogEvent>>>,
+    pub(super) db: sled::Db,
+    /// sled's own log file, fsynced at checkpoints.
+    pub(super) log: File,
+    pub(super) wal: Wal,
+    /// The frame being written (reused).
+    pub(super) frame: Vec<u8>,
+    pub(super) shared: Arc<Shared>,
+    /// Batches written, numbered; and records changed by batches not yet applied to sled (with
+    /// the batch that last changed them), which the writer reads instead of sled.
+    pub(super) seq: u64,
+    pub(super) unapplied: HashMap<String, (u64, Option<Arc<Record>>)>,
+    /// Sealed batches go to the syncer.
+    pub(super) sync: mpsc::Sender<Sealed>,
+    /// Log files to remove once sled is durable past a batch: `(batch, generation)`.
+    pub(super) checkpointer: Option<Checkpointer>,
+    /// A new log file after this many bytes.
+    pub(super) checkpoint_bytes: u64,
+    pub(super) chain: Chain,
+    /// `(seq, hash)` of the last log entry staged.
+    pub(super) head: (u64, String),
+    pub(super) log_retention: Option<std::time::Duration>,
+    /// When buffered notes are written at the latest.
+    pub(super) notes_due: Option<Instant>,
+}
+
+/// The changes of one batch, readable before they are applied.
+#[derive(Default)]
+pub(super) struct Pending {
+    pub(super) changes: Vec<Change>,
+    /// The records this batch changed (shared, not copied, with the answers, the syncer's cache
+    /// and the writer's unapplied map).
+    pub(super) records: HashMap<String, Option<Arc<Record>>>,
+    /// Response bodies stored in this batch, by action id.
+    pub(super) bodies: HashMap<String, Bytes>,
+    /// The log entries of this batch (NDJSON) and the first one's sequence number.
+    pub(super) log_block: Vec<u8>,
+    pub(super) log_first: Option<u64>,
+    pub(super) writes: usize,
+    /// Someone waits for this batch to be durable.
+    pub(super) durable: bool,
+    /// Keys put by this batch that no batch before it ever put (see [`Mem::absent`]).
+    pub(super) new_keys: HashSet<Vec<u8>>,
+}
+
+impl Pending {
+    pub(super) fn put(&mut self, key: impl Into<Vec<u8>>, value: impl Into<Vec<u8>>) {
+        self.changes.push(Change::Put(key.into(), value.into()));
+    }
+    pub(super) fn del(&mut self, key: impl Into<Vec<u8>>) {
+        self.changes.push(Change::Del(key.into()));
+    }
+}
+
+impl Writer {
+    pub(super) fn run(mut self, rx: mpsc::Receiver<Op>) {
+        loop {
+            let first = match self.notes_due {
+                Some(due) => match rx.recv_timeout(due.saturating_duration_since(Instant::now())) {
+                    Ok(op) => op,
+                    Err(mpsc::RecvTimeoutError::Timeout) => Op::Notes,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                },
+                None => match rx.recv() {
+                    Ok(op) => op,
+                    Err(_) => break,
+                },
+            };
+            let mut ops = vec![first];
+            while ops.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(op) => ops.push(op),
+                    Err(_) => break,
+                }
+            }
+            // A drain reads sled once everything before it is applied: what came before it,
+            // buffered notes included, is sealed as a batch of its own first.
+            let mut cur = Vec::with_capacity(ops.len());
+            for op in ops {
+                let before =
+                    matches!(op, Op::Drain(_)) && (!cur.is_empty() || self.notes_waiting() > 0);
+                if before && !self.batch(std::mem::take(&mut cur), true) {
+                    return;
+                }
+                cur.push(op);
+            }
+            if !self.batch(cur, false) {
+                return;
+            }
+        }
+        // Closing: the notes still buffered are written, everything applied, the checkpointer
+        // done, and sled checkpointed so the next start replays nothing.
+        if !self.batch(Vec::new(), true) {
+            return;
+        }
+        if self.settle_down().is_ok() {
+            if let Some((tx, handle)) = self.checkpointer.take() {
+                drop(tx);
+                let _ = handle.join();
+            }
+            if let Err(e) = self.checkpoint() {
+                tracing::error!(error = %e, "store checkpoint at close failed");
+            }
+        }
+    }
+
+    /// Applies, writes and hands to the syncer one batch of operations; `false` once the syncer
+    /// is gone. Buffered notes ride along when the batch is durable anyway, when they have
+    /// waited [`NOTES_WAIT`] or number [`NOTES_BATCH`], or when `all_notes`.
+    pub(super) fn batch(&mut self, ops: Vec<Op>, all_notes: bool) -> bool {
+        let mut pending = Pending::default();
+        // Notes first: they happened before these operations, and an operation that reads
+        // the log (a drain) must find them.
+        let durable = ops.iter().any(Op::needs_flush);
+        let due = self.notes_due.is_some_and(|d| d <= Instant::now());
+        if all_notes || durable || due || self.notes_waiting() >= NOTES_BATCH {
+            self.notes_due = None;
+            let notes = self
+                .notes
+                .lock()
+                .map(|mut n| std::mem::take(&mut *n))
+                .unwrap_or_default();
+            for ev in notes {
+                self.append(&mut pending, ev);
+            }
+        }
+        let mut answers = Vec::with_capacity(ops.len());
+        let mut force_sync = false;
+        for op in ops {
+            if matches!(op, Op::Sync(_)) {
+                force_sync = true;
+            }
+            answers.push(self.apply(op, &mut pending));
+        }
+        if let Some(first) = pending.log_first {
+            let block = std::mem::take(&mut pending.log_block);
+            pending.put(log_key(first), block);
+            // The database learns the log's head with the entries (`history`): at open, a log
+            // that ends before it was cut.
+            pending.put(
+                history::HEAD_KEY,
+                history::head_value(self.head.0, &self.head.1),
+            );
+        }
+        // Every batch goes through the syncer, even one that only read: what it read may be
+        // a batch still on its way to being durable, and its answers wait for that.
+        let durable = (pending.durable && pending.writes > 0) || force_sync;
+        let changes = std::mem::take(&mut pending.changes);
+        self.seq += 1;
+        let mut failed = self.shared.check().err();
+        if failed.is_none() && !history::present(&self.dir) {
+            // The folder was removed under the running proxy: what it writes next would be
+            // lost with it (SPEC §10.2).
+            let e = format!(
+                "the store folder {} is gone (its {} is missing)",
+                self.dir.display(),
+                history::ID_FILE
+            );
+            self.shared.fail(&e);
+            failed = Some(e);
+        }
+        if failed.is_none() && !changes.is_empty() {
+            wal::encode(&changes, &mut self.frame);
+            if let Err(e) = self.wal.append(&self.frame) {
+                let e = format!("write-ahead log write: {e}");
+                self.shared.fail(&e);
+                failed = Some(e);
+            }
+        }
+        if failed.is_none() {
+            for (id, r) in &pending.records {
+                self.unapplied.insert(id.clone(), (self.seq, r.clone()));
+            }
+        }
+        let sealed = Sealed {
+            seq: self.seq,
+            file: self.wal.file(),
+            changes,
+            durable,
+            answers,
+            records: pending.records,
+            bodies: pending.bodies,
+            failed,
+            drain: false,
+            new_keys: pending.new_keys,
+        };
+        if self.sync.send(sealed).is_err() {
+            return false;
+        }
+        if self.unapplied.len() > MAX_BATCH {
+            let applied = self.shared.applied();
+            self.unapplied.retain(|_, (seq, _)| *seq > applied);
+        }
+        if self.wal.wants_checkpoint(self.checkpoint_bytes) {
+            // A new log file at once; the old one goes once sled holds its frames durably,
+            // which the checkpointer thread sees to without holding up writes.
+            match self.wal.start_next() {
+                Ok(old) => {
+                    if let Some((tx, _)) = &self.checkpointer {
+                        let _ = tx.send((self.seq, old));
+                    }
+                }
+                Err(e) => self
+                    .shared
+                    .fail(&format!("start a write-ahead log file: {e}")),
+            }
+        }
+        true
+    }
+
+    pub(super) fn notes_waiting(&self) -> usize {
+        self.notes.lock().map_or(0, |n| n.len())
+    }
+
+    /// Waits until every batch written is applied to sled: before reading sled beyond one key
+    /// (scans) and before a checkpoint.
+    pub(super) fn settle_down(&mut self) -> Result<(), String> {
+        self.seq += 1;
+        let marker = Sealed {
+            seq: self.seq,
+            file: self.wal.file(),
+            changes: Vec::new(),
+            durable: false,
+            answers: Vec::new(),
+            records: HashMap::new(),
+            bodies: HashMap::new(),
+            failed: None,
+            drain: true,
+            new_keys: HashSet::new(),
+        };
+        self.sync
+            .send(marker)
+            .map_err(|_| "the syncer thread stopped".to_string())?;
+        self.shared.wait_applied(self.seq)?;
+        self.unapplied.clear();
+        Ok(())
+    }
+
+    /// Makes sled durable on its own (flush, fsync its blob files, fdatasync its log file), so
+    /// the write-ahead log can start afresh.
+    pub(super) fn checkpoint(&mut self) -> Result<(), String> {
+        self.settle_down()?;
+        sled_durable(&self.db, &self.dir, &mut self.blobs, &self.log)?;
+        self.shared.logfiles().map_err(|e| e.to_string())?.sync()?;
+        self.wal.start_next()?;
+        // Every file before the new one, including any the checkpointer had not removed yet.
+        self.wal.remove_older()
+    }
+
+    pub(super) fn read(
+        &self,
+        pending: &Pending,
+        id: &str,
+    ) -> Result<Option<Arc<Record>>, StoreError> {
+        if let Some(r) = pending.records.get(id) {
+            return Ok(r.clone());
+        }
+        if let Some((_, r)) = self.unapplied.get(id) {
+            return Ok(r.clone());
+        }
+        // Not changed by any batch sled lacks: what sled holds is the durable latest, and the
+        // claim fast path may answer from it next time (the generation guards the fill all the
+        // same).
+        let gen = self.cache.lock().map(|c| c.generation(id)).ok();
+        let key = rec_key(id);
+        match self.db.get(&key).map_err(unavailable)? {
+            Some(v) => {
+                let r = Arc::new(decode(&key, &v, self.sealer.as_deref())?);
+                if let (Some(gen), Ok(mut c)) = (gen, self.cache.lock()) {
+                    c.fill(gen, &r);
+                }
+                Ok(Some(r))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Chains an event into the batch.
+    pub(super) fn append(&mut self, pending: &mut Pending, ev: LogEvent) {
+        let (e, line) = self
+            .chain
+            .seal_line(ev, (self.head.0, &self.head.1), now_millis());
+        // The batch's entries go into blocks (one sled value each, at most LOG_BLOCK_MAX): one
+        // insert per block, not per entry.
+        if pending.log_block.len() + line.len() > LOG_BLOCK_MAX {
+            if let Some(first) = pending.log_first.take() {
+                let block = std::mem::take(&mut pending.log_block);
+                pending.put(log_key(first), block);
+            }
+        }
+        pending.log_first.get_or_insert(e.seq);
+        pending.log_block.extend_from_slice(&line);
+        pending.log_block.push(b'\n');
+        self.head = (e.seq, e.hash);
+        pending.writes += 1;
+    }
+
+    /// Stages `new` (replacing `old`) with its index entries; only entries that change are
+    /// written. Returns it as the batch now holds it.
+    pub(super) fn stage(
+        &self,
+        pending: &mut Pending,
+        old: Option<&Record>,
+        new: Record,
+    ) -> Arc<Record> {
+        if old.map(|o| o.state) != Some(new.state) {
+            self.count(old.map(|o| o.state), Some(new.state));
+        }
+        let (new, value) = encode_bounded(new, self.sealer.as_deref());
+        pending.put(rec_key(&new.id), value);
+        let before: Vec<Vec<u8>> = old.map(|o| index_keys(o).collect()).unwrap_or_default();
+        let after: Vec<Vec<u8>> = index_keys(&new).collect();
+        for k in before.iter().filter(|k| !after.contains(k)) {
+            pending.del(k.clone());
+        }
+        for k in after.into_iter().filter(|k| !before.contains(k)) {
+            pending.put(k, []);
+        }
+        let new = Arc::new(new);
+        pending
+            .records
+            .insert(new.id.clone(), Some(Arc::clone(&new)));
+        pending.writes += 1;
+        new
+    }
+
+    /// Moves one action between states in the counts (`None`: absent).
+    pub(super) fn count(&self, from: Option<State>, to: Option<State>) {
+        if let Ok(mut c) = self.shared.counts.lock() {
+            if let Some(f) = from {
+                c[slot(f)] = c[slot(f)].saturating_sub(1);
+            }
+            if let Some(t) = to {
+                c[slot(t)] += 1;
+            }
+        }
+    }
+
+    pub(super) fn unstage(&self, pending: &mut Pending, old: &Record) {
+        self.count(Some(old.state), None);
+        pending.del(rec_key(&old.id));
+        pending.del(body_key(&old.id));
+        for k in index_keys(old) {
+            pending.del(k);
+        }
+        pending.records.insert(old.id.clone(), None);
+        pending.writes += 1;
+    }
+
+    /// One step of expiry: the due entries of the expiry index after `from`, at most
+    /// [`EXPIRE_STEP`] of them. The index is read from sled: the first step waits until sled
+    /// holds every change so far; an entry whose record moved on since (or went) is skipped.
+    pub(super) fn expire_step(
+        &mut self,
+        pending: &mut Pending,
+        now: Millis,
+        from: Option<Vec<u8>>,
+    ) -> Result<(usize, Option<Vec<u8>>), StoreError> {
+        let start = match from {
+            Some(k) => k,
+            None => {
+                self.settle_down().map_err(unavailable)?;
+                EXPIRY_PREFIX.to_vec()
+            }
+        };
+        let mut keys = Vec::new();
+        for k in self.db.range(start..expiry_end(now)).keys() {
+            keys.push(k.map_err(unavailable)?);
+            if keys.len() == EXPIRE_STEP {
+                break;
+            }
+        }
+        let mut n = 0;
+        let mut freed = Vec::new();
+        for k in &keys {
+            let id = index_id(k, EXPIRY_PREFIX)?;
+            let Some(r) = self.read(pending, &id)? else {
+                continue;
+            };
+            // Only settled records expire (`is_expired`); skip entries of an older expiry.
+            if !r.is_expired(now)
+                || r.expires_at.map(|e| expiry_key(e, &id)).as_deref() != Some(&**k)
+            {
+                continue;
+            }
+            self.unstage(pending, &r);
+            self.append(
+                pending,
+                LogEvent::for_record(Event::Expired, &r, Actor::Proxy),
+            );
+            freed.extend(body_file(&r).map(str::to_string));
+            n += 1;
+        }
+        // Body files are shared by content: one goes when no record keeps it and no settlement
+        // is placing it.
+        for sha in freed {
+            let placed = self.placing.lock().is_ok_and(|p| p.contains_key(&sha));
+            if !placed && !self.file_kept(pending, &sha)? {
+                let _ = std::fs::remove_file(self.dir.join("bodies").join(&sha));
+            }
+        }
+        if keys.len() < EXPIRE_STEP {
+            self.prune_log(now).map_err(unavailable)?;
+            return Ok((n, None));
+        }
+        let mut next = keys.pop().map(|k| k.to_vec()).unwrap_or_default();
+        next.push(0);
+        Ok((n, Some(next)))
+    }
+
+    /// Whether any record keeps its response in body file `sha`: those sled's index names (as
+    /// they are now), and those changed by batches not yet in sled.
+    pub(super) fn file_kept(&self, pending: &Pending, sha: &str) -> Result<bool, StoreError> {
+        let keeps = |r: &Option<Arc<Record>>| r.as_deref().and_then(body_file) == Some(sha);
+        let newer = self
+            .unapplied
+            .iter()
+            .filter(|(id, _)| !pending.records.contains_key(*id))
+            .map(|(_, (_, r))| r);
+        if pending.records.values().chain(newer).any(keeps) {
+            return Ok(true);
+        }
+        let prefix = file_key(sha, "");
+        for k in self.db.scan_prefix(&prefix).keys() {
+            let k = k.map_err(unavailable)?;
+            let id = String::from_utf8_lossy(&k[prefix.len()..]).into_owned();
+            if keeps(&self.read(pending, &id)?) {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    pub(super) fn apply(&mut self, op: Op, pending: &mut Pending) -> Answer {
+        if op.needs_flush() {
+            pending.durable = true;
+        }
+        match op {
+            Op::Claim(req, tx) => match self.read(pending, &req.fresh.id) {
+                Err(e) => Answer::failed(tx, e),
+                Ok(current) => {
+                    let old = current.clone();
+                    let (claim, write) = decide_claim(current.map(Arc::unwrap_or_clone), &req);
+                    if let Some(w) = write {
+                        // An expired record being replaced loses its stored body and indexes.
+                        let expired = old.as_deref().filter(|o| o.is_expired(req.now));
+                        if let Some(o) = expired {
+                            self.unstage(pending, o);
+                            self.append(
+                                pending,
+                                LogEvent::for_record(Event::Expired, o, Actor::Proxy),
+                            );
+                        }
+                        let live_old = if expired.is_some() {
+                            None
+                        } else {
+                            old.as_deref()
+                        };
+                        let w = self.stage(pending, live_old, w);
+                        if old.is_none() {
+                            // A new action: no batch ever put its state entry.
+                            pending.new_keys.insert(state_key(w.state, &w.id));
+                        }
+                        for ev in claim_events(&claim, &w) {
+                            self.append(pending, ev);
+                        }
+                    }
+                    Answer::Claim(tx, Box::new(claim))
+                }
+            },
+            Op::Settle(req, tx) => {
+                let SettleRequest {
+                    id,
+                    attempt,
+                    settlement,
+                    body,
+                } = *req;
+                let result = self.read(pending, &id).and_then(|current| {
+                    let old = current.clone();
+                    let new =
+                        apply_settle(current.map(Arc::unwrap_or_clone), &id, attempt, settlement)?;
+                    Ok((old, new))
+                });
+                match result {
+                    Err(e) => Answer::failed(tx, e),
+                    Ok((old, new)) => {
+                        if let Some(body) = &body {
+                            pending.put(body_key(&new.id), seal_opt(self.sealer.as_deref(), body));
+                            pending.bodies.insert(new.id.clone(), body.clone());
+                        }
+                        let new = self.stage(pending, old.as_deref(), new);
+                        self.append(pending, settle_event(&new));
+                        Answer::Record(tx, new)
+                    }
+                }
+            }
+            Op::Resolve(id, mut res, event, tx) => {
+                let (actor, reason) = match event {
+                    Event::Lookup => (Actor::Lookup, res.reason.clone()),
+                    _ => (Actor::Admin, res.reason.clone()),
+                };
+                let body = res.body.take();
+                let result = self.read(pending, &id).and_then(|current| {
+                    let old = current.clone();
+                    let new = apply_resolve(current.map(Arc::unwrap_or_clone), &id, *res)?;
+                    Ok((old, new))
+                });
+                match result {
+                    Err(e) => Answer::failed(tx, e),
+                    Ok((old, new)) => {
+                        if let Some(body) = body {
+                            pending.put(body_key(&new.id), seal_opt(self.sealer.as_deref(), &body));
+                            pending.bodies.insert(new.id.clone(), body.clone());
+                        }
+                        let new = self.stage(pending, old.as_deref(), new);
+                        self.append(pending, resolve_event(event, &new, actor, reason));
+                        Answer::Record(tx, new)
+                    }
+                }
+            }
+            Op::Notes => {
+                // Notes wait a little for company (see `batch`).
+                self.notes_due
+                    .get_or_insert_with(|| Instant::now() + NOTES_WAIT);
+                Answer::None
+            }
+            Op::Recover(owner, now, tx) => {
+                let filter = Filter {
+                    state: Some(State::InFlight),
+                    ..Filter::default()
+                };
+                let found = self
+                    .settle_down()
+                    .map_err(unavailable)
+                    .and_then(|()| scan(&self.db, &filter, usize::MAX, self.sealer.as_deref()));
+                match found {
+                    Err(e) => Answer::failed(tx, e),
+                    Ok(records) => {
+                        let mut n = 0;
+                        for r in records {
+                            // An earlier operation of this batch may have changed it.
+                            let Ok(Some(r)) = self.read(pending, &r.id) else {
+                                continue;
+                            };
+                            if owner.as_ref().is_some_and(|o| r.owner.as_ref() != Some(o)) {
+                                continue;
+                            }
+                            let old = r.clone();
+                            let reason = if owner.is_some() {
+                                "the proxy stopped (drain_timeout) during this attempt; the request may have reached the upstream"
+                            } else {
+                                "the proxy stopped during this attempt; the request may have reached the upstream"
+                            };
+                            if let Some(new) =
+                                recover_in_flight(Arc::unwrap_or_clone(r), reason, now)
+                            {
+                                let new = self.stage(pending, Some(&old), new);
+                                self.append(pending, recover_event(&new, reason));
+                                n += 1;
+                            }
+                        }
+                        Answer::Count(tx, n)
+                    }
+                }
+            }
+            Op::Expire(now, from, tx) => match self.expire_step(pending, now, from) {
+                Ok((n, next)) => Answer::Step(tx, n, next),
+                Err(e) => Answer::failed(tx, e),
+            },
+            Op::Sync(tx) => Answer::Unit(tx),
+            Op::Drain(tx) => match self.settle_down() {
+                Ok(()) => Answer::Unit(tx),
+                Err(e) => Answer::failed(tx, unavailable(e)),
+            },
+            Op::Renew(id, owner, until, tx) => match self.read(pending, &id) {
+                Err(e) => Answer::failed(tx, e),
+                Ok(Some(r)) if r.state == State::InFlight && r.owner.as_ref() == Some(&owner) => {
+                    let mut new = Record::clone(&r);
+                    new.lease_until = Some(until);
+                    self.stage(pending, Some(&r), new);
+                    Answer::Bool(tx, true)
+                }
+                Ok(_) => Answer::Bool(tx, false),
+            },
+        }
+    }
+
+    /// Drops log entries older than `log.retention`, whole files at a time, keeping the chain
+    /// verifiable from the first kept entry (the anchor). Entries still on their way to the
+    /// files are newer than any file, which is never the newest.
+    pub(super) fn prune_log(&self, now: Millis) -> Result<(), StoreError> {
+        let Some(keep) = self.log_retention else {
+            return Ok(());
+        };
+        let cutoff = crate::action::rfc3339(now.saturating_sub(keep.as_millis() as u64));
+        let dropped = self
+            .shared
+            .logfiles()?
+            .prune(&cutoff)
+            .map_err(unavailable)?;
+        if dropped > 0 {
+            tracing::info!(
+                files = dropped,
+                "write log: pruned files past the retention"
+            );
+        }
+        Ok(())
+    }
+}
