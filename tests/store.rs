@@ -654,8 +654,11 @@ async fn sled_prunes_whole_log_files_past_retention_and_still_verifies() {
             .unwrap();
         settle(&s, &id, 1, State::Succeeded, T0 + 1, Some("{}")).await;
     }
-    // Reading the log first hands every entry to the files.
     assert_eq!(s.log(0, 1000).await.unwrap().len(), 120);
+    // Closed, the store has handed every entry to the files (a reader never waits for that).
+    s.close().await.unwrap();
+    drop(s);
+    let s = open_sled(&dir, options());
     let files = || std::fs::read_dir(dir.join("log")).unwrap().count();
     let before = files();
     assert!(before > 3, "small files: {before}");
@@ -874,4 +877,74 @@ async fn sled_refuses_a_folder_another_store_holds() {
     drop(first);
     let again = open_sled(&dir, Default::default());
     again.close().await.unwrap();
+}
+
+/// Readers (`/readyz` and `/metrics` read the log head, the console scans and reads the log)
+/// never make the writer wait for the drainer to apply everything to sled: they merge the durable
+/// changes not yet in sled. And they see every durable change at once, removals included.
+#[tokio::test]
+async fn sled_readers_never_make_the_writer_wait_and_see_every_durable_change() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = Arc::new(
+        oncegate::store::sled::SledStore::open(&tmp.path().join("s"), Default::default()).unwrap(),
+    );
+    let forced = s.forced_drain_count();
+    for (id, task) in [("r1", Some("t")), ("r2", Some("t")), ("r3", None)] {
+        s.claim(claim_req(record(id, "f", task), T0, 10_000))
+            .await
+            .unwrap();
+    }
+    // r1 settles: its in-flight index entry is removed moments after it was put.
+    settle(
+        &(s.clone() as S),
+        "r1",
+        1,
+        State::Succeeded,
+        T0 + 1,
+        Some("{}"),
+    )
+    .await;
+    let ids = |v: Vec<Record>| v.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    let by = |f: Filter| {
+        let s = s.clone();
+        async move { ids(s.scan(f, 10).await.unwrap()) }
+    };
+    let task = Filter {
+        task: Some("t".into()),
+        ..Default::default()
+    };
+    assert_eq!(by(task).await, ["r1", "r2"]);
+    let in_flight = Filter {
+        state: Some(State::InFlight),
+        ..Default::default()
+    };
+    assert_eq!(by(in_flight).await, ["r2", "r3"]);
+    let newest = Filter {
+        newest_first: true,
+        ..Default::default()
+    };
+    let all = by(newest).await;
+    assert_eq!(all.len(), 3, "{all:?}");
+    let done = Filter {
+        state: Some(State::Succeeded),
+        newest_first: true,
+        ..Default::default()
+    };
+    assert_eq!(by(done).await, ["r1"]);
+    // The log: every entry, a head that is the last one, a chain that verifies.
+    let entries = s.log(0, 100).await.unwrap();
+    let (head, hash) = s.log_head().await.unwrap();
+    assert_eq!(
+        entries.last().map(|e| (e.seq, e.hash.clone())),
+        Some((head, hash))
+    );
+    assert_eq!(s.log(head - 1, 100).await.unwrap().len(), 1);
+    let v = s.verify_log().await.unwrap();
+    assert!(v.ok && v.entries == head, "{v:?}");
+    assert_eq!(
+        s.forced_drain_count(),
+        forced,
+        "a reader made the writer wait for the drainer"
+    );
+    s.close().await.unwrap();
 }

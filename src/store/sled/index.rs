@@ -141,13 +141,25 @@ pub(super) fn log_key(seq: u64) -> Vec<u8> {
     k
 }
 
+/// Records matching `filter`, from sled merged with `overlay` (the durable changes not yet in
+/// sled, as a reader sees them): a reader never waits for the drainer. Index entries only
+/// propose records: each record is read (overlay first) and matched again, so an index entry on
+/// its way out or in never shows a record in a state it is not in.
 pub(super) fn scan(
     db: &sled::Db,
+    overlay: &Overlay,
     filter: &Filter,
     limit: usize,
     sealer: Option<&Sealer>,
 ) -> Result<Vec<Record>, StoreError> {
     let mut out = Vec::new();
+    let record = |id: &str| -> Result<Option<Record>, StoreError> {
+        let key = rec_key(id);
+        overlay
+            .get(db, &key)?
+            .map(|v| decode(&key, &v, sealer))
+            .transpose()
+    };
     if filter.newest_first {
         // Streamed from the creation index, newest first, until the page is full: a page costs
         // what it shows (plus what the filter skips), not the whole store.
@@ -155,42 +167,72 @@ pub(super) fn scan(
             Some((at, id)) => created_key(*at, id),
             None => CREATED_END.to_vec(),
         };
-        for k in db.range(CREATED_PREFIX.to_vec()..end).keys().rev() {
-            if out.len() >= limit {
-                break;
-            }
-            let k = k.map_err(unavailable)?;
-            let id = index_id(&k, CREATED_PREFIX)?;
-            let key = rec_key(&id);
-            let Some(v) = db.get(&key).map_err(unavailable)? else {
-                continue;
+        let mut from_sled = db
+            .range(CREATED_PREFIX.to_vec()..end.clone())
+            .keys()
+            .rev()
+            .peekable();
+        let mut from_mem = overlay
+            .puts
+            .range(CREATED_PREFIX.to_vec()..end)
+            .map(|(k, _)| k.clone())
+            .rev()
+            .peekable();
+        let mut last: Option<Vec<u8>> = None;
+        while out.len() < limit {
+            // The larger of the two heads, once (a key drained meanwhile is in both).
+            let take_mem = match (from_sled.peek(), from_mem.peek()) {
+                (None, None) => break,
+                (Some(Err(_)), _) => false,
+                (Some(Ok(a)), Some(b)) => b.as_slice() >= a.as_ref(),
+                (None, Some(_)) => true,
+                (Some(_), None) => false,
             };
-            let r = decode(&key, &v, sealer)?;
-            if filter.matches(&r) {
-                out.push(r);
+            let k = if take_mem {
+                from_mem.next().expect("peeked")
+            } else {
+                from_sled
+                    .next()
+                    .expect("peeked")
+                    .map_err(unavailable)?
+                    .to_vec()
+            };
+            if last.as_ref() == Some(&k) || overlay.dels.contains(&k) {
+                continue;
+            }
+            last = Some(k.clone());
+            let id = index_id(&k, CREATED_PREFIX)?;
+            if let Some(r) = record(&id)? {
+                if filter.matches(&r) {
+                    out.push(r);
+                }
             }
         }
         return Ok(out);
     }
-    let (prefix, skip) = match (&filter.task, filter.state) {
-        (Some(task), _) => (format!("t/{task}\0"), None),
-        (None, Some(state)) if state_indexed(state) => (format!("s/{}/", state.as_str()), None),
-        (None, _) => ("a/".to_string(), Some(())),
+    let prefix = match (&filter.task, filter.state) {
+        (Some(task), _) => format!("t/{task}\0"),
+        (None, Some(state)) if state_indexed(state) => format!("s/{}/", state.as_str()),
+        (None, _) => "a/".to_string(),
     };
-    for kv in db.scan_prefix(prefix.as_bytes()) {
-        let (k, v) = kv.map_err(unavailable)?;
+    let mut keys: std::collections::BTreeSet<Vec<u8>> = overlay
+        .puts
+        .range(prefix.as_bytes().to_vec()..)
+        .take_while(|(k, _)| k.starts_with(prefix.as_bytes()))
+        .map(|(k, _)| k.clone())
+        .collect();
+    for k in db.scan_prefix(prefix.as_bytes()).keys() {
+        let k = k.map_err(unavailable)?.to_vec();
+        if !overlay.dels.contains(&k) {
+            keys.insert(k);
+        }
+    }
+    for k in keys {
         let id = String::from_utf8_lossy(&k[prefix.len()..]).into_owned();
-        let r = if skip.is_some() {
-            decode(&k, &v, sealer)?
-        } else {
-            let key = rec_key(&id);
-            match db.get(&key).map_err(unavailable)? {
-                Some(v) => decode(&key, &v, sealer)?,
-                None => continue,
+        if let Some(r) = record(&id)? {
+            if filter.matches(&r) {
+                out.push(r);
             }
-        };
-        if filter.matches(&r) {
-            out.push(r);
         }
     }
     out.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));

@@ -148,6 +148,13 @@ fn unavailable(e: impl std::fmt::Display) -> StoreError {
 }
 
 /// The write log's head: its last entry, or where a pruned log starts, or the genesis.
+fn corrupt_entry(seq: u64) -> StoreError {
+    StoreError::Corrupt {
+        id: format!("write log entry {seq}"),
+        reason: "does not parse".into(),
+    }
+}
+
 fn log_head(files: &LogFiles) -> Result<(u64, String), StoreError> {
     if let Some(last) = files.last() {
         return Ok(last);
@@ -161,6 +168,21 @@ fn log_head(files: &LogFiles) -> Result<(u64, String), StoreError> {
 
 impl SledStore {
     /// How many times the store has made batches durable (one fdatasync of the write-ahead log each).
+    /// How often the writer waited for the drainer to apply everything to sled (checkpoints,
+    /// recovery, expiry): never for a reader.
+    pub fn forced_drain_count(&self) -> u64 {
+        self.shared.forced_drains.load(Ordering::Relaxed)
+    }
+
+    /// Writes the audit entries still buffered (a reader of the log sees every event so far): a
+    /// batch like any other, not a wait for the drainer.
+    async fn write_notes(&self) -> Result<(), StoreError> {
+        if self.notes.lock().map_or(0, |n| n.len()) > 0 {
+            self.call(Op::Sync).await?;
+        }
+        Ok(())
+    }
+
     pub fn flush_count(&self) -> u64 {
         self.flushes.load(Ordering::Relaxed)
     }
@@ -299,19 +321,26 @@ impl Store for SledStore {
 
     fn log(&self, after: u64, limit: usize) -> BoxFuture<'_, Result<Vec<Entry>, StoreError>> {
         Box::pin(async move {
-            self.call(Op::Drain).await?;
+            self.write_notes().await?;
             let start = after.saturating_add(1);
+            // The durable entries not yet in the files, taken before the files are read: any
+            // the drainer moves meanwhile are then in the files, and found there.
+            let pending = Overlay::take(&self.shared, |k| log_seq(k).is_some())?;
             let reader = self.shared.logfiles()?.reader(start).map_err(unavailable)?;
             tokio::task::spawn_blocking(move || {
-                let mut out = Vec::new();
+                let mut out: Vec<Entry> = Vec::new();
                 for e in reader.entries() {
-                    let e = e.map_err(|seq| StoreError::Corrupt {
-                        id: format!("write log entry {seq}"),
-                        reason: "does not parse".into(),
-                    })?;
+                    let e = e.map_err(corrupt_entry)?;
                     if e.seq >= start {
                         out.push(e);
                     }
+                    if out.len() >= limit {
+                        return Ok(out);
+                    }
+                }
+                let after_files = out.last().map_or(start, |e| e.seq + 1);
+                for e in pending.log_entries(after_files) {
+                    out.push(e.map_err(corrupt_entry)?);
                     if out.len() >= limit {
                         break;
                     }
@@ -325,7 +354,8 @@ impl Store for SledStore {
 
     fn verify_log(&self) -> BoxFuture<'_, Result<Verification, StoreError>> {
         Box::pin(async move {
-            self.call(Op::Drain).await?;
+            self.write_notes().await?;
+            let pending = Overlay::take(&self.shared, |k| log_seq(k).is_some())?;
             let reader = self.shared.logfiles()?.reader(0).map_err(unavailable)?;
             let chain = self.chain.clone();
             tokio::task::spawn_blocking(move || {
@@ -333,10 +363,18 @@ impl Store for SledStore {
                 // Entries of a store from before the log files, pruned there but kept in a frame
                 // replayed since, come before the anchor.
                 let from = anchor.as_ref().map_or(0, |(seq, _)| *seq);
-                let entries = reader
+                let last = std::cell::Cell::new(0u64);
+                let in_files = reader
                     .entries()
-                    .filter(move |e| !matches!(e, Ok(e) if e.seq < from));
-                Ok(log::verify(&chain, entries, anchor))
+                    .filter(move |e| !matches!(e, Ok(e) if e.seq < from))
+                    .inspect(|e| {
+                        if let Ok(e) = e {
+                            last.set(e.seq);
+                        }
+                    });
+                // Then the durable entries the drainer has not appended yet.
+                let rest = std::iter::once(()).flat_map(|()| pending.log_entries(last.get() + 1));
+                Ok(log::verify(&chain, in_files.chain(rest), anchor))
             })
             .await
             .map_err(unavailable)?
@@ -344,9 +382,15 @@ impl Store for SledStore {
     }
 
     fn log_head(&self) -> BoxFuture<'_, Result<(u64, String), StoreError>> {
+        // The head as of the last visible batch: a health probe or a scrape never waits on the
+        // writer or the drainer.
         Box::pin(async move {
-            self.call(Op::Drain).await?;
-            log_head(&*self.shared.logfiles()?)
+            self.shared.check().map_err(StoreError::Unavailable)?;
+            self.shared
+                .head
+                .lock()
+                .map(|h| h.clone())
+                .map_err(|_| unavailable("store lock poisoned"))
         })
     }
 
@@ -420,12 +464,15 @@ impl Store for SledStore {
 
     fn scan(&self, filter: Filter, limit: usize) -> BoxFuture<'_, Result<Vec<Record>, StoreError>> {
         Box::pin(async move {
-            self.call(Op::Drain).await?;
             let db = self.db()?;
             let sealer = self.sealer.clone();
-            tokio::task::spawn_blocking(move || scan(&db, &filter, limit, sealer.as_deref()))
-                .await
-                .map_err(unavailable)?
+            // Records, bodies and indexes durable but not yet in sled (not the log's blocks).
+            let overlay = Overlay::take(&self.shared, |k| log_seq(k).is_none())?;
+            tokio::task::spawn_blocking(move || {
+                scan(&db, &overlay, &filter, limit, sealer.as_deref())
+            })
+            .await
+            .map_err(unavailable)?
         })
     }
 

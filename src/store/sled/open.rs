@@ -198,7 +198,7 @@ impl SledStore {
         let notes = Arc::new(Mutex::new(Vec::new()));
         let cache = Arc::new(Mutex::new(Cache::default()));
         let placing = Arc::new(Mutex::new(HashMap::new()));
-        let shared = Arc::new(Shared::new(logfiles, count_states(&db)));
+        let shared = Arc::new(Shared::new(logfiles, count_states(&db), head.clone()));
         let reader_view = shared.clone();
         let syncer = Syncer {
             db: db.clone(),

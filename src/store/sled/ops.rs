@@ -15,8 +15,6 @@ pub(super) enum Op {
     /// cursor (`None`: the start); answers the count and where the next step starts.
     Expire(Millis, Option<Vec<u8>>, Reply<(usize, Option<Vec<u8>>)>),
     Sync(Reply<()>),
-    /// Everything applied to sled (before a scan).
-    Drain(Reply<()>),
     Renew(String, String, Millis, Reply<bool>),
 }
 

@@ -19,6 +19,12 @@ pub(super) struct Shared {
     pub(super) logfiles: Mutex<LogFiles>,
     /// Actions per state (by [`slot`]): counted once at open, then kept by the writer.
     pub(super) counts: Mutex<Counts>,
+    /// The write log's head as of the last batch readers can see (kept by the syncer): what
+    /// `/readyz` and `/metrics` read, without asking the writer for anything.
+    pub(super) head: Mutex<(u64, String)>,
+    /// How often the writer waited for the drainer to apply everything to sled (checkpoints,
+    /// recovery, expiry). Readers never make it wait.
+    pub(super) forced_drains: AtomicU64,
 }
 
 /// Actions per state, indexed by [`slot`].
@@ -92,8 +98,10 @@ pub(super) fn read_key(
 }
 
 impl Shared {
-    pub(super) fn new(logfiles: LogFiles, counts: Counts) -> Shared {
+    pub(super) fn new(logfiles: LogFiles, counts: Counts, head: (u64, String)) -> Shared {
         Shared {
+            head: Mutex::new(head),
+            forced_drains: AtomicU64::new(0),
             counts: Mutex::new(counts),
             broken: Mutex::new(None),
             applied: Mutex::new(0),
@@ -147,5 +155,75 @@ impl Shared {
             })
             .map_err(|_| "store lock poisoned")?;
         self.check()
+    }
+}
+
+/// What a reader sees of the durable changes not yet in sled, taken at one moment: the keys put
+/// (newest value) and the keys removed, among those `wanted` keeps. Frozen changes first, then
+/// the active ones over them.
+pub(super) struct Overlay {
+    pub(super) puts: std::collections::BTreeMap<Vec<u8>, Vec<u8>>,
+    pub(super) dels: HashSet<Vec<u8>>,
+}
+
+impl Overlay {
+    pub(super) fn take(
+        shared: &Shared,
+        wanted: impl Fn(&[u8]) -> bool,
+    ) -> Result<Overlay, StoreError> {
+        let m = shared
+            .mem
+            .read()
+            .map_err(|_| unavailable("store lock poisoned"))?;
+        let mut o = Overlay {
+            puts: Default::default(),
+            dels: HashSet::new(),
+        };
+        for changes in [&*m.frozen, &m.active] {
+            for (k, v) in changes.iter().filter(|(k, _)| wanted(k)) {
+                match v {
+                    Some(v) => {
+                        o.dels.remove(k);
+                        o.puts.insert(k.clone(), v.clone());
+                    }
+                    None => {
+                        o.puts.remove(k);
+                        o.dels.insert(k.clone());
+                    }
+                }
+            }
+        }
+        Ok(o)
+    }
+
+    /// A key's value: the overlay's, else sled's.
+    pub(super) fn get(&self, db: &sled::Db, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        if let Some(v) = self.puts.get(key) {
+            return Ok(Some(v.clone()));
+        }
+        if self.dels.contains(key) {
+            return Ok(None);
+        }
+        Ok(db.get(key).map_err(unavailable)?.map(|v| v.to_vec()))
+    }
+
+    /// The write-log entries of the overlay's log blocks with `seq >= from`, in order.
+    pub(super) fn log_entries(&self, from: u64) -> Vec<Result<Entry, u64>> {
+        let mut out = Vec::new();
+        for (k, block) in &self.puts {
+            let Some(first) = log_seq(k) else { continue };
+            for (i, line) in block
+                .split(|b| *b == b'\n')
+                .filter(|l| !l.is_empty())
+                .enumerate()
+            {
+                match serde_json::from_slice::<Entry>(line) {
+                    Ok(e) if e.seq >= from => out.push(Ok(e)),
+                    Ok(_) => {}
+                    Err(_) => out.push(Err(first + i as u64)),
+                }
+            }
+        }
+        out
     }
 }

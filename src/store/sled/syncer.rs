@@ -18,6 +18,8 @@ pub(super) struct Sealed {
     pub(super) failed: Option<String>,
     /// Apply everything so far to sled before going on (scans and checkpoints need it).
     pub(super) drain: bool,
+    /// The write log's head once this batch is written (`None`: a marker, which appends none).
+    pub(super) head: Option<(u64, String)>,
     /// Keys this batch puts that no earlier batch ever did (see [`Mem::absent`]).
     pub(super) new_keys: HashSet<Vec<u8>>,
 }
@@ -148,6 +150,11 @@ impl Syncer {
                     }
                 }
                 visible = group.last().map_or(visible, |b| b.seq);
+                if let Some(head) = group.iter().rev().find_map(|b| b.head.clone()) {
+                    if let Ok(mut h) = self.shared.head.lock() {
+                        *h = head;
+                    }
+                }
             }
             for b in group {
                 answers.extend(b.answers);

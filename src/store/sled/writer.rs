@@ -86,18 +86,7 @@ impl Writer {
                     Err(_) => break,
                 }
             }
-            // A drain reads sled once everything before it is applied: what came before it,
-            // buffered notes included, is sealed as a batch of its own first.
-            let mut cur = Vec::with_capacity(ops.len());
-            for op in ops {
-                let before =
-                    matches!(op, Op::Drain(_)) && (!cur.is_empty() || self.notes_waiting() > 0);
-                if before && !self.batch(std::mem::take(&mut cur), true) {
-                    return;
-                }
-                cur.push(op);
-            }
-            if !self.batch(cur, false) {
+            if !self.batch(ops, false) {
                 return;
             }
         }
@@ -123,7 +112,7 @@ impl Writer {
     pub(super) fn batch(&mut self, ops: Vec<Op>, all_notes: bool) -> bool {
         let mut pending = Pending::default();
         // Notes first: they happened before these operations, and an operation that reads
-        // the log (a drain) must find them.
+        // the log (`Op::Sync` before a log read) must find them.
         let durable = ops.iter().any(Op::needs_flush);
         let due = self.notes_due.is_some_and(|d| d <= Instant::now());
         if all_notes || durable || due || self.notes_waiting() >= NOTES_BATCH {
@@ -195,6 +184,7 @@ impl Writer {
             bodies: pending.bodies,
             failed,
             drain: false,
+            head: Some(self.head.clone()),
             new_keys: pending.new_keys,
         };
         if self.sync.send(sealed).is_err() {
@@ -228,6 +218,7 @@ impl Writer {
     /// Waits until every batch written is applied to sled: before reading sled beyond one key
     /// (scans) and before a checkpoint.
     pub(super) fn settle_down(&mut self) -> Result<(), String> {
+        self.shared.forced_drains.fetch_add(1, Ordering::Relaxed);
         self.seq += 1;
         let marker = Sealed {
             seq: self.seq,
@@ -239,6 +230,7 @@ impl Writer {
             bodies: HashMap::new(),
             failed: None,
             drain: true,
+            head: None,
             new_keys: HashSet::new(),
         };
         self.sync
@@ -542,10 +534,17 @@ impl Writer {
                     state: Some(State::InFlight),
                     ..Filter::default()
                 };
-                let found = self
-                    .settle_down()
-                    .map_err(unavailable)
-                    .and_then(|()| scan(&self.db, &filter, usize::MAX, self.sealer.as_deref()));
+                let found = self.settle_down().map_err(unavailable).and_then(|()| {
+                    // Everything is applied: sled alone is the whole store.
+                    let nothing = Overlay::take(&self.shared, |_| false)?;
+                    scan(
+                        &self.db,
+                        &nothing,
+                        &filter,
+                        usize::MAX,
+                        self.sealer.as_deref(),
+                    )
+                });
                 match found {
                     Err(e) => Answer::failed(tx, e),
                     Ok(records) => {
@@ -581,10 +580,6 @@ impl Writer {
                 Err(e) => Answer::failed(tx, e),
             },
             Op::Sync(tx) => Answer::Unit(tx),
-            Op::Drain(tx) => match self.settle_down() {
-                Ok(()) => Answer::Unit(tx),
-                Err(e) => Answer::failed(tx, unavailable(e)),
-            },
             Op::Renew(id, owner, until, tx) => match self.read(pending, &id) {
                 Err(e) => Answer::failed(tx, e),
                 Ok(Some(r)) if r.state == State::InFlight && r.owner.as_ref() == Some(&owner) => {
