@@ -38,6 +38,10 @@ use http_body_util::{BodyExt, Full};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
+/// The peer's targets, by how its Redis keeps what it is given.
+const PEER_VOLATILE: &str = "peer, Redis without persistence";
+const PEER_DURABLE: &str = "peer, Redis appendfsync always";
+
 const BODY: &str = r#"{"id":"obj_123","object":"charge","amount":500,"ok":true}"#;
 
 // ---------------------------------------------------------------- the upstream
@@ -164,6 +168,105 @@ struct Target {
     name: &'static str,
     addr: SocketAddr,
     pid: Option<u32>,
+    /// `idempotent-proxy-server`: writes go to its `/URL_CHARGES` route; it takes only the
+    /// write and replay workloads (it needs a key on every request).
+    peer: bool,
+    /// The peer's Redis: its CPU and memory count with the peer's.
+    redis: Option<u32>,
+}
+
+// ---------------------------------------------------------------- the peer
+
+/// The peer's version, installed from crates.io into the bench's own folder.
+const PEER_VERSION: &str = "1.2.2";
+
+/// `idempotent-proxy-server`, installed with `cargo install --locked` under `target/peer` when
+/// missing (a few minutes, once).
+fn ensure_peer() -> Option<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/peer");
+    let bin = root.join("bin/idempotent-proxy-server");
+    // `cargo install` lists what it installed there, with the version.
+    let listed = std::fs::read_to_string(root.join(".crates.toml")).unwrap_or_default();
+    if bin.exists() && listed.contains(&format!("idempotent-proxy-server {PEER_VERSION}")) {
+        return Some(bin);
+    }
+    eprintln!("idempotent-proxy-server not found: installing {PEER_VERSION} from crates.io");
+    let ok = std::process::Command::new("cargo")
+        .args(["install", "--locked", "--root"])
+        .arg(&root)
+        .arg(format!("idempotent-proxy-server@{PEER_VERSION}"))
+        .status()
+        .is_ok_and(|s| s.success());
+    (ok && bin.exists()).then_some(bin)
+}
+
+/// A private `redis-server` on a free port: without persistence (the peer's usual setup), or
+/// with `appendfsync always` (every write fsynced, as oncegate's are).
+fn start_redis(dir: &Path, always: bool) -> Option<(std::process::Child, u16)> {
+    let port = free_port();
+    let data = dir.join(format!("redis-{port}"));
+    std::fs::create_dir_all(&data).unwrap();
+    let mut cmd = std::process::Command::new("redis-server");
+    cmd.args([
+        "--port",
+        &port.to_string(),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+    ])
+    .arg("--dir")
+    .arg(&data)
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::null());
+    if always {
+        cmd.args(["--appendonly", "yes", "--appendfsync", "always"]);
+    } else {
+        cmd.args(["--appendonly", "no"]);
+    }
+    let child = cmd.spawn().ok()?;
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(addr).is_ok() {
+            return Some((child, port));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+/// The peer on a free port, proxying `/URL_CHARGES` to the upstream's charges endpoint, its
+/// records kept in Redis for 10 s (its `REQUEST_TIMEOUT`, which is also its cache TTL).
+fn start_peer(
+    bin: &Path,
+    dir: &Path,
+    redis: u16,
+    upstream: SocketAddr,
+) -> Option<(std::process::Child, SocketAddr)> {
+    let port = free_port();
+    let cwd = dir.join(format!("peer-{port}"));
+    std::fs::create_dir_all(&cwd).unwrap();
+    // It refuses to start without a `.env` file in its folder.
+    std::fs::write(cwd.join(".env"), "").unwrap();
+    let child = std::process::Command::new(bin)
+        .current_dir(&cwd)
+        .env("SERVER_ADDR", format!("127.0.0.1:{port}"))
+        .env("REDIS_URL", format!("redis://127.0.0.1:{redis}"))
+        .env("URL_CHARGES", format!("http://{upstream}/pay/v1/charges"))
+        .env("REQUEST_TIMEOUT", "10000")
+        .env("LOG_LEVEL", "error")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    for _ in 0..200 {
+        if std::net::TcpStream::connect(addr).is_ok() {
+            return Some((child, addr));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
 }
 
 fn free_port() -> u16 {
@@ -497,17 +600,32 @@ async fn drive(
     dur: Duration,
     pid: Option<u32>,
 ) -> Result_ {
+    drive_target(addr, w, conns, dur, pid, None, false).await
+}
+
+/// [`drive`], with a second process whose CPU and memory count (the peer's Redis), and the
+/// peer's route for writes.
+async fn drive_target(
+    addr: SocketAddr,
+    w: Workload,
+    conns: usize,
+    dur: Duration,
+    pid: Option<u32>,
+    extra: Option<u32>,
+    peer: bool,
+) -> Result_ {
     let deadline = Instant::now() + dur;
     let peak = Arc::new(AtomicU64::new(0));
     let sampler = pid.map(|pid| {
         let peak = peak.clone();
         tokio::spawn(async move {
             loop {
-                peak.fetch_max(rss_kib(pid), Ordering::Relaxed);
+                peak.fetch_max(rss_kib(pid) + extra.map_or(0, rss_kib), Ordering::Relaxed);
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         })
     });
+    let extra_before = extra.map(cpu_ticks);
     let cpu_before = pid.map(cpu_ticks);
     let driver_before = proc::cpu_ticks("self");
     let started = Instant::now();
@@ -533,7 +651,10 @@ async fn drive(
                 tokio::spawn(conn);
                 let mut i = 0u64;
                 while Instant::now() < deadline {
-                    let req = build(w, c, i, &mut recent);
+                    let mut req = build(w, c, i, &mut recent);
+                    if peer {
+                        *req.uri_mut() = http::Uri::from_static("/URL_CHARGES");
+                    }
                     i += 1;
                     let t = Instant::now();
                     match send.send_request(req).await {
@@ -580,17 +701,25 @@ async fn drive(
     r.peak_rss_kib = peak.load(Ordering::Relaxed);
     if let (Some(pid), Some(before)) = (pid, cpu_before) {
         r.cpu_secs = cpu_ticks(pid).saturating_sub(before) as f64 / 100.0;
+        if let (Some(x), Some(xb)) = (extra, extra_before) {
+            r.cpu_secs += cpu_ticks(x).saturating_sub(xb) as f64 / 100.0;
+        }
     }
     r
 }
 
-async fn warm_replays(addr: SocketAddr) {
+async fn warm_replays(addr: SocketAddr, peer: bool) {
     let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
         .build_http::<Full<Bytes>>();
     let mut recent = Vec::new();
+    let path = if peer {
+        "/URL_CHARGES"
+    } else {
+        "/pay/v1/charges"
+    };
     for k in 0..512u64 {
         let mut req = build(Workload::Replay, 0, k, &mut recent);
-        *req.uri_mut() = format!("http://{addr}/pay/v1/charges").parse().unwrap();
+        *req.uri_mut() = format!("http://{addr}{path}").parse().unwrap();
         let resp = client.request(req).await.unwrap();
         let _ = resp.into_body().collect().await;
     }
@@ -611,6 +740,87 @@ async fn metric(admin: SocketAddr, name: &str) -> f64 {
         .filter(|l| l.starts_with(name))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+/// The cumulative buckets of oncegate's write-phase histograms and its fdatasync histogram, by
+/// (phase, upper bound): a snapshot to subtract from a later one.
+async fn phase_buckets(admin: SocketAddr) -> HashMap<(String, String), f64> {
+    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    let mut out = HashMap::new();
+    let Ok(resp) = client
+        .get(format!("http://{admin}/metrics").parse().unwrap())
+        .await
+    else {
+        return out;
+    };
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let label = |l: &str, name: &str| {
+        let at = l.find(&format!("{name}=\""))? + name.len() + 2;
+        Some(l[at..at + l[at..].find('"')?].to_string())
+    };
+    for l in String::from_utf8_lossy(&body).lines() {
+        let phase = if l.starts_with("oncegate_write_phase_seconds_bucket") {
+            label(l, "phase")
+        } else if l.starts_with("oncegate_store_flush_seconds_bucket") {
+            Some("fdatasync".to_string())
+        } else {
+            None
+        };
+        if let (Some(phase), Some(le), Some(n)) = (
+            phase,
+            label(l, "le"),
+            l.rsplit(' ').next().and_then(|n| n.parse::<f64>().ok()),
+        ) {
+            out.insert((phase, le), n);
+        }
+    }
+    out
+}
+
+/// Per phase, from the bucket counts gained between two snapshots: the count and the upper
+/// bounds (in µs) of the buckets holding the p50 and the p99.
+fn phase_quantiles(
+    before: &HashMap<(String, String), f64>,
+    after: &HashMap<(String, String), f64>,
+) -> Vec<(String, f64, f64, f64)> {
+    let mut phases: Vec<String> = after.keys().map(|(p, _)| p.clone()).collect();
+    phases.sort();
+    phases.dedup();
+    let mut out = Vec::new();
+    for phase in phases {
+        let mut buckets: Vec<(f64, f64)> = after
+            .iter()
+            .filter(|((p, _), _)| *p == phase)
+            .map(|((_, le), n)| {
+                let bound = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().unwrap_or(f64::INFINITY)
+                };
+                (
+                    bound,
+                    n - before
+                        .get(&(phase.clone(), le.clone()))
+                        .copied()
+                        .unwrap_or(0.0),
+                )
+            })
+            .collect();
+        buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let total = buckets.last().map_or(0.0, |b| b.1);
+        if total <= 0.0 {
+            continue;
+        }
+        let at = |q: f64| {
+            buckets
+                .iter()
+                .find(|(_, n)| *n >= q * total)
+                .map_or(f64::INFINITY, |(b, _)| b * 1e6)
+        };
+        out.push((phase, total, at(0.5), at(0.99)));
+    }
+    out
 }
 
 fn dir_bytes(p: &Path) -> u64 {
@@ -828,33 +1038,52 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     let og_dir = tmp.path().join("og");
     std::fs::create_dir_all(&og_dir).unwrap();
     let (mut og, og_addr, og_admin) = start_oncegate(&og_dir, up);
-    let mut targets = vec![Target {
-        name: "direct",
-        addr: up,
-        pid: None,
-    }];
+    let plain = |name, addr, pid| Target {
+        name,
+        addr,
+        pid,
+        peer: false,
+        redis: None,
+    };
+    let mut targets = vec![plain("direct", up, None)];
     if let Some((c, a)) = &nginx {
-        targets.push(Target {
-            name: "nginx",
-            addr: *a,
-            pid: Some(c.id()),
-        });
+        targets.push(plain("nginx", *a, Some(c.id())));
     }
     let (mut bare, bare_addr) = start_bare_proxy(up);
-    targets.push(Target {
-        name: "bare hyper",
-        addr: bare_addr,
-        pid: Some(bare.id()),
-    });
-    targets.push(Target {
-        name: "oncegate",
-        addr: og_addr,
-        pid: Some(og.id()),
-    });
+    targets.push(plain("bare hyper", bare_addr, Some(bare.id())));
+    targets.push(plain("oncegate", og_addr, Some(og.id())));
+    // The closest public peer, on Redis without persistence and with every write fsynced
+    // (`BENCH_PEER=0` leaves it out).
+    let mut peers: Vec<std::process::Child> = Vec::new();
+    let peer_bin = (std::env::var("BENCH_PEER").as_deref() != Ok("0"))
+        .then(ensure_peer)
+        .flatten();
+    if let Some(bin) = &peer_bin {
+        for (name, always) in [(PEER_VOLATILE, false), (PEER_DURABLE, true)] {
+            let Some((redis, port)) = start_redis(tmp.path(), always) else {
+                eprintln!("{name}: redis-server did not start");
+                continue;
+            };
+            let Some((peer, addr)) = start_peer(bin, tmp.path(), port, up) else {
+                eprintln!("{name}: the peer did not start");
+                continue;
+            };
+            targets.push(Target {
+                name,
+                addr,
+                pid: Some(peer.id()),
+                peer: true,
+                redis: Some(redis.id()),
+            });
+            peers.push(peer);
+            peers.push(redis);
+        }
+    }
 
-    // The replay workload's keys exist before it runs: each of the 512 keys sent once.
-    for t in &targets {
-        warm_replays(t.addr).await;
+    // The replay workload's keys exist before it runs: each of the 512 keys sent once (the
+    // peer keeps them 10 s: its keys are sent again before each of its rounds).
+    for t in targets.iter().filter(|t| !t.peer) {
+        warm_replays(t.addr, false).await;
     }
     let specs = [
         Spec {
@@ -912,8 +1141,16 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         .collect();
     let mut results: Vec<(&Spec, HashMap<&str, Result_>)> = Vec::new();
     let mut flushes_per_write = HashMap::new();
+    // Where a write's time goes at 1 connection: oncegate's phase histograms over those rounds.
+    let mut phases: Option<Vec<(String, f64, f64, f64)>> = None;
     for spec in specs {
         let mut per: HashMap<&str, Result_> = HashMap::new();
+        let one_writer = spec.workload == Workload::Write && spec.conns == 1;
+        let phases_before = if one_writer {
+            Some(phase_buckets(og_admin).await)
+        } else {
+            None
+        };
         for _ in 0..rounds {
             for t in &targets {
                 let before = if t.name == "oncegate" {
@@ -924,7 +1161,22 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
                 } else {
                     None
                 };
-                let r = drive(t.addr, spec.workload, spec.conns, dur, t.pid).await;
+                if t.peer && !matches!(spec.workload, Workload::Write | Workload::Replay) {
+                    continue;
+                }
+                if t.peer && spec.workload == Workload::Replay {
+                    warm_replays(t.addr, true).await;
+                }
+                let r = drive_target(
+                    t.addr,
+                    spec.workload,
+                    spec.conns,
+                    dur,
+                    t.pid,
+                    t.redis,
+                    t.peer,
+                )
+                .await;
                 if let Some((f0, _)) = before {
                     let f1 = metric(og_admin, "oncegate_store_flush_seconds_count").await;
                     if spec.workload == Workload::Write {
@@ -938,6 +1190,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         }
         let line: Vec<String> = targets
             .iter()
+            .filter(|t| per.contains_key(t.name))
             .map(|t| {
                 let r = &per[t.name];
                 match r.cpu_us().filter(|_| t.pid.is_some()) {
@@ -947,6 +1200,10 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             })
             .collect();
         println!("{}: {}", spec.name, line.join(", "));
+        if let Some(before) = phases_before {
+            // The other targets' rounds run in between, but only oncegate's writes are counted.
+            phases = Some(phase_quantiles(&before, &phase_buckets(og_admin).await));
+        }
         results.push((spec, per));
     }
     // Preloads run with the full report, or when `BENCH_ONLY` names them (`stored`).
@@ -966,6 +1223,10 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     let _ = og.wait();
     let _ = bare.kill();
     let _ = bare.wait();
+    for mut p in peers {
+        let _ = p.kill();
+        let _ = p.wait();
+    }
 
     // Write throughput with many actions already stored.
     let mut preload_rows = Vec::new();
@@ -1020,7 +1281,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     md.push_str("| workload | target | req/s | p50 | p99 | p99.9 | errors | peak RSS (MiB) | proxy CPU per request (µs) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
     for (spec, per) in &results {
         for t in &targets {
-            let r = &per[t.name];
+            let Some(r) = per.get(t.name) else { continue };
             md.push_str(&format!(
                 "| {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} | {} |\n",
                 spec.name,
@@ -1075,6 +1336,13 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         ));
     }
     budgets(&mut md, &results);
+    peer_report(&mut md, &results);
+    if let Some(phases) = &phases {
+        md.push_str("\n## Where a write's time goes (1 connection)\n\nFrom oncegate's own histograms (`oncegate_write_phase_seconds`, `oncegate_store_flush_seconds`) over the rounds of unique durable writes at 1 connection: each value is the upper bound of the bucket (×2 apart) that holds the quantile. `claim` and `settle` each include one durable flush (`fdatasync`); `send` is the upstream's answer.\n\n| phase | count | p50 ≤ (µs) | p99 ≤ (µs) |\n|---|---:|---:|---:|\n");
+        for (phase, n, p50, p99) in phases {
+            md.push_str(&format!("| {phase} | {n:.0} | {p50:.0} | {p99:.0} |\n"));
+        }
+    }
     md.push_str("\n## Durability and storage\n\n");
     for (conns, (flushes, writes)) in &flushes_per_write {
         md.push_str(&format!(
@@ -1146,5 +1414,67 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         }
         std::fs::write(&p, md).unwrap();
         eprintln!("wrote {}", p.display());
+    }
+}
+
+/// oncegate against `idempotent-proxy-server` (same load generator, upstream and rounds).
+fn peer_report(md: &mut String, results: &[(&Spec, HashMap<&str, Result_>)]) {
+    let rows: Vec<_> = results
+        .iter()
+        .filter(|(_, per)| per.contains_key(PEER_VOLATILE) || per.contains_key(PEER_DURABLE))
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    md.push_str(&format!(
+        "\n## Against the closest peer: idempotent-proxy-server {PEER_VERSION}\n\n\
+         What each side keeps. **oncegate**: every write's record is made durable (fdatasync of \
+         its write-ahead log) before the request leaves and again with its outcome before the \
+         client hears it, with its write-log entries; kept for `retention` (24 h); a key works \
+         without the client sending one. **The peer** (crates.io, Redis-backed): needs an \
+         `Idempotency-Key` on every request; its record lives in Redis for 10 s (its \
+         `REQUEST_TIMEOUT`, also its TTL), is deleted when the upstream does not answer (so a \
+         retry re-sends), and is as durable as its Redis: without persistence (its usual setup) \
+         nothing reaches the disk; with `appendfsync always` Redis fsyncs every command. The \
+         peer's CPU and RSS include its Redis.\n\n\
+         | workload | oncegate / peer without persistence (req/s) | oncegate / peer fsync always (req/s) | p50 / p99 oncegate (µs) | p50 / p99 peer without persistence | p50 / p99 peer fsync always | CPU per request: oncegate / peer without / peer always (µs) | peak RSS: oncegate / peer without / peer always (MiB) |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|\n"
+    ));
+    for (spec, per) in rows {
+        let og = &per["oncegate"];
+        let ratio = |name: &str| {
+            per.get(name)
+                .map_or("-".to_string(), |p| format!("{:.2}×", og.rps() / p.rps()))
+        };
+        let lat = |r: Option<&Result_>| {
+            r.map_or("-".to_string(), |r| {
+                format!("{:.0} / {:.0}", r.q(0.5), r.q(0.99))
+            })
+        };
+        let cpu = |r: Option<&Result_>| {
+            r.and_then(Result_::cpu_us)
+                .map_or("-".to_string(), |c| format!("{c:.0}"))
+        };
+        let rss = |r: Option<&Result_>| {
+            r.map_or("-".to_string(), |r| {
+                format!("{:.0}", r.peak_rss_kib as f64 / 1024.0)
+            })
+        };
+        let (v, d) = (per.get(PEER_VOLATILE), per.get(PEER_DURABLE));
+        md.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} / {} / {} | {} / {} / {} |\n",
+            spec.name,
+            ratio(PEER_VOLATILE),
+            ratio(PEER_DURABLE),
+            lat(Some(og)),
+            lat(v),
+            lat(d),
+            cpu(Some(og)),
+            cpu(v),
+            cpu(d),
+            rss(Some(og)),
+            rss(v),
+            rss(d),
+        ));
     }
 }

@@ -36,6 +36,16 @@ pub fn intern(name: &str) -> &'static str {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    pub phase: &'static str,
+}
+
+/// The phases of a write a duration is kept for: `claim` (made durable before the request
+/// leaves), `send` (the upstream's answer, all tries), `settle` (the outcome made durable
+/// before the client hears it).
+pub const PHASES: [&str; 3] = ["claim", "send", "settle"];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StateLabels {
     pub state: String,
 }
@@ -56,6 +66,8 @@ pub struct Metrics {
     pub upstream_latency: Family<UpstreamLabels, Histogram, fn() -> Histogram>,
     pub actions: Family<StateLabels, Gauge>,
     pub flush_latency: Histogram,
+    /// Handles made once per phase, so that observing one is a lookup-free call.
+    write_phases: [Histogram; 3],
     pub lookups: Family<ResultLabels, Counter>,
     pub log_head: Gauge,
 }
@@ -90,6 +102,16 @@ impl Metrics {
             "Duration of one durable store flush (a group commit)",
             flush_latency.clone(),
         );
+        let phases =
+            Family::<PhaseLabels, Histogram, fn() -> Histogram>::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.000025, 2.0, 18))
+            });
+        registry.register(
+            "write_phase_seconds",
+            "Duration of each phase of a write: claim, send, settle",
+            phases.clone(),
+        );
+        let write_phases = PHASES.map(|phase| phases.get_or_create(&PhaseLabels { phase }).clone());
         let lookups = Family::<ResultLabels, Counter>::default();
         registry.register("lookups", "Status lookups by result", lookups.clone());
         let log_head = Gauge::default();
@@ -104,6 +126,7 @@ impl Metrics {
             upstream_latency,
             actions,
             flush_latency,
+            write_phases,
             lookups,
             log_head,
         }
@@ -131,6 +154,13 @@ impl Metrics {
         self.upstream_latency
             .get_or_create(&UpstreamLabels { upstream })
             .observe(seconds);
+    }
+
+    /// A write spent `seconds` in `phase` (one of [`PHASES`]).
+    pub fn write_phase(&self, phase: &'static str, seconds: f64) {
+        if let Some(i) = PHASES.iter().position(|p| *p == phase) {
+            self.write_phases[i].observe(seconds);
+        }
     }
 
     /// The registry as Prometheus text.

@@ -91,8 +91,9 @@ impl Proxy {
                     });
                     AttemptResult::Lost { phase, error }
                 });
-                self.metrics
-                    .upstream_latency(job.upstream.label, started.elapsed().as_secs_f64());
+                let took = started.elapsed().as_secs_f64();
+                self.metrics.upstream_latency(job.upstream.label, took);
+                self.metrics.write_phase("send", took);
                 r
             }
             // Nothing can be sent: treated as a try that did not reach the upstream.
@@ -239,7 +240,10 @@ impl Proxy {
         let id = req.id.clone();
         let give_up = tokio::time::Instant::now() + SETTLE_PATIENCE;
         let mut wait = Duration::from_millis(50);
+        let started = std::time::Instant::now();
         let mut result = self.store.settle(req.clone()).await;
+        self.metrics
+            .write_phase("settle", started.elapsed().as_secs_f64());
         while let Err(StoreError::Unavailable(e)) = &result {
             let now = tokio::time::Instant::now();
             if now >= give_up {

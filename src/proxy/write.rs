@@ -244,6 +244,7 @@ impl Proxy {
             let notified = notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            let started = std::time::Instant::now();
             let claim = self
                 .store
                 .claim(ClaimRequest {
@@ -256,6 +257,8 @@ impl Proxy {
                 })
                 .await
                 .map_err(|e| store_unavailable(e, None))?;
+            self.metrics
+                .write_phase("claim", started.elapsed().as_secs_f64());
             let rec = match claim {
                 Claim::Claimed(rec) => return Ok(Next::Attempt(rec)),
                 Claim::KeyReused(rec) => return Err(ProxyError::KeyReused(self.ctx(rec).await)),
