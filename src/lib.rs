@@ -321,6 +321,9 @@ pub async fn run(
         async move {
             shutdown.await;
             let _ = signalled_tx.send(tokio::time::Instant::now());
+            // Listening on for late answers ends now: those actions are recorded unknown
+            // already, and stay so for a lookup or an operator.
+            proxy.stop_listening();
             tokio::spawn(async move {
                 tokio::time::sleep(cut_at).await;
                 proxy.cut_attempts();

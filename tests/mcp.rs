@@ -599,3 +599,42 @@ async fn sdk_a_proxy_killed_mid_call_leaves_it_unknown_and_the_resend_is_not_sen
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(server.ran("slow_charge") <= 1, "never run twice");
 }
+
+/// A call answered `unknown` after its timeout is listened to for a late answer, but not past the
+/// start of a shutdown: the proxy stops without waiting for it, and the action stays unknown for a
+/// lookup or an operator (never settled by an answer nobody heard).
+#[tokio::test]
+async fn shutdown_lets_go_of_calls_waiting_for_a_late_answer() {
+    let up = FakeUpstream::start().await;
+    up.push(Behavior::Delay(
+        Duration::from_millis(1500),
+        Box::new(Behavior::json(
+            200,
+            r#"{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"charged"}]}}"#,
+        )),
+    ));
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    let cfg = mcp_config(&format!("{}/mcp", up.url()), r#"timeout = "200ms""#);
+    let proxy = TestProxy::start_in(&cfg, &dir).await;
+    let r = TestClient::default()
+        .post(
+            &proxy.url("/mcp"),
+            JSON_SSE,
+            &call_body(1, "charge", json!({"amount": 5})),
+        )
+        .await;
+    assert_eq!(
+        r.json()["result"]["structuredContent"]["outcome"],
+        "unknown"
+    );
+    let id = r.header("oncegate-action").unwrap().to_string();
+    proxy.stop().await;
+    let store = oncegate::store::sled::SledStore::open(&dir, Default::default()).unwrap();
+    let rec = oncegate::store::Store::get(&store, &id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(rec.state, oncegate::action::State::Unknown);
+    oncegate::store::Store::close(&store).await.unwrap();
+}

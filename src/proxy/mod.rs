@@ -118,6 +118,8 @@ pub struct Proxy {
     attempts: TaskTracker,
     /// Cancelled at the drain deadline: attempts still running are cut and recorded unknown.
     deadline: CancellationToken,
+    /// Cancelled when shutdown starts: exchanges kept open for a late answer are let go.
+    stopping: CancellationToken,
     /// Read-only tools learned from trusted MCP servers' `tools/list` answers (SPEC §14.1).
     annotations: Arc<crate::mcp::Annotations>,
 }
@@ -201,12 +203,18 @@ impl Proxy {
             waiters: Waiters::default(),
             attempts: TaskTracker::new(),
             deadline: CancellationToken::new(),
+            stopping: CancellationToken::new(),
             annotations: Arc::default(),
         })
     }
 
     pub fn attempts(&self) -> &TaskTracker {
         &self.attempts
+    }
+
+    /// Shutdown has started: stops waiting for late answers to calls already recorded unknown.
+    pub fn stop_listening(&self) {
+        self.stopping.cancel();
     }
 
     /// Cuts the attempts still running: the drain deadline has come.

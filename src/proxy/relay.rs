@@ -243,7 +243,7 @@ impl Proxy {
     ) {
         let head = tokio::select! {
             r = tokio::time::timeout(LATE_PATIENCE, pending) => r,
-            () = self.deadline.cancelled() => return,
+            () = self.stopping.cancelled() => return,
         };
         let Ok(Ok(resp)) = head else {
             return;
@@ -270,7 +270,7 @@ impl Proxy {
                 LATE_PATIENCE,
                 http_body_util::Limited::new(body, limit).collect(),
             ) => r,
-            () = self.deadline.cancelled() => return,
+            () = self.stopping.cancelled() => return,
         };
         if let Ok(Ok(all)) = read {
             self.settle_late(job, id, all.to_bytes()).await;
@@ -294,7 +294,7 @@ impl Proxy {
         let last = 'read: loop {
             let frame = tokio::select! {
                 f = tokio::time::timeout_at(give_up, body.frame()) => f,
-                () = self.deadline.cancelled() => return,
+                () = self.stopping.cancelled() => return,
             };
             let Ok(Some(Ok(frame))) = frame else {
                 return;
