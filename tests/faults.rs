@@ -464,30 +464,26 @@ async fn clients_that_go_away_right_after_sending_leave_no_action_without_its_at
         r.unwrap();
     }
     // Every claimed action goes on to its attempt: none is left in flight with nothing sent.
+    // Reads see what is durable at one moment (they are no barrier for claims still on their
+    // way): wait until nothing is in flight and no new action appeared since the last look.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let in_flight = proxy
-            .store
-            .scan(
-                oncegate::store::Filter {
-                    state: Some(oncegate::action::State::InFlight),
-                    ..Default::default()
-                },
-                N,
-            )
-            .await
-            .unwrap();
-        if in_flight.is_empty() {
-            break;
+    let mut last_total = usize::MAX;
+    let all = loop {
+        let all = proxy.store.scan(Default::default(), N).await.unwrap();
+        let in_flight = all
+            .iter()
+            .filter(|r| r.state == oncegate::action::State::InFlight)
+            .count();
+        if in_flight == 0 && all.len() == last_total {
+            break all;
         }
+        last_total = all.len();
         assert!(
             tokio::time::Instant::now() < deadline,
-            "{} actions stay in flight with no attempt behind them",
-            in_flight.len()
+            "{in_flight} actions stay in flight with no attempt behind them"
         );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let all = proxy.store.scan(Default::default(), N).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     // Succeeded, or (on a loaded machine) unknown past the 1 s timeout, or failed to connect:
     // each action sent is sent once, and only those that never connected were not sent.
     let states: Vec<_> = all.iter().map(|r| r.state).collect();
