@@ -402,11 +402,8 @@ async fn reads_are_tried_again_on_retry_statuses() {
 
 #[tokio::test]
 async fn reads_to_an_unreachable_upstream_get_502_after_tries() {
-    // A port that refuses connections: bound, then closed.
-    let addr = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    // A port that refuses connections, reserved for the test's length.
+    let (_reserved, addr) = support::refusing_port();
     let proxy = TestProxy::start(&config(&format!("http://{addr}"), "")).await;
     let r = TestClient::default().get(&proxy.url("/pay/v1/x")).await;
     assert_eq!(r.status, 502);

@@ -138,9 +138,20 @@ async fn fifty_concurrent_identical_writes_reach_the_upstream_once() {
             other => panic!("unexpected answer {other:?}: {r:?}"),
         }
     }
-    assert_eq!(sent, 1);
+    // Both numbers at once, with what the upstream received, should this ever fail.
+    let received: Vec<_> = up
+        .received()
+        .iter()
+        .map(|r| {
+            (
+                r.method.clone(),
+                r.path.clone(),
+                r.header("idempotency-key").map(str::to_string),
+            )
+        })
+        .collect();
+    assert_eq!((sent, up.count()), (1, 1), "received: {received:?}");
     assert_eq!(sent + replayed + in_flight, 50);
-    assert_eq!(up.count(), 1);
 }
 
 #[tokio::test]
@@ -426,10 +437,8 @@ async fn after_max_attempts_the_action_is_exhausted() {
 
 #[tokio::test]
 async fn connect_refused_is_unreachable_and_the_action_stays_retryable() {
-    let addr = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    // A port that refuses connections, reserved for the test's length.
+    let (_reserved, addr) = support::refusing_port();
     let proxy = TestProxy::start(&config(&format!("http://{addr}"), "retries = 2")).await;
     let c = TestClient::default();
     let url = proxy.url("/pay/v1/charges");

@@ -964,3 +964,12 @@ pub async fn terminate_connections(base: &str, url: &str) -> u64 {
         .unwrap();
     rows.len() as u64
 }
+
+/// An address that refuses connections and stays reserved while the socket lives: bound, never
+/// listening. (A port bound then closed can be taken by another test's server meanwhile.)
+pub fn refusing_port() -> (tokio::net::TcpSocket, SocketAddr) {
+    let s = tokio::net::TcpSocket::new_v4().unwrap();
+    s.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = s.local_addr().unwrap();
+    (s, addr)
+}
