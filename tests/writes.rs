@@ -145,7 +145,7 @@ async fn fifty_concurrent_identical_writes_reach_the_upstream_once() {
         .map(|r| {
             (
                 r.method.clone(),
-                r.path.clone(),
+                r.target.clone(),
                 r.header("idempotency-key").map(str::to_string),
             )
         })
