@@ -86,13 +86,13 @@ function table(head, rows, rowAttrs) {
     h(
       "table",
       {},
-      h("thead", {}, h("tr", {}, head.map((c) => h("th", { class: c.narrow ? null : "" }, c.label || c)))),
+      h("thead", {}, h("tr", {}, head.map((c) => h("th", {}, c)))),
       h(
         "tbody",
         {},
         rows.length === 0
           ? h("tr", {}, h("td", { colspan: head.length, class: "muted" }, "none"))
-          : rows.map((r, i) => h("tr", rowAttrs ? rowAttrs(i) : {}, r.map((c) => (c instanceof Node ? h("td", {}, c) : h("td", {}, c))))),
+          : rows.map((r, i) => h("tr", rowAttrs ? rowAttrs(i) : {}, r.map((c) => h("td", {}, c)))),
       ),
     ),
   );

@@ -164,20 +164,8 @@ impl Proxy {
         let limit = self.config.server.max_stored_response;
         let (response, external_id, body) = match (&relayed.last, state) {
             (Some(last), State::Succeeded) => {
-                let kept = last.len() as u64 <= limit;
-                let stored = StoredResponse {
-                    status: 200,
-                    headers: vec![("content-type".into(), "application/json".into())],
-                    size: last.len() as u64,
-                    body: if kept {
-                        BodyRef::Inline
-                    } else {
-                        BodyRef::Absent
-                    },
-                    source: Source::Upstream,
-                };
-                let ext = (job.policy.external_id.as_deref())
-                    .and_then(|spec| external_id(spec, &HeaderMap::new(), last));
+                let (stored, kept) = final_stored(last, limit);
+                let ext = final_external_id(job, last);
                 (Some(stored), ext, kept.then(|| last.clone()))
             }
             _ => (None, None, None),
@@ -328,22 +316,12 @@ impl Proxy {
             State::Failed => false,
             _ => return,
         };
-        let kept = applied && last.len() as u64 <= self.config.server.max_stored_response;
+        let (stored, kept) = final_stored(&last, self.config.server.max_stored_response);
+        let kept = applied && kept;
         let res = crate::action::Resolve {
             applied,
-            external_id: (job.policy.external_id.as_deref())
-                .and_then(|spec| external_id(spec, &HeaderMap::new(), &last)),
-            response: applied.then(|| StoredResponse {
-                status: 200,
-                headers: vec![("content-type".into(), "application/json".into())],
-                size: last.len() as u64,
-                body: if kept {
-                    BodyRef::Inline
-                } else {
-                    BodyRef::Absent
-                },
-                source: Source::Upstream,
-            }),
+            external_id: final_external_id(job, &last),
+            response: applied.then_some(stored),
             body: kept.then_some(last),
             actor: "lookup".into(),
             reason: "the tool's final response arrived after the timeout, on the same stream"
@@ -362,4 +340,27 @@ impl Proxy {
             }
         }
     }
+}
+
+/// The stored form of a call's final response (replayed as JSON), and whether its bytes are kept
+/// (within `max_stored_response`).
+fn final_stored(last: &Bytes, limit: u64) -> (StoredResponse, bool) {
+    let kept = last.len() as u64 <= limit;
+    let stored = StoredResponse {
+        status: 200,
+        headers: vec![("content-type".into(), "application/json".into())],
+        size: last.len() as u64,
+        body: if kept {
+            BodyRef::Inline
+        } else {
+            BodyRef::Absent
+        },
+        source: Source::Upstream,
+    };
+    (stored, kept)
+}
+
+/// The external id a policy's JSON pointer finds in a call's final response.
+fn final_external_id(job: &WriteJob, last: &[u8]) -> Option<String> {
+    (job.policy.external_id.as_deref()).and_then(|spec| external_id(spec, &HeaderMap::new(), last))
 }
