@@ -109,16 +109,24 @@ async fn serve_payments(
     })
 }
 
-async fn start_payments(p: Arc<Payments>) -> Result<SocketAddr, String> {
+/// Serves `handle` on a loopback port of its own; returns the address.
+async fn serve<S, F>(
+    state: Arc<S>,
+    handle: fn(Arc<S>, http::Request<hyper::body::Incoming>) -> F,
+) -> Result<SocketAddr, String>
+where
+    S: Send + Sync + 'static,
+    F: std::future::Future<Output = Result<Resp, hyper::Error>> + Send + 'static,
+{
     let l = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .map_err(|e| e.to_string())?;
     let addr = l.local_addr().map_err(|e| e.to_string())?;
     tokio::spawn(async move {
         while let Ok((s, _)) = l.accept().await {
-            let p = p.clone();
+            let state = state.clone();
             tokio::spawn(async move {
-                let svc = service_fn(move |req| serve_payments(p.clone(), req));
+                let svc = service_fn(move |req| handle(state.clone(), req));
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                     .serve_connection(TokioIo::new(s), svc)
                     .await;
@@ -163,25 +171,6 @@ async fn serve_mail(
         http::HeaderValue::from_static("text/event-stream"),
     );
     Ok(r)
-}
-
-async fn start_mail(m: Arc<Mail>) -> Result<SocketAddr, String> {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .map_err(|e| e.to_string())?;
-    let addr = l.local_addr().map_err(|e| e.to_string())?;
-    tokio::spawn(async move {
-        while let Ok((s, _)) = l.accept().await {
-            let m = m.clone();
-            tokio::spawn(async move {
-                let svc = service_fn(move |req| serve_mail(m.clone(), req));
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(s), svc)
-                    .await;
-            });
-        }
-    });
-    Ok(addr)
 }
 
 /// Narration, coloured on a terminal.
@@ -320,9 +309,9 @@ pub async fn run(color: bool) -> Result<(), String> {
     let tmp = std::env::temp_dir().join(format!("oncegate-demo-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     let payments = Arc::new(Payments::default());
-    let up = start_payments(payments.clone()).await?;
+    let up = serve(payments.clone(), serve_payments).await?;
     let mail = Arc::new(Mail::default());
-    let mail_up = start_mail(mail.clone()).await?;
+    let mail_up = serve(mail.clone(), serve_mail).await?;
     let config = crate::config::Config::parse(&format!(
         r#"
 [server]

@@ -66,34 +66,7 @@ async fn an_operator_settles_an_unknown_write_and_the_log_shows_it_in_a_browser(
     assert_eq!(lost.header("oncegate-outcome"), Some("unknown"));
     let id = lost.header("oncegate-action").unwrap().to_string();
 
-    let shots = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/console-screenshots");
-    std::fs::create_dir_all(&shots).unwrap();
-    let mut cmd = std::process::Command::new("node");
-    cmd.arg(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/console/drive.mjs"
-    ))
-    .arg(proxy.admin_url("").trim_end_matches('/'))
-    .arg(ADMIN_TOKEN)
-    .arg(&id)
-    .arg(&shots)
-    .env("ONCEGATE_CONSOLE_NODE", &node);
-    let out = tokio::time::timeout(
-        Duration::from_secs(120),
-        tokio::task::spawn_blocking(move || cmd.output().unwrap()),
-    )
-    .await
-    .unwrap()
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    let saw: Value = serde_json::from_str(stdout.trim().lines().last().unwrap_or(""))
-        .unwrap_or_else(|e| {
-            panic!(
-                "the driver said ({e}): {stdout}\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            )
-        });
-    assert!(saw["failed"].is_null(), "{}", saw["failed"]);
+    let saw = drive(&node, &proxy, &id).await;
     assert_eq!(saw["errors"], serde_json::json!([]), "page errors: {saw}");
     assert!(
         saw["wrong_token"].as_str().unwrap().contains("refused"),

@@ -508,24 +508,13 @@ async fn sdk_typescript_client_resends_run_once() {
     proxy.stop().await;
 }
 
-/// The Python code block that follows `<!-- recipe:NAME -->` in docs/recipes.md.
-fn recipe(name: &str) -> String {
-    let doc =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/recipes.md")).unwrap();
-    let marker = format!("<!-- recipe:{name} -->");
-    let after = &doc[doc.find(&marker).unwrap_or_else(|| panic!("no {marker}")) + marker.len()..];
-    let start = after.find("```python\n").unwrap() + "```python\n".len();
-    let end = after[start..].find("```").unwrap();
-    after[start..start + end].to_string()
-}
-
 #[tokio::test]
 #[ignore = "needs the MCP Python SDK (ONCEGATE_PYTHON)"]
 async fn sdk_the_docs_mcp_recipe_runs_and_sends_once() {
     let server = McpServer::start(&[]);
     let proxy = proxy_for(&server, "").await;
     let mut cmd = Command::new(python());
-    cmd.args(["-c", &recipe("mcp-python")])
+    cmd.args(["-c", &support::recipe("mcp-python")])
         .env("ONCEGATE_URL", proxy.url("").trim_end_matches('/'));
     let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
         .await

@@ -9,17 +9,6 @@ use std::time::Duration;
 
 use support::{config, Behavior, FakeUpstream, TestProxy};
 
-/// The Python code block that follows `<!-- recipe:NAME -->` in docs/recipes.md.
-fn recipe(name: &str) -> String {
-    let doc =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/recipes.md")).unwrap();
-    let marker = format!("<!-- recipe:{name} -->");
-    let after = &doc[doc.find(&marker).unwrap_or_else(|| panic!("no {marker}")) + marker.len()..];
-    let start = after.find("```python\n").unwrap() + "```python\n".len();
-    let end = after[start..].find("```").unwrap();
-    after[start..start + end].to_string()
-}
-
 /// The Python with the SDKs (`ONCEGATE_PYTHON`). These tests are `#[ignore = "needs a Python
 /// …"]`: asked for, a missing Python is a failure, not a skip.
 fn python() -> String {
@@ -65,7 +54,7 @@ async fn run_recipe(name: &str, prefix: &str, first_answer: Behavior, then: Beha
         up.url()
     );
     let proxy = TestProxy::start(&config(&up.url(), &extra)).await;
-    let stdout = run_python(py, recipe(name), &proxy, "the recipe").await;
+    let stdout = run_python(py, support::recipe(name), &proxy, "the recipe").await;
     assert!(stdout.contains("created"), "{stdout}");
     let posts = up.count_method("POST");
     assert_eq!(
@@ -151,7 +140,7 @@ async fn the_stripe_charge_recipe_recovers_a_timed_out_charge_through_the_search
         up.url()
     );
     let proxy = TestProxy::start(&config(&up.url(), &extra)).await;
-    let stdout = run_python(py, recipe("stripe-charge"), &proxy, "the recipe").await;
+    let stdout = run_python(py, support::recipe("stripe-charge"), &proxy, "the recipe").await;
     assert!(stdout.contains("created ch_recipe"), "{stdout}");
     assert_eq!(up.count_method("POST"), 1, "one charge");
     let searched: Vec<_> = up

@@ -973,3 +973,14 @@ pub fn refusing_port() -> (tokio::net::TcpSocket, SocketAddr) {
     let addr = s.local_addr().unwrap();
     (s, addr)
 }
+
+/// The Python code block that follows `<!-- recipe:NAME -->` in docs/recipes.md.
+pub fn recipe(name: &str) -> String {
+    let doc =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/recipes.md")).unwrap();
+    let marker = format!("<!-- recipe:{name} -->");
+    let after = &doc[doc.find(&marker).unwrap_or_else(|| panic!("no {marker}")) + marker.len()..];
+    let start = after.find("```python\n").unwrap() + "```python\n".len();
+    let end = after[start..].find("```").unwrap();
+    after[start..start + end].to_string()
+}
