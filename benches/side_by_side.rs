@@ -1237,6 +1237,9 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         preload(&d.join("store"), *n).await;
         let load_secs = t.elapsed().as_secs_f64();
         let (mut c, a, _) = start_oncegate(&d, up);
+        // Memory right after a restart on this many actions, before any request.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let rss_open = rss_kib(c.id());
         let mut r = Result_::default();
         for _ in 0..rounds {
             r.merge(drive(a, Workload::Write, 64, dur, Some(c.id())).await);
@@ -1247,7 +1250,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             "unique writes, 64 connections, {n} stored: {:.0} req/s (preload {load_secs:.1}s)",
             r.rps()
         );
-        preload_rows.push((*n, r, load_secs, dir_bytes(&d.join("store"))));
+        preload_rows.push((*n, r, load_secs, dir_bytes(&d.join("store")), rss_open));
     }
     if let Some((mut c, _)) = nginx {
         // SIGTERM: the master stops its workers too (SIGKILL would orphan them).
@@ -1358,11 +1361,13 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         store_bytes,
         actions
     ));
-    for (n, r, load, bytes) in &preload_rows {
+    for (n, r, load, bytes, rss_open) in &preload_rows {
         md.push_str(&format!(
-            "- unique writes at 64 connections with {n} actions already stored: {:.0} req/s (p99 {:.0} µs); preload took {load:.1} s; store {:.0} MiB\n",
+            "- unique writes at 64 connections with {n} actions already stored: {:.0} req/s (p99 {:.0} µs, peak RSS {:.0} MiB); RSS right after opening them {:.0} MiB; preload took {load:.1} s; store {:.0} MiB\n",
             r.rps(),
             r.q(0.99),
+            r.peak_rss_kib as f64 / 1024.0,
+            *rss_open as f64 / 1024.0,
             *bytes as f64 / 1048576.0
         ));
     }
