@@ -198,7 +198,8 @@ impl SledStore {
         let notes = Arc::new(Mutex::new(Vec::new()));
         let cache = Arc::new(Mutex::new(Cache::default()));
         let placing = Arc::new(Mutex::new(HashMap::new()));
-        let shared = Arc::new(Shared::new(logfiles, count_states(&db), head.clone()));
+        let (counts, kept) = open_counts(&db);
+        let shared = Arc::new(Shared::new(logfiles, counts, head.clone()));
         let reader_view = shared.clone();
         let syncer = Syncer {
             db: db.clone(),
@@ -247,6 +248,7 @@ impl SledStore {
             head,
             log_retention: options.log_retention,
             notes_due: None,
+            saved_counts: kept.then_some(counts),
         };
         let handle = std::thread::Builder::new()
             .name("oncegate-store".into())

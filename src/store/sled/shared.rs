@@ -36,6 +36,33 @@ pub(super) fn slot(st: State) -> usize {
 
 /// Actions per state (once, at open): from the state index, and `succeeded` as the rest of the
 /// creation index.
+/// Where the counts by state are kept, with every batch that changes them (one frame with the
+/// records they count): opening a store reads them instead of walking every index key, which
+/// would leave sled holding state for every page of a large store.
+pub(super) const COUNTS_KEY: &[u8] = b"m/counts";
+
+pub(super) fn encode_counts(c: &Counts) -> Vec<u8> {
+    c.iter().flat_map(|n| n.to_be_bytes()).collect()
+}
+
+/// The counts at open: as kept (`true`), or (a store from before they were kept) counted once.
+pub(super) fn open_counts(db: &sled::Db) -> (Counts, bool) {
+    let kept = db.get(COUNTS_KEY).ok().flatten().and_then(|v| {
+        let mut c = Counts::default();
+        if v.len() != c.len() * 8 {
+            return None;
+        }
+        for (n, b) in c.iter_mut().zip(v.chunks_exact(8)) {
+            *n = u64::from_be_bytes(b.try_into().ok()?);
+        }
+        Some(c)
+    });
+    match kept {
+        Some(c) => (c, true),
+        None => (count_states(db), false),
+    }
+}
+
 pub(super) fn count_states(db: &sled::Db) -> Counts {
     let mut c = Counts::default();
     for st in State::ALL.into_iter().filter(|s| state_indexed(*s)) {

@@ -35,6 +35,8 @@ pub(super) struct Writer {
     pub(super) log_retention: Option<std::time::Duration>,
     /// When buffered notes are written at the latest.
     pub(super) notes_due: Option<Instant>,
+    /// The counts by state as last written to [`COUNTS_KEY`] (`None`: not yet, this run).
+    pub(super) saved_counts: Option<Counts>,
 }
 
 /// The changes of one batch, readable before they are applied.
@@ -143,6 +145,12 @@ impl Writer {
                 history::HEAD_KEY,
                 history::head_value(self.head.0, &self.head.1),
             );
+        }
+        // The counts by state travel with the changes that move them.
+        let counts = self.shared.counts.lock().map(|c| *c).ok();
+        if let Some(c) = counts.filter(|c| self.saved_counts.as_ref() != Some(c)) {
+            pending.put(COUNTS_KEY, encode_counts(&c));
+            self.saved_counts = Some(c);
         }
         // Every batch goes through the syncer, even one that only read: what it read may be
         // a batch still on its way to being durable, and its answers wait for that.
