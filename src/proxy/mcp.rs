@@ -30,17 +30,15 @@ impl Proxy {
         let (parts, body) = req.into_parts();
         let body = self.buffer(&parts.headers, body).await?;
         let principal = identity::principal(&parts.headers, t.policy);
+        // A refused message or a problem about a call, in the write log (SPEC §11).
+        let note = |e: &ProxyError, tool: Option<&str>| {
+            let path = || t.rest.to_string();
+            self.note_problem(e, t.upstream, &parts.method, path, &principal, tool);
+        };
         let refuse = |why: String, id: Option<&Value>, tool: Option<&str>| {
             let e = ProxyError::BadRequest(why);
             tracing::info!(error = %e, upstream = t.upstream.label, "refused an MCP message");
-            self.note_problem(
-                &e,
-                t.upstream,
-                &parts.method,
-                || t.rest.to_string(),
-                &principal,
-                tool,
-            );
+            note(&e, tool);
             answer::invalid(&e, id)
         };
         let intake = match mcp::intake(&body) {
@@ -90,14 +88,7 @@ impl Proxy {
         span.record("class", class.as_str());
         let problem = |e: ProxyError| {
             tracing::info!(error = %e, upstream = t.upstream.label, tool = %call.name, "problem");
-            self.note_problem(
-                &e,
-                t.upstream,
-                &parts.method,
-                || t.rest.to_string(),
-                &principal,
-                Some(&call.name),
-            );
+            note(&e, Some(&call.name));
             answer::tool_error(&e, &call.id, modern)
         };
         match class {
