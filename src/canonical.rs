@@ -267,22 +267,30 @@ pub fn json(body: &[u8], ignore: &[String]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// The canonical form of one member of a JSON body, named by a JSON pointer, without `ignore`
-/// (pointers relative to that member). `Some(b"null")` when the body has no such member; `None`
-/// when the body has no canonical form.
-pub fn json_member(body: &[u8], at: &str, ignore: &[String]) -> Option<Vec<u8>> {
-    let mut v = parse(body)?;
-    for t in at.split('/').skip(1) {
-        v = match v {
-            Json::Obj(mut m) => m.remove(t).unwrap_or(Json::Null),
-            _ => Json::Null,
-        };
-    }
-    for p in ignore {
-        remove(&mut v, p);
-    }
-    let mut out = Vec::new();
-    write(&v, &mut out);
+/// The canonical forms of members of one JSON body, each named by a JSON pointer and without its
+/// `ignore` pointers (relative to that member), from one parse. `null` for a member the body does
+/// not have; `None` when the body has no canonical form.
+pub fn json_members(body: &[u8], members: &[(&str, &[String])]) -> Option<Vec<Vec<u8>>> {
+    let root = parse(body)?;
+    let out = members
+        .iter()
+        .map(|(at, ignore)| {
+            let mut cur = &root;
+            for t in at.split('/').skip(1) {
+                cur = match cur {
+                    Json::Obj(m) => m.get(t).unwrap_or(&Json::Null),
+                    _ => &Json::Null,
+                };
+            }
+            let mut v = cur.clone();
+            for p in ignore.iter() {
+                remove(&mut v, p);
+            }
+            let mut bytes = Vec::new();
+            write(&v, &mut bytes);
+            bytes
+        })
+        .collect();
     Some(out)
 }
 

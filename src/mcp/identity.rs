@@ -26,33 +26,51 @@ fn meta_str<'a>(call: &'a ToolCall, name: &str, max: usize) -> Result<Option<&'a
     }
 }
 
-/// Hex SHA-256 over the tool name and the canonical JSON of its arguments (without
-/// `fingerprint_ignore`, pointers relative to the arguments), and over a continuation's members.
-pub fn fingerprint(call: &ToolCall, body: &[u8], ignore: &[String]) -> String {
-    let args =
-        crate::canonical::json_member(body, "/params/arguments", ignore).unwrap_or_else(|| {
-            serde_json::to_vec(call.params.get("arguments").unwrap_or(&Value::Null))
-                .expect("JSON serializes")
-        });
-    let mut parts: Vec<Vec<u8>> = vec![call.name.as_bytes().to_vec(), args];
-    if let Some(c) = continuation(body) {
-        parts.push(c.into_bytes());
-    }
-    let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
-    hex::encode(sha256_parts(&refs))
+/// What a tool call's identity is made from, read from its body in one parse: the canonical
+/// arguments (without `fingerprint_ignore`, pointers relative to the arguments), and for a
+/// continuation of a multi-round-trip call, 16 hex characters of SHA-256 over its
+/// `inputResponses` and `requestState`.
+struct Canon {
+    args: Vec<u8>,
+    continuation: Option<String>,
 }
 
-/// For a continuation of a multi-round-trip call: 16 hex characters of SHA-256 over its
-/// `inputResponses` and `requestState`.
-fn continuation(body: &[u8]) -> Option<String> {
-    let canon = |at: &str| crate::canonical::json_member(body, at, &[]).unwrap_or_default();
-    let responses = canon("/params/inputResponses");
-    let state = canon("/params/requestState");
-    if responses == b"null" && state == b"null" {
-        return None;
+impl Canon {
+    fn of(call: &ToolCall, body: &[u8], ignore: &[String]) -> Canon {
+        const NONE: &[String] = &[];
+        let members = crate::canonical::json_members(
+            body,
+            &[
+                ("/params/arguments", ignore),
+                ("/params/inputResponses", NONE),
+                ("/params/requestState", NONE),
+            ],
+        );
+        let Some([args, responses, state]) = members.and_then(|m| <[_; 3]>::try_from(m).ok())
+        else {
+            // Intake refuses bodies without a canonical form: this is only a fallback.
+            let args = serde_json::to_vec(call.params.get("arguments").unwrap_or(&Value::Null))
+                .expect("JSON serializes");
+            return Canon {
+                args,
+                continuation: None,
+            };
+        };
+        let continuation = (responses != b"null" || state != b"null").then(|| {
+            let d = sha256_parts(&[&responses, &state]);
+            hex32(&d)[..16].to_string()
+        });
+        Canon { args, continuation }
     }
-    let d = sha256_parts(&[&responses, &state]);
-    Some(hex32(&d)[..16].to_string())
+
+    /// Hex SHA-256 over the tool name, the arguments and a continuation's members.
+    fn fingerprint(&self, call: &ToolCall) -> String {
+        let mut parts: Vec<&[u8]> = vec![call.name.as_bytes(), &self.args];
+        if let Some(c) = &self.continuation {
+            parts.push(c.as_bytes());
+        }
+        hex::encode(sha256_parts(&parts))
+    }
 }
 
 /// Derives a tool call's identity.
@@ -64,7 +82,8 @@ pub fn identify(
     call: &ToolCall,
     policy: &Policy,
 ) -> Result<Identity, KeyError> {
-    let fingerprint = fingerprint(call, body, &policy.fingerprint_ignore);
+    let canon = Canon::of(call, body, &policy.fingerprint_ignore);
+    let fingerprint = canon.fingerprint(call);
     let task = match header_str(headers, "oncegate-task")? {
         Some(t) => Some(t),
         None => meta_str(call, META_TASK, 128)?,
@@ -87,7 +106,7 @@ pub fn identify(
         )?
     };
     // A continuation is an action of its own, under the first leg's key.
-    let key = match continuation(body) {
+    let key = match &canon.continuation {
         Some(c) => format!("{key}:{c}"),
         None => key,
     };
