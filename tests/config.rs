@@ -79,16 +79,25 @@ fn a_bad_config_exits_64_and_names_the_key() {
     assert_eq!(out.status.code(), Some(64));
 }
 
+/// `oncegate check --config FILE`: what it printed, after checking that it succeeded.
+fn check(file: &Path) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_oncegate"))
+        .args(["check", "--config"])
+        .arg(file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "check failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 #[test]
 fn check_prints_the_routing_table() {
     let f = Path::new(env!("CARGO_MANIFEST_DIR")).join("config.example.toml");
-    let out = Command::new(env!("CARGO_BIN_EXE_oncegate"))
-        .args(["check", "--config"])
-        .arg(&f)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let table = String::from_utf8(out.stdout).unwrap();
+    let table = check(&f);
     assert!(
         table.contains("payments  /stripe  →  https://api.stripe.com/"),
         "{table}"
@@ -128,13 +137,8 @@ fn check_cautions_about_policies_whose_records_can_outgrow_the_embedded_store() 
     let tmp = tempfile::tempdir().unwrap();
     let f = tmp.path().join("oncegate.toml");
     std::fs::write(&f, risky).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_oncegate"))
-        .args(["check", "--config"])
-        .arg(&f)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "a caution is not an error");
-    let text = String::from_utf8(out.stdout).unwrap();
+    // A caution is not an error.
+    let text = check(&f);
     assert!(
         text.lines()
             .any(|l| l.starts_with("caution: upstreams.payments: ")
@@ -148,13 +152,7 @@ fn check_cautions_about_policies_whose_records_can_outgrow_the_embedded_store() 
 #[test]
 fn check_lists_an_mcp_upstreams_tool_rules() {
     let f = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/config/valid/mcp.toml");
-    let out = Command::new(env!("CARGO_BIN_EXE_oncegate"))
-        .args(["check", "--config"])
-        .arg(&f)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = check(&f);
     let line = |start: &str| {
         text.lines()
             .find(|l| l.trim_start().starts_with(start))
@@ -262,10 +260,5 @@ fn the_readme_shows_what_check_prints_for_the_example() {
         .expect("the README shows check's output")
         + marker.len();
     let shown = &readme[start..start + readme[start..].find("```").unwrap()];
-    let out = Command::new(env!("CARGO_BIN_EXE_oncegate"))
-        .args(["check", "--config"])
-        .arg(root.join("config.example.toml"))
-        .output()
-        .unwrap();
-    assert_eq!(shown, String::from_utf8(out.stdout).unwrap());
+    assert_eq!(shown, check(&root.join("config.example.toml")));
 }

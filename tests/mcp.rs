@@ -15,29 +15,10 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use support::{Behavior, ChildProxy, FakeUpstream, TestClient, TestProxy};
 
-/// A config with one MCP upstream `tools` at `/mcp`; `extra` is appended to its table.
+/// The tests' config (`support::config`) with its one upstream an MCP server, `tools` at
+/// `/mcp`, whose duplicates wait for a running call; `extra` is appended to its table.
 fn mcp_config(url: &str, extra: &str) -> String {
-    format!(
-        r#"
-[server]
-listen = "127.0.0.1:0"
-drain_timeout = "5s"
-
-[admin]
-listen = "127.0.0.1:0"
-
-[defaults]
-timeout = "1s"
-connect_timeout = "1s"
-in_flight_wait = "5s"
-
-[[upstreams]]
-name = "tools"
-prefix = "/mcp"
-url = "{url}"
-protocol = "mcp"
-{extra}
-
+    let tools = r#"
 [[upstreams.tools]]
 name = "search"
 class = "read"
@@ -45,8 +26,13 @@ class = "read"
 [[upstreams.tools]]
 name = "delete_*"
 class = "deny"
-"#
+"#;
+    support::config(
+        url,
+        &format!("protocol = \"mcp\"\nin_flight_wait = \"5s\"\n{extra}\n{tools}"),
     )
+    .replacen("name = \"pay\"", "name = \"tools\"", 1)
+    .replacen("prefix = \"/pay\"", "prefix = \"/mcp\"", 1)
 }
 
 const JSON_SSE: &[(&str, &str)] = &[
