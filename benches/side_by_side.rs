@@ -378,19 +378,33 @@ protocol = "mcp"
         ),
     )
     .unwrap();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_oncegate"))
-        .args(["run", "--config", conf.to_str().unwrap()])
+    // `BENCH_WRAP='heaptrack -o /tmp/og'` runs the proxy under a profiler.
+    let wrap = std::env::var("BENCH_WRAP").unwrap_or_default();
+    let mut argv: Vec<&str> = wrap.split_whitespace().collect();
+    argv.extend([
+        env!("CARGO_BIN_EXE_oncegate"),
+        "run",
+        "--config",
+        conf.to_str().unwrap(),
+    ]);
+    let mut child = std::process::Command::new(argv[0])
+        .args(&argv[1..])
         .env("RUST_LOG", "warn,oncegate=info")
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let stderr = child.stderr.take().unwrap();
+    // `BENCH_ECHO=1` passes the proxy's own output on (allocator statistics, panics).
+    let echo = std::env::var("BENCH_ECHO").is_ok_and(|v| v == "1");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in std::io::BufReader::new(stderr)
             .lines()
             .map_while(Result::ok)
         {
+            if echo {
+                eprintln!("oncegate: {line}");
+            }
             for f in ["addr=", "admin="] {
                 if let Some(i) = line.find(f) {
                     let v: String = line[i + f.len()..]
@@ -1219,6 +1233,17 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     }
     let actions = metric(og_admin, "oncegate_actions{").await;
     let store_bytes = dir_bytes(&og_dir.join("store"));
+    // Stopped as an operator would (SIGTERM), so that what it prints at exit (with `BENCH_ECHO=1`
+    // and `_RJEM_MALLOC_CONF=stats_print:true`, the allocator's statistics) is seen.
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &og.id().to_string()])
+        .status();
+    for _ in 0..100 {
+        if og.try_wait().ok().flatten().is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let _ = og.kill();
     let _ = og.wait();
     let _ = bare.kill();

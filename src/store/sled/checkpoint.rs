@@ -16,6 +16,7 @@ pub(super) fn sled_durable(
     log: &File,
 ) -> Result<(), String> {
     db.flush().map_err(|e| format!("sled flush: {e}"))?;
+    release_sealed_buffers();
     let blobs = dir.join("blobs");
     if let Ok(entries) = std::fs::read_dir(&blobs) {
         let mut present = HashSet::new();
@@ -38,6 +39,19 @@ pub(super) fn sled_durable(
     }
     log.sync_data()
         .map_err(|e| format!("fdatasync sled log: {e}"))
+}
+
+/// Lets go of the I/O buffer a flush sealed.
+///
+/// sled 0.34's flush seals its current I/O buffer (a whole segment, 8 MiB) and hands the old one
+/// to crossbeam-epoch's deferred destruction, in the flushing thread's local bag, which goes to
+/// be freed only once it holds 64 items. A thread that does little else but flush (the
+/// checkpointer) kept one segment buffer per checkpoint alive that way: the proxy's memory grew
+/// with the number of checkpoints (336 MiB with 4 MiB checkpoints, 110 MiB with the default).
+/// Flushing the bag hands them to the global queue at once, from which any thread frees them.
+/// sled re-exports crossbeam-epoch's `pin` (the same instance it defers into).
+fn release_sealed_buffers() {
+    sled::crossbeam_pin().flush();
 }
 
 /// The checkpoint thread's queue and handle.
