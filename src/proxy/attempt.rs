@@ -102,10 +102,12 @@ impl Proxy {
         // An SSE answer is relayed while the lease is still renewed: the call runs until its
         // final response, however long its progress events take.
         let result = match result {
+            // Boxed, like the other rare paths: an action's task is spawned, moved and completed
+            // with its future's full size, which its largest path sets.
             AttemptResult::Streaming { head, body } => {
-                let relayed = self.relay(&mut job, &rec, head, body, &mut tries).await;
+                let relayed = Box::pin(self.relay(&mut job, &rec, head, body, &mut tries)).await;
                 drop(renewer);
-                return self.settle_relayed(&job, rec, relayed, tries).await;
+                return Box::pin(self.settle_relayed(&job, rec, relayed, tries)).await;
             }
             other => other,
         };
@@ -208,7 +210,7 @@ impl Proxy {
                 match (&job.call, job.early.take()) {
                     (Call::Mcp(c), Some(early)) => {
                         let _ = early.send(crate::mcp::answer::tool_error(&err, &c.id, c.modern));
-                        self.await_late(&job, &rec.id, pending).await;
+                        Box::pin(self.await_late(&job, &rec.id, pending)).await;
                         Ok(Response::new(crate::upstream::empty()))
                     }
                     _ => Err(err),

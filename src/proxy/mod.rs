@@ -56,7 +56,7 @@ use crate::lookup;
 use crate::metrics::Metrics;
 use crate::redact::Redactor;
 use crate::route::{route, Class, RouteError, Target};
-use crate::store::{Filter, SettleRequest, Store, StoreError};
+use crate::store::{BoxFuture, Filter, SettleRequest, Store, StoreError};
 use crate::upstream::{
     full, strip_hop_by_hop, AttemptResult, Outgoing, Prefixed, ProxyBody, Upstreams,
 };

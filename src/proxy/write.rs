@@ -171,7 +171,8 @@ impl Proxy {
         match next? {
             Next::Attempt(rec) => {
                 claimed.store(rec.attempts, Ordering::SeqCst);
-                self.run_attempt(job, rec).await
+                // Boxed: the task is spawned, moved and completed at its future's size.
+                Box::pin(self.run_attempt(job, rec)).await
             }
             Next::Replay(rec) => self.replay(&rec, None, &job.call).await,
         }
@@ -290,14 +291,14 @@ impl Proxy {
                 State::Unknown if job.policy.lookup.is_some() && looked_up.is_none() => {
                     // SPEC §9: a duplicate asks the upstream (with its own credentials) first.
                     looked_up = Some(String::from("the lookup could not run"));
-                    let verdict = lookup::lookup(
+                    let verdict = Box::pin(lookup::lookup(
                         &self.upstreams,
                         self.store.as_ref(),
                         &job.upstream,
                         &rec,
                         Some(&job.headers),
                         (self.clock)(),
-                    )
+                    ))
                     .await;
                     match verdict {
                         Ok(v) => {
@@ -330,8 +331,14 @@ impl Proxy {
         }
     }
 
-    /// The problem context of a record: the record and its task's completed work.
-    pub(super) async fn ctx(&self, record: Record) -> Box<ActionCtx> {
+    /// The problem context of a record: the record and its task's completed work. Boxed: it is
+    /// awaited only on the problem paths, and would otherwise set the size of every write's
+    /// future.
+    pub(super) fn ctx(&self, record: Record) -> BoxFuture<'_, Box<ActionCtx>> {
+        Box::pin(self.ctx_inner(record))
+    }
+
+    async fn ctx_inner(&self, record: Record) -> Box<ActionCtx> {
         let completed = match &record.task {
             None => Vec::new(),
             Some(task) => self
