@@ -4,7 +4,8 @@
 //! decides each against the current records (plus the changes of batches not yet in sled), stages
 //! the records and their write-log entries and appends the batch as one frame to the write-ahead
 //! log ([`super::wal`]). A syncer thread makes waiting frames durable with one `fdatasync`, then
-//! makes their changes visible to readers ([`Mem`]) and answers; a drainer thread applies the
+//! makes their changes visible to readers ([`Mem`]) and answers (a writer with nothing else to
+//! do and nothing on its way to the syncer does this itself: one hand-off less); a drainer thread applies the
 //! durable changes to sled in bulk. sled's own `flush()` (which ends in `sync_file_range`, not
 //! enough for a power loss; SPEC §13) runs only at checkpoints, on a thread of their own, followed
 //! by an fsync of sled's files; only then are the log files it covers deleted. So:

@@ -201,18 +201,30 @@ impl SledStore {
         let (counts, kept) = open_counts(&db);
         let shared = Arc::new(Shared::new(logfiles, counts, head.clone()));
         let reader_view = shared.clone();
-        let syncer = Syncer {
-            db: db.clone(),
+        let (drain_tx, drain_rx) = mpsc::channel::<(Arc<Changes>, u64)>();
+        let drainer = {
+            let (db, shared) = (db.clone(), shared.clone());
+            std::thread::Builder::new()
+                .name("oncegate-drain".into())
+                .spawn(move || drain_loop(&db, &shared, drain_rx))
+                .map_err(|e| fail("start drainer thread", &e))?
+        };
+        let sync = Arc::new(Syncer {
             shared: shared.clone(),
             cache: cache.clone(),
             flushes: flushes.clone(),
             flush_latency: options.flush_latency.clone(),
-        };
+            state: Mutex::new(SyncState::new(drain_tx)),
+            queued: AtomicU64::new(0),
+        });
         let (sealed_tx, sealed_rx) = mpsc::channel();
-        let syncer = std::thread::Builder::new()
-            .name("oncegate-sync".into())
-            .spawn(move || syncer.run(sealed_rx))
-            .map_err(|e| fail("start syncer thread", &e))?;
+        let syncer = {
+            let sync = sync.clone();
+            std::thread::Builder::new()
+                .name("oncegate-sync".into())
+                .spawn(move || sync.run(sealed_rx))
+                .map_err(|e| fail("start syncer thread", &e))?
+        };
         let (checkpoint_tx, checkpoint_rx) = mpsc::channel();
         let checkpointer = {
             let (db, dir, shared) = (db.clone(), dir.to_owned(), shared.clone());
@@ -240,6 +252,7 @@ impl SledStore {
             seq: 0,
             unapplied: HashMap::new(),
             sync: sealed_tx,
+            syncer: sync,
             checkpointer: Some((checkpoint_tx, checkpointer)),
             checkpoint_bytes: options
                 .wal_checkpoint_bytes
@@ -257,6 +270,8 @@ impl SledStore {
                 // empty.
                 writer.run(rx);
                 let _ = syncer.join();
+                // The syncer let go of the drainer's queue as it ended.
+                let _ = drainer.join();
             })
             .map_err(|e| fail("start writer thread", &e))?;
         Ok(SledStore {

@@ -24,160 +24,205 @@ pub(super) struct Sealed {
     pub(super) new_keys: HashSet<Vec<u8>>,
 }
 
-/// The thread that makes batches durable, so that the writer decides the next batch while this
-/// one's fdatasync runs. In order, per group of batches waiting: one fdatasync for all of them,
-/// then their changes join [`Mem`] (where point reads see them), the cache is updated and the
-/// callers answered. So reads and the cache only ever see durable batches, and nobody is
-/// answered before. A drainer thread applies [`Mem`] to sled in bulk.
+/// What makes batches durable, so that the writer decides the next batch while this one's
+/// fdatasync runs. In order, per group of batches waiting: one fdatasync for all of them, then
+/// their changes join [`Mem`] (where point reads see them), the cache is updated and the callers
+/// answered. So reads and the cache only ever see durable batches, and nobody is answered before.
+/// A drainer thread applies [`Mem`] to sled in bulk.
+///
+/// Mostly on a thread of its own; but a writer with nothing else to do, and nothing on its way
+/// here, syncs its batch itself ([`Syncer::inline`]): at low load the hand-off to this thread (a
+/// wake-up and a context switch on each side) cost as much as the fdatasync.
 pub(super) struct Syncer {
-    pub(super) db: sled::Db,
     pub(super) shared: Arc<Shared>,
     pub(super) cache: Arc<Mutex<Cache>>,
     pub(super) flushes: Arc<AtomicU64>,
     pub(super) flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
+    /// One group at a time, in order, whoever syncs it.
+    pub(super) state: Mutex<SyncState>,
+    /// Batches handed to the syncer thread that it has not finished with: while any are, the
+    /// writer does not sync inline (it would overtake them).
+    pub(super) queued: AtomicU64,
+}
+
+pub(super) struct SyncState {
+    /// Written but not yet fdatasynced: audit-only entries (notes) and lease renewals, which no
+    /// caller waits for. The next durable batch, or the syncer thread's timer, makes them
+    /// durable.
+    lazy: Option<Arc<File>>,
+    /// The last batch whose changes are in `Mem`.
+    visible: u64,
+    /// To the drainer thread; `None` once the syncer is done.
+    drain: Option<mpsc::Sender<(Arc<Changes>, u64)>>,
+}
+
+impl SyncState {
+    pub(super) fn new(drain: mpsc::Sender<(Arc<Changes>, u64)>) -> Self {
+        SyncState {
+            lazy: None,
+            visible: 0,
+            drain: Some(drain),
+        }
+    }
 }
 
 impl Syncer {
-    pub(super) fn run(self, rx: mpsc::Receiver<Sealed>) {
-        let (drain_tx, drain_rx) = mpsc::channel::<(Arc<Changes>, u64)>();
-        let drainer = {
-            let (db, shared) = (self.db.clone(), self.shared.clone());
-            std::thread::Builder::new()
-                .name("oncegate-drain".into())
-                .spawn(move || drain_loop(&db, &shared, drain_rx))
-        };
-        let drainer = match drainer {
-            Ok(d) => d,
-            Err(e) => {
-                self.shared.fail(&format!("start drainer thread: {e}"));
-                return;
-            }
-        };
-        // Written but not yet fdatasynced: audit-only entries (notes) and lease renewals, which
-        // no caller waits for. The next durable batch, or this timer, makes them durable.
-        let mut lazy: Option<Arc<File>> = None;
-        // The last batch whose changes are in `Mem`.
-        let mut visible = 0;
+    /// The syncer thread: groups of batches as the writer hands them over, and the lazy
+    /// fdatasync when nothing comes. Ends, and lets the drainer end, when the writer is gone.
+    pub(super) fn run(self: Arc<Self>, rx: mpsc::Receiver<Sealed>) {
         loop {
             let first = match rx.recv_timeout(LAZY_FLUSH) {
                 Ok(b) => b,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if let Some(f) = lazy.take() {
-                        if let Err(e) = f.sync_data() {
-                            self.shared.fail(&format!("write-ahead log fdatasync: {e}"));
+                    if let Ok(mut st) = self.state.lock() {
+                        if let Some(f) = st.lazy.take() {
+                            if let Err(e) = f.sync_data() {
+                                self.shared.fail(&format!("write-ahead log fdatasync: {e}"));
+                            }
                         }
+                        let visible = st.visible;
+                        self.maybe_drain(&st, visible, false);
                     }
-                    self.maybe_drain(&drain_tx, visible, false);
                     continue;
                 }
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    if let Some(f) = lazy.take() {
-                        let _ = f.sync_data();
-                    }
-                    break;
-                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
             };
             let mut group = vec![first];
             while let Ok(b) = rx.try_recv() {
                 group.push(b);
             }
-            let mut result = self.shared.check();
-            if let Some(e) = group.iter().find_map(|b| b.failed.clone()) {
-                result = Err(e);
+            let n = group.len() as u64;
+            if let Ok(mut st) = self.state.lock() {
+                self.process(&mut st, group);
             }
-            if result.is_ok() && group.iter().any(|b| b.durable) {
-                let started = Instant::now();
-                let mut files: Vec<Arc<File>> = lazy.take().into_iter().collect();
-                for b in &group {
-                    if !files.iter().any(|f| Arc::ptr_eq(f, &b.file)) {
-                        files.push(b.file.clone());
-                    }
-                }
-                for f in files {
-                    if let Err(e) = f.sync_data() {
-                        result = Err(format!("write-ahead log fdatasync: {e}"));
-                        break;
-                    }
-                }
-                if result.is_ok() {
-                    self.flushes.fetch_add(1, Ordering::Relaxed);
-                    if let Some(h) = &self.flush_latency {
-                        h.observe(started.elapsed().as_secs_f64());
-                    }
-                }
-            } else if result.is_ok() {
-                lazy = group.last().map(|b| b.file.clone());
+            self.queued.fetch_sub(n, Ordering::SeqCst);
+        }
+        if let Ok(mut st) = self.state.lock() {
+            if let Some(f) = st.lazy.take() {
+                let _ = f.sync_data();
             }
-            if let Err(e) = &result {
-                self.shared.fail(e);
+            // The drainer ends once its queue is empty.
+            st.drain = None;
+        }
+    }
+
+    /// Syncs `batch` on the caller's thread if nothing is on its way to the syncer thread;
+    /// otherwise gives it back, to be handed over.
+    pub(super) fn inline(&self, batch: Sealed) -> Option<Sealed> {
+        if self.queued.load(Ordering::SeqCst) != 0 {
+            return Some(batch);
+        }
+        // Only the writer hands batches over, and it is here: none can arrive meanwhile, and
+        // the syncer thread is at most in its timer branch (which the lock waits out).
+        match self.state.lock() {
+            Ok(mut st) => {
+                self.process(&mut st, vec![batch]);
+                None
             }
-            let force = group.iter().any(|b| b.drain);
-            let mut answers = Vec::new();
+            Err(_) => Some(batch),
+        }
+    }
+
+    /// Counts a batch on its way to the syncer thread (before it is sent).
+    pub(super) fn handing_over(&self) {
+        self.queued.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// One group of batches: one fdatasync, then visible, cached and answered, in order.
+    fn process(&self, st: &mut SyncState, mut group: Vec<Sealed>) {
+        let mut result = self.shared.check();
+        if let Some(e) = group.iter().find_map(|b| b.failed.clone()) {
+            result = Err(e);
+        }
+        if result.is_ok() && group.iter().any(|b| b.durable) {
+            let started = Instant::now();
+            let mut files: Vec<Arc<File>> = st.lazy.take().into_iter().collect();
+            for b in &group {
+                if !files.iter().any(|f| Arc::ptr_eq(f, &b.file)) {
+                    files.push(b.file.clone());
+                }
+            }
+            for f in files {
+                if let Err(e) = f.sync_data() {
+                    result = Err(format!("write-ahead log fdatasync: {e}"));
+                    break;
+                }
+            }
             if result.is_ok() {
-                if let Ok(mut m) = self.shared.mem.write() {
-                    for b in &mut group {
-                        if !b.changes.is_empty() {
-                            m.since.get_or_insert_with(Instant::now);
-                        }
-                        for c in b.changes.drain(..) {
-                            match c {
-                                Change::Put(k, v) => {
-                                    if b.new_keys.contains(&k)
-                                        && !m.active.contains_key(&k)
-                                        && !m.frozen.contains_key(&k)
-                                    {
-                                        m.absent.insert(k.clone());
-                                    }
-                                    m.active.insert(k, Some(v));
+                self.flushes.fetch_add(1, Ordering::Relaxed);
+                if let Some(h) = &self.flush_latency {
+                    h.observe(started.elapsed().as_secs_f64());
+                }
+            }
+        } else if result.is_ok() {
+            st.lazy = group.last().map(|b| b.file.clone());
+        }
+        if let Err(e) = &result {
+            self.shared.fail(e);
+        }
+        let force = group.iter().any(|b| b.drain);
+        let mut answers = Vec::new();
+        if result.is_ok() {
+            if let Ok(mut m) = self.shared.mem.write() {
+                for b in &mut group {
+                    if !b.changes.is_empty() {
+                        m.since.get_or_insert_with(Instant::now);
+                    }
+                    for c in b.changes.drain(..) {
+                        match c {
+                            Change::Put(k, v) => {
+                                if b.new_keys.contains(&k)
+                                    && !m.active.contains_key(&k)
+                                    && !m.frozen.contains_key(&k)
+                                {
+                                    m.absent.insert(k.clone());
                                 }
-                                Change::Del(k) => {
-                                    if m.absent.remove(&k) {
-                                        m.active.remove(&k);
-                                    } else {
-                                        m.active.insert(k, None);
-                                    }
+                                m.active.insert(k, Some(v));
+                            }
+                            Change::Del(k) => {
+                                if m.absent.remove(&k) {
+                                    m.active.remove(&k);
+                                } else {
+                                    m.active.insert(k, None);
                                 }
                             }
                         }
                     }
                 }
-                if let Ok(mut c) = self.cache.lock() {
-                    for b in &mut group {
-                        for (id, r) in b.records.drain() {
-                            let body = b.bodies.get(&id);
-                            c.update(id, r, body);
-                        }
-                    }
-                }
-                visible = group.last().map_or(visible, |b| b.seq);
-                if let Some(head) = group.iter().rev().find_map(|b| b.head.clone()) {
-                    if let Ok(mut h) = self.shared.head.lock() {
-                        *h = head;
+            }
+            if let Ok(mut c) = self.cache.lock() {
+                for b in &mut group {
+                    for (id, r) in b.records.drain() {
+                        let body = b.bodies.get(&id);
+                        c.update(id, r, body);
                     }
                 }
             }
-            for b in group {
-                answers.extend(b.answers);
-            }
-            for a in answers {
-                a.send(&result);
-            }
-            if result.is_ok() {
-                self.maybe_drain(&drain_tx, visible, force);
+            st.visible = group.last().map_or(st.visible, |b| b.seq);
+            if let Some(head) = group.iter().rev().find_map(|b| b.head.clone()) {
+                if let Ok(mut h) = self.shared.head.lock() {
+                    *h = head;
+                }
             }
         }
-        drop(drain_tx);
-        let _ = drainer.join();
+        for b in group {
+            answers.extend(b.answers);
+        }
+        for a in answers {
+            a.send(&result);
+        }
+        if result.is_ok() {
+            let visible = st.visible;
+            self.maybe_drain(st, visible, force);
+        }
     }
 
     /// Hands the changes waiting in [`Mem`] to the drainer when they are old or many enough, or
     /// when asked (`force`: the writer waits for everything up to `visible` to be in sled).
-    pub(super) fn maybe_drain(
-        &self,
-        tx: &mpsc::Sender<(Arc<Changes>, u64)>,
-        visible: u64,
-        force: bool,
-    ) {
+    fn maybe_drain(&self, st: &SyncState, visible: u64, force: bool) {
+        let Some(tx) = st.drain.as_ref() else {
+            return;
+        };
         if self.shared.check().is_err() {
             return;
         }

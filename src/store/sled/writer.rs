@@ -23,8 +23,9 @@ pub(super) struct Writer {
     /// the batch that last changed them), which the writer reads instead of sled.
     pub(super) seq: u64,
     pub(super) unapplied: HashMap<String, (u64, Option<Arc<Record>>)>,
-    /// Sealed batches go to the syncer.
+    /// Sealed batches go to the syncer thread, or are synced here when nothing else waits.
     pub(super) sync: mpsc::Sender<Sealed>,
+    pub(super) syncer: Arc<Syncer>,
     /// Log files to remove once sled is durable past a batch: `(batch, generation)`.
     pub(super) checkpointer: Option<Checkpointer>,
     /// A new log file after this many bytes.
@@ -82,19 +83,24 @@ impl Writer {
                 },
             };
             let mut ops = vec![first];
+            // Whether the queue ran dry: no operation waits for this batch's sync to end.
+            let mut idle = false;
             while ops.len() < MAX_BATCH {
                 match rx.try_recv() {
                     Ok(op) => ops.push(op),
-                    Err(_) => break,
+                    Err(_) => {
+                        idle = true;
+                        break;
+                    }
                 }
             }
-            if !self.batch(ops, false) {
+            if !self.batch(ops, false, idle) {
                 return;
             }
         }
         // Closing: the notes still buffered are written, everything applied, the checkpointer
         // done, and sled checkpointed so the next start replays nothing.
-        if !self.batch(Vec::new(), true) {
+        if !self.batch(Vec::new(), true, false) {
             return;
         }
         if self.settle_down().is_ok() {
@@ -110,8 +116,9 @@ impl Writer {
 
     /// Applies, writes and hands to the syncer one batch of operations; `false` once the syncer
     /// is gone. Buffered notes ride along when the batch is durable anyway, when they have
-    /// waited [`NOTES_WAIT`] or number [`NOTES_BATCH`], or when `all_notes`.
-    pub(super) fn batch(&mut self, ops: Vec<Op>, all_notes: bool) -> bool {
+    /// waited [`NOTES_WAIT`] or number [`NOTES_BATCH`], or when `all_notes`. `idle`: nothing
+    /// else waits for the writer, which may then sync the batch itself ([`Syncer::inline`]).
+    pub(super) fn batch(&mut self, ops: Vec<Op>, all_notes: bool, idle: bool) -> bool {
         let mut pending = Pending::default();
         // Notes first: they happened before these operations, and an operation that reads
         // the log (`Op::Sync` before a log read) must find them.
@@ -195,8 +202,16 @@ impl Writer {
             head: Some(self.head.clone()),
             new_keys: pending.new_keys,
         };
-        if self.sync.send(sealed).is_err() {
-            return false;
+        let sealed = if idle {
+            self.syncer.inline(sealed)
+        } else {
+            Some(sealed)
+        };
+        if let Some(sealed) = sealed {
+            self.syncer.handing_over();
+            if self.sync.send(sealed).is_err() {
+                return false;
+            }
         }
         if self.unapplied.len() > MAX_BATCH {
             let applied = self.shared.applied();
@@ -241,6 +256,7 @@ impl Writer {
             head: None,
             new_keys: HashSet::new(),
         };
+        self.syncer.handing_over();
         self.sync
             .send(marker)
             .map_err(|_| "the syncer thread stopped".to_string())?;
