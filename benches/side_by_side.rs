@@ -10,8 +10,9 @@
 //! nginx is installed with apt-get when missing; without it the nginx column says so.
 //! For profiling: `BENCH_ONLY='writes, 64|replays'` runs the workloads whose names contain one of
 //! the alternatives (the preloads only when it names `stored`, the floor only when it names
-//! `floor`), `BENCH_SECS=20` lengthens each run, `BENCH_ROUNDS=7` interleaves more rounds (5 by
-//! default), `BENCH_HOLD=60` keeps the proxy up, idle, after the workloads (for gdb or /proc).
+//! `floor`, the paced run of 100,000 writes only when it names `paced`), `BENCH_SECS=20`
+//! lengthens each run, `BENCH_ROUNDS=7` interleaves more rounds (5 by default), `BENCH_HOLD=60`
+//! keeps the proxy up, idle, after the workloads (for gdb or /proc).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "support/proc.rs"]
@@ -617,6 +618,87 @@ async fn drive(
     drive_target(addr, w, conns, dur, pid, None, false).await
 }
 
+/// What a paced run of unique writes left.
+struct Paced {
+    writes: u64,
+    errors: u64,
+    secs: f64,
+    peak_rss_kib: u64,
+    /// RSS once the last write was answered, and after a further idle second.
+    end_rss_kib: u64,
+    idle_rss_kib: u64,
+}
+
+/// `total` unique writes at `rate` per second in all, over 16 connections each on a fixed
+/// schedule (a write late on it goes at once), as an agent fleet would send them rather than as
+/// fast as they go: the memory a long steady run leaves, not a burst's.
+async fn paced(addr: SocketAddr, total: u64, rate: u64, pid: u32) -> Paced {
+    const CONNS: u64 = 16;
+    let peak = Arc::new(AtomicU64::new(0));
+    let sampler = {
+        let peak = peak.clone();
+        tokio::spawn(async move {
+            loop {
+                peak.fetch_max(rss_kib(pid), Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let started = tokio::time::Instant::now();
+    let every = Duration::from_secs_f64(CONNS as f64 / rate as f64);
+    let mut tasks = Vec::new();
+    for c in 0..CONNS {
+        tasks.push(tokio::spawn(async move {
+            let s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let _ = s.set_nodelay(true);
+            let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
+                .await
+                .unwrap();
+            tokio::spawn(conn);
+            let (mut n, mut errors, mut recent) = (0u64, 0u64, Vec::new());
+            let mine = total / CONNS + u64::from(c < total % CONNS);
+            for i in 0..mine {
+                // Spread over the interval: connection c starts c/16 of it late.
+                let at = started + every.mul_f64(i as f64 + c as f64 / CONNS as f64);
+                tokio::time::sleep_until(at).await;
+                let req = build(Workload::Write, c as usize, i, &mut recent);
+                match send.send_request(req).await {
+                    Ok(resp) => {
+                        let ok = resp.status().is_success();
+                        let _ = resp.into_body().collect().await;
+                        n += 1;
+                        errors += u64::from(!ok);
+                    }
+                    Err(_) => {
+                        errors += 1;
+                        break;
+                    }
+                }
+            }
+            (n, errors)
+        }));
+    }
+    let (mut writes, mut errors) = (0, 0);
+    for t in tasks {
+        let (n, e) = t.await.unwrap();
+        writes += n;
+        errors += e;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let end_rss_kib = rss_kib(pid);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let idle_rss_kib = rss_kib(pid);
+    sampler.abort();
+    Paced {
+        writes,
+        errors,
+        secs,
+        peak_rss_kib: peak.load(Ordering::Relaxed).max(end_rss_kib),
+        end_rss_kib,
+        idle_rss_kib,
+    }
+}
+
 /// [`drive`], with a second process whose CPU and memory count (the peer's Redis), and the
 /// peer's route for writes.
 async fn drive_target(
@@ -949,6 +1031,8 @@ fn machine() -> String {
 
 /// The write rate of the paced `sled alone` run: about the mixed workload's rate of new writes.
 const FLOOR_RATE: u64 = 4_000;
+/// Writes in the paced run (at [`FLOOR_RATE`]): the 100,000 actions the memory target is set at.
+const PACED_WRITES: u64 = 100_000;
 
 /// The machine's cores, which load generator, upstream and proxy share.
 fn cores() -> usize {
@@ -1277,6 +1361,33 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         );
         preload_rows.push((*n, r, load_secs, dir_bytes(&d.join("store")), rss_open));
     }
+    // A paced run of 100,000 unique writes on a fresh store (`paced` in `BENCH_ONLY`).
+    let paced_run = if only.is_empty() || only.contains("paced") {
+        let d = tmp.path().join("paced");
+        std::fs::create_dir_all(&d).unwrap();
+        let (mut c, a, _) = start_oncegate(&d, up);
+        // A quick run (`--quick`) paces a tenth.
+        let total = if secs < 2.0 {
+            PACED_WRITES / 10
+        } else {
+            PACED_WRITES
+        };
+        let p = paced(a, total, FLOOR_RATE, c.id()).await;
+        let _ = c.kill();
+        let _ = c.wait();
+        println!(
+            "paced: {} writes at {FLOOR_RATE}/s in {:.1} s ({} errors): RSS {:.1} MiB at the end, {:.1} MiB a second later, peak {:.1} MiB",
+            p.writes,
+            p.secs,
+            p.errors,
+            p.end_rss_kib as f64 / 1024.0,
+            p.idle_rss_kib as f64 / 1024.0,
+            p.peak_rss_kib as f64 / 1024.0
+        );
+        Some(p)
+    } else {
+        None
+    };
     if let Some((mut c, _)) = nginx {
         // SIGTERM: the master stops its workers too (SIGKILL would orphan them).
         let _ = std::process::Command::new("kill")
@@ -1394,6 +1505,17 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             r.peak_rss_kib as f64 / 1024.0,
             *rss_open as f64 / 1024.0,
             *bytes as f64 / 1048576.0
+        ));
+    }
+    if let Some(p) = &paced_run {
+        md.push_str(&format!(
+            "- a paced run of {} unique writes at {FLOOR_RATE} writes/s (16 connections, a fresh store; {:.1} s, {} errors): RSS {:.0} MiB when the last was answered, {:.0} MiB a second later, peak {:.0} MiB\n",
+            p.writes,
+            p.secs,
+            p.errors,
+            p.end_rss_kib as f64 / 1024.0,
+            p.idle_rss_kib as f64 / 1024.0,
+            p.peak_rss_kib as f64 / 1024.0
         ));
     }
     if preload_rows.len() == 2 {
