@@ -766,9 +766,16 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
     s.close().await.unwrap();
     drop(s);
     {
-        // What an older version left: records, no expiry or creation index, no marker, and
-        // `succeeded` actions in the state index.
+        // What an older version left: records under `a/{id}` themselves (not pointers to their
+        // creation keys), no expiry or creation index, no marker, and `succeeded` actions in the
+        // state index.
         let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
+        let pointers: Vec<_> = db.scan_prefix("a/").map(|kv| kv.unwrap()).collect();
+        assert_eq!(pointers.len(), 2);
+        for (k, at) in pointers {
+            assert!(at.starts_with(b"c/"), "a/ holds the record's key");
+            db.insert(k, db.get(&at).unwrap().unwrap()).unwrap();
+        }
         db.insert("s/succeeded/o1", &[]).unwrap();
         let index: Vec<_> = ["e/", "c/"]
             .iter()
@@ -788,9 +795,76 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
     };
     assert_eq!(s.scan(newest, 10).await.unwrap().len(), 2);
     assert!(s.counts().await.unwrap().contains(&(State::Succeeded, 2)));
+    let o2 = s
+        .get("o2")
+        .await
+        .unwrap()
+        .expect("a record kept under a/ reads");
+    assert_eq!(o2.state, State::Succeeded);
     assert_eq!(s.expire(T0 + 1 + 3_600_000).await.unwrap(), 2);
     assert!(s.get("o1").await.unwrap().is_none());
     s.close().await.unwrap();
+}
+
+/// Records an older version kept under `a/{id}` itself read as before, and move under their
+/// creation key (with `a/{id}` pointing at it) when they next change; nothing is lost or doubled.
+#[tokio::test]
+async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let s = open_sled(&dir, Default::default());
+    s.claim(claim_req(record("u1", "f", None), T0, 10_000))
+        .await
+        .unwrap();
+    settle(&s, "u1", 1, State::Unknown, T0 + 1, None).await;
+    s.close().await.unwrap();
+    drop(s);
+    let created = {
+        let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
+        let at = db.get("a/u1").unwrap().unwrap();
+        let rec = db.get(&at).unwrap().unwrap();
+        // The older layout: the record under `a/`, an empty creation index entry.
+        db.insert("a/u1", rec).unwrap();
+        db.insert(&at, &[]).unwrap();
+        db.flush().unwrap();
+        at.to_vec()
+    };
+    let s = open_sled(&dir, Default::default());
+    assert_eq!(s.get("u1").await.unwrap().unwrap().state, State::Unknown);
+    let unknown = Filter {
+        state: Some(State::Unknown),
+        ..Filter::default()
+    };
+    assert_eq!(s.scan(unknown.clone(), 10).await.unwrap().len(), 1);
+    let res = Resolve {
+        applied: true,
+        external_id: Some("ext_1".into()),
+        response: None,
+        body: None,
+        actor: "admin".into(),
+        reason: "checked".into(),
+        now: T0 + 2,
+        absent_after: None,
+    };
+    let r = s.resolve("u1".into(), res, Event::Resolved).await.unwrap();
+    assert_eq!(r.state, State::Succeeded);
+    assert_eq!(s.get("u1").await.unwrap().unwrap().state, State::Succeeded);
+    assert!(s.scan(unknown, 10).await.unwrap().is_empty());
+    let newest = Filter {
+        newest_first: true,
+        ..Filter::default()
+    };
+    assert_eq!(s.scan(newest, 10).await.unwrap().len(), 1);
+    s.close().await.unwrap();
+    drop(s);
+    let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
+    assert_eq!(db.get("a/u1").unwrap().unwrap().to_vec(), created);
+    let moved = db.get(&created).unwrap().unwrap();
+    assert!(
+        moved.starts_with(b"{"),
+        "the record is under its creation key"
+    );
+    assert!(String::from_utf8_lossy(&moved).contains("ext_1"));
 }
 
 /// SPEC §6 keeps every try with up to 4 KiB of the upstream's body. Before the store bounded

@@ -2,8 +2,51 @@
 
 use super::*;
 
+/// `a/{id}`: where an action is found by id. Its value is the key its record lives under (the
+/// creation index's `c/{created_at:be64}{id}`), or, written by versions before that, the record
+/// itself. Records keyed by creation go where the newest leaves are: every write and settle lands
+/// in pages sled holds already, instead of a random page of the whole store; the only key a new
+/// action puts at random is this small pointer.
 pub(super) fn rec_key(id: &str) -> Vec<u8> {
     format!("a/{id}").into_bytes()
+}
+
+/// Where a record lives: its creation index key.
+pub(super) fn record_key(r: &Record) -> Vec<u8> {
+    created_key(r.created_at, &r.id)
+}
+
+/// Whether an `a/{id}` value points at the record (rather than being a record of an older
+/// version, which is JSON).
+pub(super) fn is_pointer(v: &[u8]) -> bool {
+    v.starts_with(CREATED_PREFIX)
+}
+
+/// Reads the record of `id` through `get` (one key at a time): its `a/` entry, then, when that
+/// is a pointer, the record it points at. `Some((key, value, legacy))`: the key the value was read
+/// at, and whether it was a record kept under `a/` itself. A pointer whose record is gone was read
+/// across a change (a reader is not atomic over two keys): read again, once.
+pub(super) fn read_record<V: AsRef<[u8]>>(
+    id: &str,
+    mut get: impl FnMut(&[u8]) -> Result<Option<V>, StoreError>,
+) -> Result<Option<(Vec<u8>, V, bool)>, StoreError> {
+    let key = rec_key(id);
+    for _ in 0..2 {
+        let Some(v) = get(&key)? else {
+            return Ok(None);
+        };
+        if !is_pointer(v.as_ref()) {
+            return Ok(Some((key, v, true)));
+        }
+        let at = v.as_ref().to_vec();
+        if let Some(r) = get(&at)?.filter(|r| !r.as_ref().is_empty()) {
+            return Ok(Some((at, r, false)));
+        }
+    }
+    Err(StoreError::Corrupt {
+        id: id.to_string(),
+        reason: "its entry points at a record that is not there".into(),
+    })
 }
 pub(super) fn body_key(id: &str) -> Vec<u8> {
     format!("b/{id}").into_bytes()
@@ -79,23 +122,24 @@ pub(super) fn body_file(r: &Record) -> Option<&str> {
     }
 }
 
-/// A record's index entries: every key besides its record and body that names it.
+/// A record's index entries with empty values: every key besides its record (under its creation
+/// key), its pointer and its body that names it.
 pub(super) fn index_keys(r: &Record) -> impl Iterator<Item = Vec<u8>> + '_ {
     [
         state_indexed(r.state).then(|| state_key(r.state, &r.id)),
         r.task.as_ref().map(|t| task_key(t, &r.id)),
         r.expires_at.map(|e| expiry_key(e, &r.id)),
-        Some(created_key(r.created_at, &r.id)),
         body_file(r).map(|sha| file_key(sha, &r.id)),
     ]
     .into_iter()
     .flatten()
 }
 
-/// Every key the store writes for `r` with a small stored body: the record, the body and the
-/// index entries (public for the benches' `sled alone` floor, which writes the same keys).
+/// Every key the store writes for `r` with a small stored body: the record (its creation key),
+/// the body, the pointer (`a/{id}`, whose value is the record's key) and the index entries
+/// (public for the benches' `sled alone` floor, which writes the same keys).
 pub fn action_keys(r: &Record) -> Vec<Vec<u8>> {
-    let mut keys = vec![rec_key(&r.id), body_key(&r.id)];
+    let mut keys = vec![record_key(r), body_key(&r.id), rec_key(&r.id)];
     keys.extend(index_keys(r));
     keys
 }
@@ -115,8 +159,12 @@ pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
     let mut n = 0;
     for kv in db.scan_prefix(b"a/") {
         let (k, v) = kv.map_err(|e| e.to_string())?;
+        if is_pointer(&v) {
+            // Written by this version, with its indexes.
+            continue;
+        }
         let r = decode(&k, &v, None).map_err(|e| e.to_string())?;
-        for key in index_keys(&r) {
+        for key in index_keys(&r).chain([record_key(&r)]) {
             db.insert(key, &[]).map_err(|e| e.to_string())?;
         }
         n += 1;
@@ -154,10 +202,8 @@ pub(super) fn scan(
 ) -> Result<Vec<Record>, StoreError> {
     let mut out = Vec::new();
     let record = |id: &str| -> Result<Option<Record>, StoreError> {
-        let key = rec_key(id);
-        overlay
-            .get(db, &key)?
-            .map(|v| decode(&key, &v, sealer))
+        read_record(id, |k| overlay.get(db, k))?
+            .map(|(key, v, _)| decode(&key, &v, sealer))
             .transpose()
     };
     if filter.newest_first {

@@ -22,10 +22,13 @@
 //! `shared.rs` is what they share (the durable changes not yet in sled, counts, health); `ops.rs`
 //! what callers send; `cache.rs`, `codec.rs`, `index.rs`, `bodies.rs` and `open.rs` the rest.
 //!
-//! Keys (one tree): `a/{id}` record (JSON), `b/{id}` small stored body, `s/{state}/{id}` state index
+//! Keys (one tree): `c/{created_at:be64}{id}` the record (JSON), which is also the creation index
+//! (lists page newest first; new records land in the newest leaves, which sled holds), `a/{id}`
+//! the record's `c/` key (stores from before keep some records here themselves, with an empty `c/`
+//! entry, until they next change), `b/{id}` small stored body, `s/{state}/{id}` state index
 //! (all states but `succeeded`),
 //! `t/{task}\0{id}` task index, `e/{minute:be64}{id}` expiry index (the sweeper reads only what is
-//! due), `c/{created_at:be64}{id}` creation index (lists page newest first), `f/{sha256}/{id}` the
+//! due), `f/{sha256}/{id}` the
 //! actions whose response is a body file. Bodies over 64 KiB live in `bodies/{sha256}` beside the database;
 //! sled's own blob files are fsynced at each checkpoint. The write log lives in files of its own
 //! ([`super::logfiles`]): in a batch's frame its entries are a change to the key
@@ -422,9 +425,9 @@ impl Store for SledStore {
 
     fn get<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         Box::pin(async move {
-            let key = rec_key(id);
-            match read_key(&self.shared, &self.db()?, &key)? {
-                Some(v) => decode(&key, &v, self.sealer.as_deref()).map(Some),
+            let db = self.db()?;
+            match read_record(id, |k| read_key(&self.shared, &db, k))? {
+                Some((key, v, _)) => decode(&key, &v, self.sealer.as_deref()).map(Some),
                 None => Ok(None),
             }
         })

@@ -38,6 +38,8 @@ pub(super) struct Writer {
     pub(super) notes_due: Option<Instant>,
     /// The counts by state as last written to [`COUNTS_KEY`] (`None`: not yet, this run).
     pub(super) saved_counts: Option<Counts>,
+    /// Records read from sled as an older version kept them (under `a/`), until staged.
+    pub(super) legacy: std::cell::RefCell<HashSet<String>>,
 }
 
 /// The changes of one batch, readable before they are applied.
@@ -291,10 +293,13 @@ impl Writer {
         // claim fast path may answer from it next time (the generation guards the fill all the
         // same).
         let gen = self.cache.lock().map(|c| c.generation(id)).ok();
-        let key = rec_key(id);
-        match self.db.get(&key).map_err(unavailable)? {
-            Some(v) => {
+        match read_record(id, |k| self.db.get(k).map_err(unavailable))? {
+            Some((key, v, legacy)) => {
                 let r = Arc::new(decode(&key, &v, self.sealer.as_deref())?);
+                if legacy {
+                    // Kept under `a/` by an older version: its next stage moves it.
+                    self.legacy.borrow_mut().insert(id.to_string());
+                }
                 if let (Some(gen), Ok(mut c)) = (gen, self.cache.lock()) {
                     c.fill(gen, &r);
                 }
@@ -336,7 +341,21 @@ impl Writer {
             self.count(old.map(|o| o.state), Some(new.state));
         }
         let (new, value) = encode_bounded(new, self.sealer.as_deref());
-        pending.put(rec_key(&new.id), value);
+        let at = record_key(&new);
+        // The pointer only when it changes: a new action, a new record in place of an expired
+        // one, or a record an older version kept under `a/`.
+        let moved = self.legacy.borrow_mut().remove(&new.id);
+        match old {
+            Some(o) if !moved && record_key(o) == at => {}
+            Some(o) => {
+                if record_key(o) != at {
+                    pending.del(record_key(o));
+                }
+                pending.put(rec_key(&new.id), at.clone());
+            }
+            None => pending.put(rec_key(&new.id), at.clone()),
+        }
+        pending.put(at, value);
         let before: Vec<Vec<u8>> = old.map(|o| index_keys(o).collect()).unwrap_or_default();
         let after: Vec<Vec<u8>> = index_keys(&new).collect();
         for k in before.iter().filter(|k| !after.contains(k)) {
@@ -367,7 +386,9 @@ impl Writer {
 
     pub(super) fn unstage(&self, pending: &mut Pending, old: &Record) {
         self.count(Some(old.state), None);
+        self.legacy.borrow_mut().remove(&old.id);
         pending.del(rec_key(&old.id));
+        pending.del(record_key(old));
         pending.del(body_key(&old.id));
         for k in index_keys(old) {
             pending.del(k);
