@@ -23,24 +23,24 @@ pub(super) fn is_pointer(v: &[u8]) -> bool {
 }
 
 /// Reads the record of `id` through `get` (one key at a time): its `a/` entry, then, when that
-/// is a pointer, the record it points at. `Some((key, value, legacy))`: the key the value was read
-/// at, and whether it was a record kept under `a/` itself. A pointer whose record is gone was read
-/// across a change (a reader is not atomic over two keys): read again, once.
+/// is a pointer, the record it points at. `Some((key, value))`: the key the value was read at. A
+/// pointer whose record is gone was read across a change (a reader is not atomic over two keys):
+/// read again, once.
 pub(super) fn read_record<V: AsRef<[u8]>>(
     id: &str,
     mut get: impl FnMut(&[u8]) -> Result<Option<V>, StoreError>,
-) -> Result<Option<(Vec<u8>, V, bool)>, StoreError> {
+) -> Result<Option<(Vec<u8>, V)>, StoreError> {
     let key = rec_key(id);
     for _ in 0..2 {
         let Some(v) = get(&key)? else {
             return Ok(None);
         };
         if !is_pointer(v.as_ref()) {
-            return Ok(Some((key, v, true)));
+            return Ok(Some((key, v)));
         }
         let at = v.as_ref().to_vec();
         if let Some(r) = get(&at)?.filter(|r| !r.as_ref().is_empty()) {
-            return Ok(Some((at, r, false)));
+            return Ok(Some((at, r)));
         }
     }
     Err(StoreError::Corrupt {
@@ -203,7 +203,7 @@ pub(super) fn scan(
     let mut out = Vec::new();
     let record = |id: &str| -> Result<Option<Record>, StoreError> {
         read_record(id, |k| overlay.get(db, k))?
-            .map(|(key, v, _)| decode(&key, &v, sealer))
+            .map(|(key, v)| decode(&key, &v, sealer))
             .transpose()
     };
     if filter.newest_first {

@@ -427,7 +427,7 @@ impl Store for SledStore {
         Box::pin(async move {
             let db = self.db()?;
             match read_record(id, |k| read_key(&self.shared, &db, k))? {
-                Some((key, v, _)) => decode(&key, &v, self.sealer.as_deref()).map(Some),
+                Some((key, v)) => decode(&key, &v, self.sealer.as_deref()).map(Some),
                 None => Ok(None),
             }
         })

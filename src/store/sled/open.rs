@@ -262,7 +262,6 @@ impl SledStore {
             log_retention: options.log_retention,
             notes_due: None,
             saved_counts: kept.then_some(counts),
-            legacy: Default::default(),
         };
         let handle = std::thread::Builder::new()
             .name("oncegate-store".into())

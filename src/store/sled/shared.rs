@@ -34,8 +34,6 @@ pub(super) fn slot(st: State) -> usize {
     st as usize
 }
 
-/// Actions per state (once, at open): from the state index, and `succeeded` as the rest of the
-/// creation index.
 /// Where the counts by state are kept, with every batch that changes them (one frame with the
 /// records they count): opening a store reads them instead of walking every index key, which
 /// would leave sled holding state for every page of a large store.
@@ -63,6 +61,8 @@ pub(super) fn open_counts(db: &sled::Db) -> (Counts, bool) {
     }
 }
 
+/// Actions per state (once, at open, for a store from before the counts were kept): from the
+/// state index, and `succeeded` as the rest of the creation index.
 pub(super) fn count_states(db: &sled::Db) -> Counts {
     let mut c = Counts::default();
     for st in State::ALL.into_iter().filter(|s| state_indexed(*s)) {

@@ -38,8 +38,6 @@ pub(super) struct Writer {
     pub(super) notes_due: Option<Instant>,
     /// The counts by state as last written to [`COUNTS_KEY`] (`None`: not yet, this run).
     pub(super) saved_counts: Option<Counts>,
-    /// Records read from sled as an older version kept them (under `a/`), until staged.
-    pub(super) legacy: std::cell::RefCell<HashSet<String>>,
 }
 
 /// The changes of one batch, readable before they are applied.
@@ -294,12 +292,8 @@ impl Writer {
         // same).
         let gen = self.cache.lock().map(|c| c.generation(id)).ok();
         match read_record(id, |k| self.db.get(k).map_err(unavailable))? {
-            Some((key, v, legacy)) => {
+            Some((key, v)) => {
                 let r = Arc::new(decode(&key, &v, self.sealer.as_deref())?);
-                if legacy {
-                    // Kept under `a/` by an older version: its next stage moves it.
-                    self.legacy.borrow_mut().insert(id.to_string());
-                }
                 if let (Some(gen), Ok(mut c)) = (gen, self.cache.lock()) {
                     c.fill(gen, &r);
                 }
@@ -342,19 +336,13 @@ impl Writer {
         }
         let (new, value) = encode_bounded(new, self.sealer.as_deref());
         let at = record_key(&new);
-        // The pointer only when it changes: a new action, a new record in place of an expired
-        // one, or a record an older version kept under `a/`.
-        let moved = self.legacy.borrow_mut().remove(&new.id);
-        match old {
-            Some(o) if !moved && record_key(o) == at => {}
-            Some(o) => {
-                if record_key(o) != at {
-                    pending.del(record_key(o));
-                }
-                pending.put(rec_key(&new.id), at.clone());
-            }
-            None => pending.put(rec_key(&new.id), at.clone()),
+        if let Some(o) = old.map(record_key).filter(|o| *o != at) {
+            pending.del(o);
         }
+        // The pointer with every stage: the same small value again, which the claim and its
+        // settle usually share in one drain, and which moves a record an older version kept under
+        // `a/` itself.
+        pending.put(rec_key(&new.id), at.clone());
         pending.put(at, value);
         let before: Vec<Vec<u8>> = old.map(|o| index_keys(o).collect()).unwrap_or_default();
         let after: Vec<Vec<u8>> = index_keys(&new).collect();
@@ -386,7 +374,6 @@ impl Writer {
 
     pub(super) fn unstage(&self, pending: &mut Pending, old: &Record) {
         self.count(Some(old.state), None);
-        self.legacy.borrow_mut().remove(&old.id);
         pending.del(rec_key(&old.id));
         pending.del(record_key(old));
         pending.del(body_key(&old.id));
