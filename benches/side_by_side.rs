@@ -629,6 +629,20 @@ struct Paced {
     idle_rss_kib: u64,
 }
 
+impl Paced {
+    fn describe(&self) -> String {
+        format!(
+            "{} unique writes at {FLOOR_RATE} writes/s (16 connections, a fresh store; {:.1} s, {} errors): RSS {:.0} MiB when the last was answered, {:.0} MiB a second later, peak {:.0} MiB",
+            self.writes,
+            self.secs,
+            self.errors,
+            self.end_rss_kib as f64 / 1024.0,
+            self.idle_rss_kib as f64 / 1024.0,
+            self.peak_rss_kib as f64 / 1024.0
+        )
+    }
+}
+
 /// `total` unique writes at `rate` per second in all, over 16 connections each on a fixed
 /// schedule (a write late on it goes at once), as an agent fleet would send them rather than as
 /// fast as they go: the memory a long steady run leaves, not a burst's.
@@ -1375,15 +1389,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         let p = paced(a, total, FLOOR_RATE, c.id()).await;
         let _ = c.kill();
         let _ = c.wait();
-        println!(
-            "paced: {} writes at {FLOOR_RATE}/s in {:.1} s ({} errors): RSS {:.1} MiB at the end, {:.1} MiB a second later, peak {:.1} MiB",
-            p.writes,
-            p.secs,
-            p.errors,
-            p.end_rss_kib as f64 / 1024.0,
-            p.idle_rss_kib as f64 / 1024.0,
-            p.peak_rss_kib as f64 / 1024.0
-        );
+        println!("paced: {}", p.describe());
         Some(p)
     } else {
         None
@@ -1508,15 +1514,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         ));
     }
     if let Some(p) = &paced_run {
-        md.push_str(&format!(
-            "- a paced run of {} unique writes at {FLOOR_RATE} writes/s (16 connections, a fresh store; {:.1} s, {} errors): RSS {:.0} MiB when the last was answered, {:.0} MiB a second later, peak {:.0} MiB\n",
-            p.writes,
-            p.secs,
-            p.errors,
-            p.end_rss_kib as f64 / 1024.0,
-            p.idle_rss_kib as f64 / 1024.0,
-            p.peak_rss_kib as f64 / 1024.0
-        ));
+        md.push_str(&format!("- a paced run of {}\n", p.describe()));
     }
     if preload_rows.len() == 2 {
         md.push_str(&format!(

@@ -196,12 +196,9 @@ async fn an_expired_lease_makes_the_action_unknown(s: S) {
     assert_eq!(s.get("d2").await.unwrap().unwrap().state, State::Unknown);
 }
 
-async fn resolves_only_unknown_actions(s: S) {
-    s.claim(claim_req(record("e1", "f", None), T0, 10_000))
-        .await
-        .unwrap();
-    settle(&s, "e1", 1, State::Unknown, T0 + 1, None).await;
-    let res = |applied| Resolve {
+/// An operator's resolution of an unknown action at `T0 + 2`, with external id `ext_1`.
+fn admin_resolve(applied: bool) -> Resolve {
+    Resolve {
         applied,
         external_id: Some("ext_1".into()),
         response: None,
@@ -210,9 +207,16 @@ async fn resolves_only_unknown_actions(s: S) {
         reason: "checked".into(),
         now: T0 + 2,
         absent_after: None,
-    };
+    }
+}
+
+async fn resolves_only_unknown_actions(s: S) {
+    s.claim(claim_req(record("e1", "f", None), T0, 10_000))
+        .await
+        .unwrap();
+    settle(&s, "e1", 1, State::Unknown, T0 + 1, None).await;
     let r = s
-        .resolve("e1".into(), res(true), Event::Resolved)
+        .resolve("e1".into(), admin_resolve(true), Event::Resolved)
         .await
         .unwrap();
     assert_eq!(
@@ -220,11 +224,11 @@ async fn resolves_only_unknown_actions(s: S) {
         (State::Succeeded, Some("ext_1"))
     );
     assert!(s
-        .resolve("e1".into(), res(false), Event::Resolved)
+        .resolve("e1".into(), admin_resolve(false), Event::Resolved)
         .await
         .is_err());
     assert!(s
-        .resolve("missing".into(), res(false), Event::Resolved)
+        .resolve("missing".into(), admin_resolve(false), Event::Resolved)
         .await
         .is_err());
 }
@@ -836,17 +840,10 @@ async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
         ..Filter::default()
     };
     assert_eq!(s.scan(unknown.clone(), 10).await.unwrap().len(), 1);
-    let res = Resolve {
-        applied: true,
-        external_id: Some("ext_1".into()),
-        response: None,
-        body: None,
-        actor: "admin".into(),
-        reason: "checked".into(),
-        now: T0 + 2,
-        absent_after: None,
-    };
-    let r = s.resolve("u1".into(), res, Event::Resolved).await.unwrap();
+    let r = s
+        .resolve("u1".into(), admin_resolve(true), Event::Resolved)
+        .await
+        .unwrap();
     assert_eq!(r.state, State::Succeeded);
     assert_eq!(s.get("u1").await.unwrap().unwrap().state, State::Succeeded);
     assert!(s.scan(unknown, 10).await.unwrap().is_empty());
