@@ -780,6 +780,14 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
             assert!(at.starts_with(b"c/"), "a/ holds the record's key");
             db.insert(k, db.get(&at).unwrap().unwrap()).unwrap();
         }
+        // Bodies under `b/{id}`, not their creation keys.
+        let bodies: Vec<_> = db.scan_prefix("r/").map(|kv| kv.unwrap()).collect();
+        assert_eq!(bodies.len(), 2);
+        for (k, body) in bodies {
+            let id = String::from_utf8_lossy(&k[2 + 8..]).into_owned();
+            db.insert(format!("b/{id}"), body).unwrap();
+            db.remove(k).unwrap();
+        }
         db.insert("s/succeeded/o1", &[]).unwrap();
         let index: Vec<_> = ["e/", "c/"]
             .iter()
@@ -805,9 +813,17 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
         .unwrap()
         .expect("a record kept under a/ reads");
     assert_eq!(o2.state, State::Succeeded);
+    let body = s.body(&o2).await.unwrap().expect("its stored body reads");
+    assert_eq!(&body[..], b"{}");
     assert_eq!(s.expire(T0 + 1 + 3_600_000).await.unwrap(), 2);
     assert!(s.get("o1").await.unwrap().is_none());
     s.close().await.unwrap();
+    drop(s);
+    // Nothing of the two actions is left behind: bodies went with their records.
+    let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
+    for p in ["b/", "r/", "a/", "c/"] {
+        assert_eq!(db.scan_prefix(p).count(), 0, "keys under {p}");
+    }
 }
 
 /// Records an older version kept under `a/{id}` itself read as before, and move under their

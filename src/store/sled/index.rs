@@ -48,9 +48,18 @@ pub(super) fn read_record<V: AsRef<[u8]>>(
         reason: "its entry points at a record that is not there".into(),
     })
 }
-pub(super) fn body_key(id: &str) -> Vec<u8> {
-    format!("b/{id}").into_bytes()
+/// `r/{created_at:be64}{id}`: a record's stored response body (a small one, kept in sled),
+/// keyed like the record so that it too lands in the newest leaves; a reader of a body holds its
+/// record, and so its key.
+pub(super) fn body_key(r: &Record) -> Vec<u8> {
+    let mut k = BODY_PREFIX.to_vec();
+    k.extend_from_slice(&r.created_at.to_be_bytes());
+    k.extend_from_slice(r.id.as_bytes());
+    k
 }
+pub(super) const BODY_PREFIX: &[u8] = b"r/";
+/// Where versions before bodies were keyed by creation kept them: `b/{id}` (moved at open).
+const OLD_BODY_PREFIX: &[u8] = b"b/";
 /// Whether the state index lists actions in `state`: every state but `succeeded`, the bulk of a
 /// store, whose count is the rest of the creation index and which no scan looks up by state.
 pub(super) fn state_indexed(state: State) -> bool {
@@ -139,17 +148,18 @@ pub(super) fn index_keys(r: &Record) -> impl Iterator<Item = Vec<u8>> + '_ {
 /// the body, the pointer (`a/{id}`, whose value is the record's key) and the index entries
 /// (public for the benches' `sled alone` floor, which writes the same keys).
 pub fn action_keys(r: &Record) -> Vec<Vec<u8>> {
-    let mut keys = vec![record_key(r), body_key(&r.id), rec_key(&r.id)];
+    let mut keys = vec![record_key(r), body_key(r), rec_key(&r.id)];
     keys.extend(index_keys(r));
     keys
 }
 
 /// The indexes a store opened by an earlier version may lack are built once; this key records it.
 pub(super) const INDEXES_KEY: &[u8] = b"m/indexes";
-pub(super) const INDEXES_VERSION: &[u8] = b"4";
+pub(super) const INDEXES_VERSION: &[u8] = b"5";
 
 /// Builds the expiry, creation and body-file indexes of a store from before them, from its
-/// records (writing every index entry again is harmless).
+/// records (writing every index entry again is harmless), and moves the bodies it keeps under
+/// `b/{id}` to their creation keys.
 pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
     if db.get(INDEXES_KEY).map_err(|e| e.to_string())?.as_deref() == Some(INDEXES_VERSION) {
         return Ok(());
@@ -175,12 +185,39 @@ pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
         db.remove(k.map_err(|e| e.to_string())?)
             .map_err(|e| e.to_string())?;
     }
+    let moved = move_bodies(db)?;
     db.insert(INDEXES_KEY, INDEXES_VERSION)
         .map_err(|e| e.to_string())?;
     if n > 0 {
         tracing::info!(actions = n, "store: built the expiry index");
     }
+    if moved > 0 {
+        tracing::info!(
+            bodies = moved,
+            "store: moved stored bodies under creation keys"
+        );
+    }
     Ok(())
+}
+
+/// Moves each body under `b/{id}` to [`body_key`] of its record: the new key first, then the old
+/// one goes, so an interrupted move starts again with nothing lost. A body whose record is gone
+/// goes with nothing to move to.
+fn move_bodies(db: &sled::Db) -> Result<usize, String> {
+    let mut n = 0;
+    for kv in db.scan_prefix(OLD_BODY_PREFIX) {
+        let (k, body) = kv.map_err(|e| e.to_string())?;
+        let id = String::from_utf8_lossy(&k[OLD_BODY_PREFIX.len()..]).into_owned();
+        let found =
+            read_record(&id, |key| db.get(key).map_err(unavailable)).map_err(|e| e.to_string())?;
+        if let Some((at, v)) = found {
+            let r = decode(&at, &v, None).map_err(|e| e.to_string())?;
+            db.insert(body_key(&r), body).map_err(|e| e.to_string())?;
+            n += 1;
+        }
+        db.remove(k).map_err(|e| e.to_string())?;
+    }
+    Ok(n)
 }
 
 pub(super) fn log_key(seq: u64) -> Vec<u8> {

@@ -447,7 +447,7 @@ impl Store for SledStore {
             }
             match record.response.as_ref().map(|r| &r.body) {
                 Some(BodyRef::Inline) => {
-                    let body = read_key(&self.shared, &self.db()?, &body_key(&record.id))?
+                    let body = read_key(&self.shared, &self.db()?, &body_key(record))?
                         .map(|v| self.open_body(&v))
                         .transpose()?;
                     if let (Some(b), Some(gen), Ok(mut c)) = (&body, gen, self.cache.lock()) {

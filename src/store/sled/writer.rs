@@ -336,8 +336,9 @@ impl Writer {
         }
         let (new, value) = encode_bounded(new, self.sealer.as_deref());
         let at = record_key(&new);
-        if let Some(o) = old.map(record_key).filter(|o| *o != at) {
-            pending.del(o);
+        if let Some(o) = old.filter(|o| record_key(o) != at) {
+            pending.del(record_key(o));
+            pending.del(body_key(o));
         }
         // The pointer with every stage: the same small value again, which the claim and its
         // settle usually share in one drain, and which moves a record an older version kept under
@@ -376,7 +377,7 @@ impl Writer {
         self.count(Some(old.state), None);
         pending.del(rec_key(&old.id));
         pending.del(record_key(old));
-        pending.del(body_key(&old.id));
+        pending.del(body_key(old));
         for k in index_keys(old) {
             pending.del(k);
         }
@@ -522,7 +523,7 @@ impl Writer {
                     Err(e) => Answer::failed(tx, e),
                     Ok((old, new)) => {
                         if let Some(body) = &body {
-                            pending.put(body_key(&new.id), seal_opt(self.sealer.as_deref(), body));
+                            pending.put(body_key(&new), seal_opt(self.sealer.as_deref(), body));
                             pending.bodies.insert(new.id.clone(), body.clone());
                         }
                         let new = self.stage(pending, old.as_deref(), new);
@@ -546,7 +547,7 @@ impl Writer {
                     Err(e) => Answer::failed(tx, e),
                     Ok((old, new)) => {
                         if let Some(body) = body {
-                            pending.put(body_key(&new.id), seal_opt(self.sealer.as_deref(), &body));
+                            pending.put(body_key(&new), seal_opt(self.sealer.as_deref(), &body));
                             pending.bodies.insert(new.id.clone(), body.clone());
                         }
                         let new = self.stage(pending, old.as_deref(), new);
