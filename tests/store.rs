@@ -774,11 +774,13 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
         // creation keys), no expiry or creation index, no marker, and `succeeded` actions in the
         // state index.
         let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
-        let pointers: Vec<_> = db.scan_prefix("a/").map(|kv| kv.unwrap()).collect();
-        assert_eq!(pointers.len(), 2);
-        for (k, at) in pointers {
-            assert!(at.starts_with(b"c/"), "a/ holds the record's key");
-            db.insert(k, db.get(&at).unwrap().unwrap()).unwrap();
+        let records: Vec<_> = db.scan_prefix("c/").map(|kv| kv.unwrap()).collect();
+        assert_eq!(records.len(), 2);
+        for (at, rec) in records {
+            let id = String::from_utf8_lossy(&at[2 + 8..]).into_owned();
+            let pointer = db.get(format!("a/{id}")).unwrap().unwrap();
+            assert_eq!(&pointer[..], &at[2..2 + 8], "a/ holds the creation time");
+            db.insert(format!("a/{id}"), rec).unwrap();
         }
         // Bodies under `b/{id}`, not their creation keys.
         let bodies: Vec<_> = db.scan_prefix("r/").map(|kv| kv.unwrap()).collect();
@@ -841,8 +843,8 @@ async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
     drop(s);
     let created = {
         let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
-        let at = db.get("a/u1").unwrap().unwrap();
-        let rec = db.get(&at).unwrap().unwrap();
+        let (at, rec) = db.scan_prefix("c/").next().unwrap().unwrap();
+        assert_eq!(&db.get("a/u1").unwrap().unwrap()[..], &at[2..2 + 8]);
         // The older layout: the record under `a/`, an empty creation index entry.
         db.insert("a/u1", rec).unwrap();
         db.insert(&at, &[]).unwrap();
@@ -871,13 +873,48 @@ async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
     s.close().await.unwrap();
     drop(s);
     let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
-    assert_eq!(db.get("a/u1").unwrap().unwrap().to_vec(), created);
+    assert_eq!(db.get("a/u1").unwrap().unwrap().to_vec(), created[2..2 + 8]);
     let moved = db.get(&created).unwrap().unwrap();
     assert!(
         moved.starts_with(b"{"),
         "the record is under its creation key"
     );
     assert!(String::from_utf8_lossy(&moved).contains("ext_1"));
+}
+
+/// For a while `a/{id}` held the whole creation key of its record rather than its creation time:
+/// such a pointer reads, and becomes the short one when its record next changes.
+#[tokio::test]
+async fn sled_reads_a_pointer_kept_as_the_whole_creation_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let s = open_sled(&dir, Default::default());
+    s.claim(claim_req(record("p1", "f", None), T0, 10_000))
+        .await
+        .unwrap();
+    settle(&s, "p1", 1, State::Unknown, T0 + 1, None).await;
+    s.close().await.unwrap();
+    drop(s);
+    let at = {
+        let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
+        let at = db.scan_prefix("c/").keys().next().unwrap().unwrap();
+        db.insert("a/p1", at.clone()).unwrap();
+        db.flush().unwrap();
+        at.to_vec()
+    };
+    let s = open_sled(&dir, Default::default());
+    assert_eq!(s.get("p1").await.unwrap().unwrap().state, State::Unknown);
+    let r = s
+        .resolve("p1".into(), admin_resolve(true), Event::Resolved)
+        .await
+        .unwrap();
+    assert_eq!(r.state, State::Succeeded);
+    assert_eq!(s.get("p1").await.unwrap().unwrap().state, State::Succeeded);
+    s.close().await.unwrap();
+    drop(s);
+    let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
+    assert_eq!(db.get("a/p1").unwrap().unwrap().to_vec(), at[2..2 + 8]);
+    assert_eq!(db.scan_prefix("c/").count(), 1);
 }
 
 /// SPEC §6 keeps every try with up to 4 KiB of the upstream's body. Before the store bounded

@@ -133,7 +133,8 @@ fn run(duration: Duration, rate: Option<f64>) -> Floor {
         assert!(db.get(pointer).unwrap().is_none());
         db.insert(rec, record.as_slice()).unwrap();
         db.insert(body_key, &body[..]).unwrap();
-        db.insert(pointer, rec.as_slice()).unwrap();
+        db.insert(pointer, &oncegate::store::sled::pointer(&action)[..])
+            .unwrap();
         for k in indexes {
             db.insert(k, &[]).unwrap();
         }

@@ -2,11 +2,11 @@
 
 use super::*;
 
-/// `a/{id}`: where an action is found by id. Its value is the key its record lives under (the
-/// creation index's `c/{created_at:be64}{id}`), or, written by versions before that, the record
-/// itself. Records keyed by creation go where the newest leaves are: every write and settle lands
-/// in pages sled holds already, instead of a random page of the whole store; the only key a new
-/// action puts at random is this small pointer.
+/// `a/{id}`: where an action is found by id. Its value is the record's creation time (8 bytes,
+/// big-endian), which with the id names the key the record lives under (the creation index's
+/// `c/{created_at:be64}{id}`, see [`pointer`]). Records keyed by creation go where the newest
+/// leaves are: every write and settle lands in pages sled holds already, instead of a random page
+/// of the whole store; the only key a new action puts at random is this small pointer.
 pub(super) fn rec_key(id: &str) -> Vec<u8> {
     format!("a/{id}").into_bytes()
 }
@@ -16,10 +16,19 @@ pub(super) fn record_key(r: &Record) -> Vec<u8> {
     created_key(r.created_at, &r.id)
 }
 
-/// Whether an `a/{id}` value points at the record (rather than being a record of an older
-/// version, which is JSON).
-pub(super) fn is_pointer(v: &[u8]) -> bool {
-    v.starts_with(CREATED_PREFIX)
+/// The value of a record's `a/{id}` entry: its creation time.
+pub fn pointer(r: &Record) -> [u8; 8] {
+    r.created_at.to_be_bytes()
+}
+
+/// Where an `a/{id}` value says the record of `id` is: `Some(key)` for a pointer, `None` for a
+/// record itself. Versions before kept the record itself there (JSON), then, for a while, the
+/// whole creation key; both still read (and become [`pointer`]s when they next change).
+pub(super) fn pointed_at(id: &str, v: &[u8]) -> Option<Vec<u8>> {
+    if let Ok(created) = <[u8; 8]>::try_from(v) {
+        return Some(created_key(Millis::from_be_bytes(created), id));
+    }
+    v.starts_with(CREATED_PREFIX).then(|| v.to_vec())
 }
 
 /// Reads the record of `id` through `get` (one key at a time): its `a/` entry, then, when that
@@ -35,10 +44,9 @@ pub(super) fn read_record<V: AsRef<[u8]>>(
         let Some(v) = get(&key)? else {
             return Ok(None);
         };
-        if !is_pointer(v.as_ref()) {
+        let Some(at) = pointed_at(id, v.as_ref()) else {
             return Ok(Some((key, v)));
-        }
-        let at = v.as_ref().to_vec();
+        };
         if let Some(r) = get(&at)?.filter(|r| !r.as_ref().is_empty()) {
             return Ok(Some((at, r)));
         }
@@ -145,7 +153,7 @@ pub(super) fn index_keys(r: &Record) -> impl Iterator<Item = Vec<u8>> + '_ {
 }
 
 /// Every key the store writes for `r` with a small stored body: the record (its creation key),
-/// the body, the pointer (`a/{id}`, whose value is the record's key) and the index entries
+/// the body, the pointer (`a/{id}`, whose value is [`pointer`]) and the index entries
 /// (public for the benches' `sled alone` floor, which writes the same keys).
 pub fn action_keys(r: &Record) -> Vec<Vec<u8>> {
     let mut keys = vec![record_key(r), body_key(r), rec_key(&r.id)];
@@ -169,7 +177,7 @@ pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
     let mut n = 0;
     for kv in db.scan_prefix(b"a/") {
         let (k, v) = kv.map_err(|e| e.to_string())?;
-        if is_pointer(&v) {
+        if pointed_at("", &v).is_some() {
             // Written by this version, with its indexes.
             continue;
         }

@@ -80,7 +80,7 @@ use cache::*;
 use checkpoint::*;
 use codec::*;
 use drainer::*;
-pub use index::action_keys;
+pub use index::{action_keys, pointer};
 
 use index::*;
 

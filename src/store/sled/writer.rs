@@ -343,7 +343,7 @@ impl Writer {
         // The pointer with every stage: the same small value again, which the claim and its
         // settle usually share in one drain, and which moves a record an older version kept under
         // `a/` itself.
-        pending.put(rec_key(&new.id), at.clone());
+        pending.put(rec_key(&new.id), pointer(&new));
         pending.put(at, value);
         let before: Vec<Vec<u8>> = old.map(|o| index_keys(o).collect()).unwrap_or_default();
         let after: Vec<Vec<u8>> = index_keys(&new).collect();
