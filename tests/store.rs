@@ -828,19 +828,23 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
     }
 }
 
+/// A sled store at `dir`, closed, holding one action `id` whose outcome is unknown.
+async fn closed_with_one_unknown(dir: &std::path::Path, id: &str) {
+    let s = open_sled(dir, Default::default());
+    s.claim(claim_req(record(id, "f", None), T0, 10_000))
+        .await
+        .unwrap();
+    settle(&s, id, 1, State::Unknown, T0 + 1, None).await;
+    s.close().await.unwrap();
+}
+
 /// Records an older version kept under `a/{id}` itself read as before, and move under their
 /// creation key (with `a/{id}` pointing at it) when they next change; nothing is lost or doubled.
 #[tokio::test]
 async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
-    let s = open_sled(&dir, Default::default());
-    s.claim(claim_req(record("u1", "f", None), T0, 10_000))
-        .await
-        .unwrap();
-    settle(&s, "u1", 1, State::Unknown, T0 + 1, None).await;
-    s.close().await.unwrap();
-    drop(s);
+    closed_with_one_unknown(&dir, "u1").await;
     let created = {
         let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
         let (at, rec) = db.scan_prefix("c/").next().unwrap().unwrap();
@@ -888,13 +892,7 @@ async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
 async fn sled_reads_a_pointer_kept_as_the_whole_creation_key() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
-    let s = open_sled(&dir, Default::default());
-    s.claim(claim_req(record("p1", "f", None), T0, 10_000))
-        .await
-        .unwrap();
-    settle(&s, "p1", 1, State::Unknown, T0 + 1, None).await;
-    s.close().await.unwrap();
-    drop(s);
+    closed_with_one_unknown(&dir, "p1").await;
     let at = {
         let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
         let at = db.scan_prefix("c/").keys().next().unwrap().unwrap();

@@ -21,14 +21,19 @@ pub fn pointer(r: &Record) -> [u8; 8] {
     r.created_at.to_be_bytes()
 }
 
-/// Where an `a/{id}` value says the record of `id` is: `Some(key)` for a pointer, `None` for a
-/// record itself. Versions before kept the record itself there (JSON), then, for a while, the
-/// whole creation key; both still read (and become [`pointer`]s when they next change).
+/// Whether an `a/{id}` value points at the record rather than being the record itself (JSON, as
+/// versions before kept it). A pointer is [`pointer`], or, as written for a while, the whole
+/// creation key; both read, and the longer form becomes the short one when its record next changes.
+pub(super) fn is_pointer(v: &[u8]) -> bool {
+    v.len() == 8 || v.starts_with(CREATED_PREFIX)
+}
+
+/// Where an `a/{id}` value says the record of `id` is: `Some(key)` for a pointer.
 pub(super) fn pointed_at(id: &str, v: &[u8]) -> Option<Vec<u8>> {
-    if let Ok(created) = <[u8; 8]>::try_from(v) {
-        return Some(created_key(Millis::from_be_bytes(created), id));
+    match <[u8; 8]>::try_from(v) {
+        Ok(created) => Some(created_key(Millis::from_be_bytes(created), id)),
+        Err(_) => is_pointer(v).then(|| v.to_vec()),
     }
-    v.starts_with(CREATED_PREFIX).then(|| v.to_vec())
 }
 
 /// Reads the record of `id` through `get` (one key at a time): its `a/` entry, then, when that
@@ -177,7 +182,7 @@ pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
     let mut n = 0;
     for kv in db.scan_prefix(b"a/") {
         let (k, v) = kv.map_err(|e| e.to_string())?;
-        if pointed_at("", &v).is_some() {
+        if is_pointer(&v) {
             // Written by this version, with its indexes.
             continue;
         }
