@@ -838,6 +838,50 @@ async fn closed_with_one_unknown(dir: &std::path::Path, id: &str) {
     s.close().await.unwrap();
 }
 
+/// Versions before keyed the expiry index by the minute an action expires in
+/// (`e/{minute:be64}{id}`): opening such a store keys it by the time itself, and the sweeper still
+/// finds every action that is due, and no other.
+#[tokio::test]
+async fn sled_rekeys_an_expiry_index_kept_by_minute() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let s = open_sled(&dir, Default::default());
+    for (id, at) in [("m1", T0), ("m2", T0 + 120_000)] {
+        s.claim(claim_req(record(id, "f", None), at, 10_000))
+            .await
+            .unwrap();
+        settle(&s, id, 1, State::Succeeded, at + 1, Some("{}")).await;
+    }
+    s.close().await.unwrap();
+    drop(s);
+    {
+        let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
+        let keys: Vec<_> = db.scan_prefix("e/").keys().map(|k| k.unwrap()).collect();
+        assert_eq!(keys.len(), 2);
+        for k in keys {
+            let due = u64::from_be_bytes(k[2..10].try_into().unwrap());
+            let mut by_minute = b"e/".to_vec();
+            by_minute.extend_from_slice(&(due / 60_000).to_be_bytes());
+            by_minute.extend_from_slice(&k[10..]);
+            db.insert(by_minute, &[]).unwrap();
+            db.remove(k).unwrap();
+        }
+        db.insert("m/indexes", "5").unwrap();
+        db.flush().unwrap();
+    }
+    let s = open_sled(&dir, Default::default());
+    // m1 is due an hour after it settled; m2 two minutes later.
+    assert_eq!(s.expire(T0 + 1 + 3_600_000).await.unwrap(), 1);
+    assert!(s.get("m1").await.unwrap().is_none());
+    assert!(s.get("m2").await.unwrap().is_some());
+    assert_eq!(s.expire(T0 + 120_001 + 3_600_000).await.unwrap(), 1);
+    assert!(s.get("m2").await.unwrap().is_none());
+    s.close().await.unwrap();
+    drop(s);
+    let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
+    assert_eq!(db.scan_prefix("e/").count(), 0);
+}
+
 /// Records an older version kept under `a/{id}` itself read as before, and move under their
 /// creation key (with `a/{id}` pointing at it) when they next change; nothing is lost or doubled.
 #[tokio::test]

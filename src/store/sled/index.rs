@@ -86,17 +86,17 @@ pub(super) fn task_key(task: &str, id: &str) -> Vec<u8> {
     format!("t/{task}\0{id}").into_bytes()
 }
 
-/// The expiry index groups settled actions by the minute they expire in (an action in flight or
-/// unknown has no entry: it never expires).
-pub(super) const EXPIRY_BUCKET: Millis = 60_000;
-/// The expiry index's prefix; an entry is `e/{bucket:be64}{id}`.
+/// The expiry index: settled actions by when they expire, `e/{expires_at:be64}{id}` (an action in
+/// flight or unknown has no entry: it never expires). Keyed by the time itself, nearly every new
+/// entry goes at the end, where sled's newest leaves are; versions before grouped them by minute,
+/// `e/{minute:be64}{id}`, which put each entry at a random place among the minute's (moved at open).
 pub(super) const EXPIRY_PREFIX: &[u8] = b"e/";
 /// Expiry index entries one step reads at most: the writer's pause between batches.
 pub(super) const EXPIRE_STEP: usize = 2_048;
 
 pub(super) fn expiry_key(expires_at: Millis, id: &str) -> Vec<u8> {
     let mut k = EXPIRY_PREFIX.to_vec();
-    k.extend_from_slice(&(expires_at / EXPIRY_BUCKET).to_be_bytes());
+    k.extend_from_slice(&expires_at.to_be_bytes());
     k.extend_from_slice(id.as_bytes());
     k
 }
@@ -112,10 +112,10 @@ pub(super) fn index_id(key: &[u8], prefix: &[u8]) -> Result<String, StoreError> 
     }
 }
 
-/// The expiry index's keys up to and including the bucket of `now`.
+/// The expiry index's keys of actions due at `now`: up to and including it.
 pub(super) fn expiry_end(now: Millis) -> Vec<u8> {
     let mut k = EXPIRY_PREFIX.to_vec();
-    k.extend_from_slice(&(now / EXPIRY_BUCKET + 1).to_be_bytes());
+    k.extend_from_slice(&(now + 1).to_be_bytes());
     k
 }
 
@@ -168,11 +168,11 @@ pub fn action_keys(r: &Record) -> Vec<Vec<u8>> {
 
 /// The indexes a store opened by an earlier version may lack are built once; this key records it.
 pub(super) const INDEXES_KEY: &[u8] = b"m/indexes";
-pub(super) const INDEXES_VERSION: &[u8] = b"5";
+pub(super) const INDEXES_VERSION: &[u8] = b"6";
 
 /// Builds the expiry, creation and body-file indexes of a store from before them, from its
-/// records (writing every index entry again is harmless), and moves the bodies it keeps under
-/// `b/{id}` to their creation keys.
+/// records (writing every index entry again is harmless), moves the bodies it keeps under
+/// `b/{id}` to their creation keys and keys its expiry index by time instead of by minute.
 pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
     if db.get(INDEXES_KEY).map_err(|e| e.to_string())?.as_deref() == Some(INDEXES_VERSION) {
         return Ok(());
@@ -199,6 +199,7 @@ pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
             .map_err(|e| e.to_string())?;
     }
     let moved = move_bodies(db)?;
+    rekey_expiry(db)?;
     db.insert(INDEXES_KEY, INDEXES_VERSION)
         .map_err(|e| e.to_string())?;
     if n > 0 {
@@ -209,6 +210,32 @@ pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
             bodies = moved,
             "store: moved stored bodies under creation keys"
         );
+    }
+    Ok(())
+}
+
+/// Puts each expiry index entry under the key its record's expiry now gives ([`expiry_key`]), from
+/// the record rather than the old key, so an entry already moved (by a run interrupted before the
+/// marker) stays as it is: the new key first, then the old one goes. An entry whose record is gone
+/// or no longer expires goes.
+fn rekey_expiry(db: &sled::Db) -> Result<(), String> {
+    for k in db.scan_prefix(EXPIRY_PREFIX).keys() {
+        let k = k.map_err(|e| e.to_string())?;
+        let id = index_id(&k, EXPIRY_PREFIX).map_err(|e| e.to_string())?;
+        let found =
+            read_record(&id, |key| db.get(key).map_err(unavailable)).map_err(|e| e.to_string())?;
+        let due = match found {
+            Some((at, v)) => decode(&at, &v, None).map_err(|e| e.to_string())?.expires_at,
+            None => None,
+        };
+        let key = due.map(|e| expiry_key(e, &id));
+        if key.as_deref() == Some(&k[..]) {
+            continue;
+        }
+        if let Some(key) = key {
+            db.insert(key, &[]).map_err(|e| e.to_string())?;
+        }
+        db.remove(k).map_err(|e| e.to_string())?;
     }
     Ok(())
 }
