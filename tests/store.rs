@@ -754,21 +754,31 @@ async fn sled_moves_a_log_kept_in_sled_by_an_older_store_into_files() {
     s.close().await.unwrap();
 }
 
+/// A sled store at `dir`, closed, holding `actions`: `(id, claimed at, outcome)`, each settled a
+/// millisecond after its claim (a success with the body `{}`), for fixtures of older layouts.
+async fn closed_with(dir: &std::path::Path, actions: &[(&str, Millis, State)]) {
+    let s = open_sled(dir, Default::default());
+    for &(id, at, state) in actions {
+        s.claim(claim_req(record(id, "f", None), at, 10_000))
+            .await
+            .unwrap();
+        let body = (state == State::Succeeded).then_some("{}");
+        settle(&s, id, 1, state, at + 1, body).await;
+    }
+    s.close().await.unwrap();
+}
+
 /// A store written before the expiry and creation indexes has neither: opening it builds them
 /// from the records, so lists and the sweeper still find every action.
 #[tokio::test]
 async fn sled_builds_the_expiry_index_of_an_older_store() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
-    let s = open_sled(&dir, Default::default());
-    for id in ["o1", "o2"] {
-        s.claim(claim_req(record(id, "f", None), T0, 10_000))
-            .await
-            .unwrap();
-        settle(&s, id, 1, State::Succeeded, T0 + 1, Some("{}")).await;
-    }
-    s.close().await.unwrap();
-    drop(s);
+    closed_with(
+        &dir,
+        &[("o1", T0, State::Succeeded), ("o2", T0, State::Succeeded)],
+    )
+    .await;
     {
         // What an older version left: records under `a/{id}` themselves (not pointers to their
         // creation keys), no expiry or creation index, no marker, and `succeeded` actions in the
@@ -828,16 +838,6 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
     }
 }
 
-/// A sled store at `dir`, closed, holding one action `id` whose outcome is unknown.
-async fn closed_with_one_unknown(dir: &std::path::Path, id: &str) {
-    let s = open_sled(dir, Default::default());
-    s.claim(claim_req(record(id, "f", None), T0, 10_000))
-        .await
-        .unwrap();
-    settle(&s, id, 1, State::Unknown, T0 + 1, None).await;
-    s.close().await.unwrap();
-}
-
 /// Versions before keyed the expiry index by the minute an action expires in
 /// (`e/{minute:be64}{id}`): opening such a store keys it by the time itself, and the sweeper still
 /// finds every action that is due, and no other.
@@ -845,15 +845,11 @@ async fn closed_with_one_unknown(dir: &std::path::Path, id: &str) {
 async fn sled_rekeys_an_expiry_index_kept_by_minute() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
-    let s = open_sled(&dir, Default::default());
-    for (id, at) in [("m1", T0), ("m2", T0 + 120_000)] {
-        s.claim(claim_req(record(id, "f", None), at, 10_000))
-            .await
-            .unwrap();
-        settle(&s, id, 1, State::Succeeded, at + 1, Some("{}")).await;
-    }
-    s.close().await.unwrap();
-    drop(s);
+    let actions = [
+        ("m1", T0, State::Succeeded),
+        ("m2", T0 + 120_000, State::Succeeded),
+    ];
+    closed_with(&dir, &actions).await;
     {
         let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
         let keys: Vec<_> = db.scan_prefix("e/").keys().map(|k| k.unwrap()).collect();
@@ -888,7 +884,7 @@ async fn sled_rekeys_an_expiry_index_kept_by_minute() {
 async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
-    closed_with_one_unknown(&dir, "u1").await;
+    closed_with(&dir, &[("u1", T0, State::Unknown)]).await;
     let created = {
         let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
         let (at, rec) = db.scan_prefix("c/").next().unwrap().unwrap();
@@ -936,7 +932,7 @@ async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
 async fn sled_reads_a_pointer_kept_as_the_whole_creation_key() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
-    closed_with_one_unknown(&dir, "p1").await;
+    closed_with(&dir, &[("p1", T0, State::Unknown)]).await;
     let at = {
         let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
         let at = db.scan_prefix("c/").keys().next().unwrap().unwrap();

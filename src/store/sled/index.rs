@@ -65,10 +65,7 @@ pub(super) fn read_record<V: AsRef<[u8]>>(
 /// keyed like the record so that it too lands in the newest leaves; a reader of a body holds its
 /// record, and so its key.
 pub(super) fn body_key(r: &Record) -> Vec<u8> {
-    let mut k = BODY_PREFIX.to_vec();
-    k.extend_from_slice(&r.created_at.to_be_bytes());
-    k.extend_from_slice(r.id.as_bytes());
-    k
+    timed_key(BODY_PREFIX, r.created_at, &r.id)
 }
 pub(super) const BODY_PREFIX: &[u8] = b"r/";
 /// Where versions before bodies were keyed by creation kept them: `b/{id}` (moved at open).
@@ -95,13 +92,20 @@ pub(super) const EXPIRY_PREFIX: &[u8] = b"e/";
 pub(super) const EXPIRE_STEP: usize = 2_048;
 
 pub(super) fn expiry_key(expires_at: Millis, id: &str) -> Vec<u8> {
-    let mut k = EXPIRY_PREFIX.to_vec();
-    k.extend_from_slice(&expires_at.to_be_bytes());
+    timed_key(EXPIRY_PREFIX, expires_at, id)
+}
+
+/// `{prefix}{at:be64}{id}`: the shape of the keys ordered by a time (records and their bodies by
+/// creation, the expiry index by expiry), so that new ones go where the newest leaves are.
+fn timed_key(prefix: &[u8], at: Millis, id: &str) -> Vec<u8> {
+    let mut k = Vec::with_capacity(prefix.len() + 8 + id.len());
+    k.extend_from_slice(prefix);
+    k.extend_from_slice(&at.to_be_bytes());
     k.extend_from_slice(id.as_bytes());
     k
 }
 
-/// The action id of an expiry or creation index key (`{prefix}{be64}{id}`).
+/// The action id of a key made by [`timed_key`] (`{prefix}{be64}{id}`).
 pub(super) fn index_id(key: &[u8], prefix: &[u8]) -> Result<String, StoreError> {
     match key.get(prefix.len() + 8..) {
         Some(id) if !id.is_empty() => Ok(String::from_utf8_lossy(id).into_owned()),
@@ -125,10 +129,7 @@ pub(super) const CREATED_PREFIX: &[u8] = b"c/";
 pub(super) const CREATED_END: &[u8] = b"c0";
 
 pub(super) fn created_key(created_at: Millis, id: &str) -> Vec<u8> {
-    let mut k = CREATED_PREFIX.to_vec();
-    k.extend_from_slice(&created_at.to_be_bytes());
-    k.extend_from_slice(id.as_bytes());
-    k
+    timed_key(CREATED_PREFIX, created_at, id)
 }
 
 /// `f/{sha256}/{id}`: the actions whose stored response is the body file `bodies/{sha256}`.
@@ -214,6 +215,16 @@ pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
     Ok(())
 }
 
+/// The record of `id` as sled holds it, for the index builds at open (which read the plain
+/// fields only, so no sealer).
+fn stored_record(db: &sled::Db, id: &str) -> Result<Option<Record>, String> {
+    match read_record(id, |key| db.get(key).map_err(unavailable)) {
+        Ok(Some((at, v))) => decode(&at, &v, None).map(Some).map_err(|e| e.to_string()),
+        Ok(None) => Ok(None),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// Puts each expiry index entry under the key its record's expiry now gives ([`expiry_key`]), from
 /// the record rather than the old key, so an entry already moved (by a run interrupted before the
 /// marker) stays as it is: the new key first, then the old one goes. An entry whose record is gone
@@ -222,12 +233,7 @@ fn rekey_expiry(db: &sled::Db) -> Result<(), String> {
     for k in db.scan_prefix(EXPIRY_PREFIX).keys() {
         let k = k.map_err(|e| e.to_string())?;
         let id = index_id(&k, EXPIRY_PREFIX).map_err(|e| e.to_string())?;
-        let found =
-            read_record(&id, |key| db.get(key).map_err(unavailable)).map_err(|e| e.to_string())?;
-        let due = match found {
-            Some((at, v)) => decode(&at, &v, None).map_err(|e| e.to_string())?.expires_at,
-            None => None,
-        };
+        let due = stored_record(db, &id)?.and_then(|r| r.expires_at);
         let key = due.map(|e| expiry_key(e, &id));
         if key.as_deref() == Some(&k[..]) {
             continue;
@@ -248,10 +254,7 @@ fn move_bodies(db: &sled::Db) -> Result<usize, String> {
     for kv in db.scan_prefix(OLD_BODY_PREFIX) {
         let (k, body) = kv.map_err(|e| e.to_string())?;
         let id = String::from_utf8_lossy(&k[OLD_BODY_PREFIX.len()..]).into_owned();
-        let found =
-            read_record(&id, |key| db.get(key).map_err(unavailable)).map_err(|e| e.to_string())?;
-        if let Some((at, v)) = found {
-            let r = decode(&at, &v, None).map_err(|e| e.to_string())?;
+        if let Some(r) = stored_record(db, &id)? {
             db.insert(body_key(&r), body).map_err(|e| e.to_string())?;
             n += 1;
         }

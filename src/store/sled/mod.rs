@@ -24,11 +24,11 @@
 //!
 //! Keys (one tree): `c/{created_at:be64}{id}` the record (JSON), which is also the creation index
 //! (lists page newest first; new records land in the newest leaves, which sled holds), `a/{id}`
-//! the record's `c/` key (stores from before keep some records here themselves, with an empty `c/`
-//! entry, until they next change), `b/{id}` small stored body, `s/{state}/{id}` state index
-//! (all states but `succeeded`),
-//! `t/{task}\0{id}` task index, `e/{minute:be64}{id}` expiry index (the sweeper reads only what is
-//! due), `f/{sha256}/{id}` the
+//! the record's creation time (8 bytes; stores from before keep there the whole `c/` key, or the
+//! record itself with an empty `c/` entry, until the record next changes), `r/{created_at:be64}{id}`
+//! its small stored body (`b/{id}` before, moved at open), `s/{state}/{id}` state index (all states
+//! but `succeeded`), `t/{task}\0{id}` task index, `e/{expires_at:be64}{id}` expiry index (the sweeper
+//! reads only what is due; by minute before, rekeyed at open), `f/{sha256}/{id}` the
 //! actions whose response is a body file. Bodies over 64 KiB live in `bodies/{sha256}` beside the database;
 //! sled's own blob files are fsynced at each checkpoint. The write log lives in files of its own
 //! ([`super::logfiles`]): in a batch's frame its entries are a change to the key
