@@ -392,13 +392,18 @@ mod tests {
         let big = "x".repeat(EXTEND_BYTES as usize + ZEROS / 2);
         let written = [put("k", "1"), put("big", &big), put("k", "2")];
         for c in &written {
-            wal.append(&frame(std::slice::from_ref(c))).expect("test step");
+            wal.append(&frame(std::slice::from_ref(c)))
+                .expect("test step");
         }
         let (len, allocated) = (wal.len, wal.allocated);
         assert!(allocated >= len);
         drop(wal);
         let on_disk = std::fs::metadata(dir.join(file_name(1))).expect("test step");
-        assert_eq!(on_disk.len(), allocated, "the file is extended with zeros ahead");
+        assert_eq!(
+            on_disk.len(),
+            allocated,
+            "the file is extended with zeros ahead"
+        );
         let (_, seen) = replay(&dir).expect("test step");
         assert_eq!(seen, written.map(|c| vec![c]));
     }

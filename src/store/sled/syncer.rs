@@ -252,7 +252,10 @@ impl Syncer {
             };
             m = again;
         }
-        let frozen = Arc::new(std::mem::take(&mut m.active));
+        // The next changes start in a map sized for a drain's worth: grown from empty, it
+        // rehashed about a dozen times per drain (0.5% of the CPU at 64 connections).
+        let next = Changes::with_capacity(m.active.len().min(2 * DRAIN_KEYS));
+        let frozen = Arc::new(std::mem::replace(&mut m.active, next));
         // Once drained, sled holds them.
         m.absent.clear();
         m.frozen = frozen.clone();
