@@ -141,9 +141,12 @@ pub fn frames(bytes: &[u8]) -> (Vec<Vec<Change>>, usize, bool) {
     (out, good, clean)
 }
 
-/// [`ZEROS`] bytes of zeros, each page written (`vec![0; n]` may leave them untouched).
+/// [`ZEROS`] bytes of zeros, each page written: `vec![0; n]` may leave them untouched, and so may
+/// zeros written over an allocation (the compiler may make that a zeroed allocation), so the
+/// pages get ones first, which `black_box` keeps.
 fn resident_zeros() -> Vec<u8> {
     let mut z = vec![1u8; ZEROS];
+    std::hint::black_box(&mut z);
     z.fill(0);
     z
 }
