@@ -714,11 +714,7 @@ async fn sled_moves_a_log_kept_in_sled_by_an_older_store_into_files() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
     let chain = Chain::new(None);
-    {
-        // As the store configures sled (its segment size cannot change across opens), which
-        // also means no flusher thread: one would hold sled's file lock for a moment after the
-        // drop, and the store's open below would fail to take it.
-        let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
+    edit_closed(&dir, |db| {
         // A pruned log: it starts at entry 11, after the anchor's `prev`.
         let mut prev = "ab".repeat(32);
         db.insert("m/log_anchor", serde_json::to_vec(&(11u64, &prev)).unwrap())
@@ -738,8 +734,7 @@ async fn sled_moves_a_log_kept_in_sled_by_an_older_store_into_files() {
             key.extend_from_slice(&first.to_be_bytes());
             db.insert(key, block).unwrap();
         }
-        db.flush().unwrap();
-    }
+    });
     let s = open_sled(&dir, Default::default());
     let seqs: Vec<u64> = s.log(0, 100).await.unwrap().iter().map(|e| e.seq).collect();
     assert_eq!(seqs, (11..=22).collect::<Vec<_>>());
@@ -752,6 +747,17 @@ async fn sled_moves_a_log_kept_in_sled_by_an_older_store_into_files() {
     assert_eq!(s.log_head().await.unwrap().0, 24);
     assert!(s.verify_log().await.unwrap().ok);
     s.close().await.unwrap();
+}
+
+/// Edits the sled database of a closed store at `dir` (for fixtures of older layouts) and flushes
+/// it. sled is configured as the store configures it (its segment size cannot change across
+/// opens), which also means no flusher thread: one would hold sled's file lock for a moment after
+/// the drop, and the store's next open would fail to take it.
+fn edit_closed<T>(dir: &std::path::Path, edit: impl FnOnce(&::sled::Db) -> T) -> T {
+    let db = oncegate::store::sled::sled_config(dir).open().unwrap();
+    let out = edit(&db);
+    db.flush().unwrap();
+    out
 }
 
 /// A sled store at `dir`, closed, holding `actions`: `(id, claimed at, outcome)`, each settled a
@@ -779,11 +785,10 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
         &[("o1", T0, State::Succeeded), ("o2", T0, State::Succeeded)],
     )
     .await;
-    {
+    edit_closed(&dir, |db| {
         // What an older version left: records under `a/{id}` themselves (not pointers to their
         // creation keys), no expiry or creation index, no marker, and `succeeded` actions in the
         // state index.
-        let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
         let records: Vec<_> = db.scan_prefix("c/").map(|kv| kv.unwrap()).collect();
         assert_eq!(records.len(), 2);
         for (at, rec) in records {
@@ -810,8 +815,7 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
             db.remove(k).unwrap();
         }
         db.remove("m/indexes").unwrap();
-        db.flush().unwrap();
-    }
+    });
     let s = open_sled(&dir, Default::default());
     let newest = Filter {
         newest_first: true,
@@ -850,8 +854,7 @@ async fn sled_rekeys_an_expiry_index_kept_by_minute() {
         ("m2", T0 + 120_000, State::Succeeded),
     ];
     closed_with(&dir, &actions).await;
-    {
-        let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
+    edit_closed(&dir, |db| {
         let keys: Vec<_> = db.scan_prefix("e/").keys().map(|k| k.unwrap()).collect();
         assert_eq!(keys.len(), 2);
         for k in keys {
@@ -863,8 +866,7 @@ async fn sled_rekeys_an_expiry_index_kept_by_minute() {
             db.remove(k).unwrap();
         }
         db.insert("m/indexes", "5").unwrap();
-        db.flush().unwrap();
-    }
+    });
     let s = open_sled(&dir, Default::default());
     // m1 is due an hour after it settled; m2 two minutes later.
     assert_eq!(s.expire(T0 + 1 + 3_600_000).await.unwrap(), 1);
@@ -885,16 +887,14 @@ async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
     closed_with(&dir, &[("u1", T0, State::Unknown)]).await;
-    let created = {
-        let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
+    let created = edit_closed(&dir, |db| {
         let (at, rec) = db.scan_prefix("c/").next().unwrap().unwrap();
         assert_eq!(&db.get("a/u1").unwrap().unwrap()[..], &at[2..2 + 8]);
         // The older layout: the record under `a/`, an empty creation index entry.
         db.insert("a/u1", rec).unwrap();
         db.insert(&at, &[]).unwrap();
-        db.flush().unwrap();
         at.to_vec()
-    };
+    });
     let s = open_sled(&dir, Default::default());
     assert_eq!(s.get("u1").await.unwrap().unwrap().state, State::Unknown);
     let unknown = Filter {
@@ -933,13 +933,11 @@ async fn sled_reads_a_pointer_kept_as_the_whole_creation_key() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
     closed_with(&dir, &[("p1", T0, State::Unknown)]).await;
-    let at = {
-        let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
+    let at = edit_closed(&dir, |db| {
         let at = db.scan_prefix("c/").keys().next().unwrap().unwrap();
         db.insert("a/p1", at.clone()).unwrap();
-        db.flush().unwrap();
         at.to_vec()
-    };
+    });
     let s = open_sled(&dir, Default::default());
     assert_eq!(s.get("p1").await.unwrap().unwrap().state, State::Unknown);
     let r = s
@@ -1145,13 +1143,11 @@ async fn sled_keeps_its_counts_by_state_across_a_reopen() {
     assert_eq!(expected(s.counts().await.unwrap()), want, "kept");
     s.close().await.unwrap();
     drop(s);
-    {
+    edit_closed(&dir, |db| {
         // A store from before the counts were kept.
-        let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
         assert!(db.get("m/counts").unwrap().is_some());
         db.remove("m/counts").unwrap();
-        db.flush().unwrap();
-    }
+    });
     let s = open_sled(&dir, Default::default());
     assert_eq!(expected(s.counts().await.unwrap()), want, "counted");
     s.close().await.unwrap();

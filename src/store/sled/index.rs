@@ -118,9 +118,7 @@ pub(super) fn index_id(key: &[u8], prefix: &[u8]) -> Result<String, StoreError> 
 
 /// The expiry index's keys of actions due at `now`: up to and including it.
 pub(super) fn expiry_end(now: Millis) -> Vec<u8> {
-    let mut k = EXPIRY_PREFIX.to_vec();
-    k.extend_from_slice(&(now + 1).to_be_bytes());
-    k
+    timed_key(EXPIRY_PREFIX, now + 1, "")
 }
 
 /// The creation index: `c/{created_at:be64}{id}`, for listing newest first in pages.
