@@ -112,6 +112,10 @@ async fn an_operator_settles_an_unknown_write_and_the_log_shows_it_in_a_browser(
             .is_some_and(|(seq, hash)| seq.parse::<u64>().is_ok() && hash.len() == 64),
         "{anchor}"
     );
+    assert_eq!(
+        saw["kept_newer_page"], "Write log",
+        "a page that loaded late replaced the one navigated to: {saw}"
+    );
     assert_eq!(saw["overview_unknown"], "0", "{saw}");
     for (page, overflow) in saw["overflow"].as_object().unwrap() {
         assert!(

@@ -171,7 +171,7 @@ async function overview() {
   }
   const lookups = metrics.filter((m) => m.name === "oncegate_lookups_total");
   const states = ["unknown", "in_flight", "succeeded", "failed"];
-  show(
+  return [
     h("h1", {}, "Overview"),
     h(
       "div",
@@ -210,7 +210,7 @@ async function overview() {
       table(["result", "count"], lookups.map((m) => [m.labels.result, m.value])),
     ),
     h("p", {}, h("button", { type: "button", onclick: () => route() }, "Refresh")),
-  );
+  ];
 }
 
 // ---------------------------------------------------------------- actions
@@ -244,7 +244,7 @@ async function actions(params) {
   const next = page.next;
   const nextParams = new URLSearchParams(params);
   if (next) nextParams.set("after", next);
-  show(
+  return [
     h("h1", {}, "Actions"),
     h(
       "section",
@@ -286,7 +286,7 @@ async function actions(params) {
         next ? h("a", { href: "#/actions?" + nextParams.toString(), id: "next" }, "Next page") : h("span", { class: "muted" }, "end of list"),
       ),
     ),
-  );
+  ];
 }
 
 function kv(pairs) {
@@ -433,7 +433,7 @@ async function action(id) {
     );
   }
   parts.push(h("p", {}, h("a", { href: "#/log?action=" + a.id }, "This action's write-log entries")));
-  show(...parts);
+  return parts;
 }
 
 // ---------------------------------------------------------------- tasks
@@ -452,10 +452,10 @@ async function tasks(task) {
     h("label", {}, "Task", input),
     h("label", {}, "\u00a0", h("button", { type: "submit" }, "Show")),
   );
-  if (!task) return show(h("h1", {}, "Tasks"), form, h("p", { class: "muted" }, "A task's steps in order, as a resumed worker sees them."));
+  if (!task) return [h("h1", {}, "Tasks"), form, h("p", { class: "muted" }, "A task's steps in order, as a resumed worker sees them.")];
   const t = await api("/v1/tasks/" + encodeURIComponent(task));
   const steps = [...t.actions].sort((a, b) => (a.created_at < b.created_at ? -1 : 1));
-  show(
+  return [
     h("h1", {}, "Task ", task),
     form,
     h(
@@ -466,7 +466,7 @@ async function tasks(task) {
         steps.map((a, i) => [i + 1, a.step || "-", stateTag(a.state), request(a), a.status ?? "-", a.external_id || "-", h("a", { href: "#/actions/" + a.id, class: "mono" }, a.id)]),
       ),
     ),
-  );
+  ];
 }
 
 // ---------------------------------------------------------------- write log
@@ -513,7 +513,7 @@ async function log(params) {
   older.set("after", String(Math.max(0, Number(q.get("after")) - 50)));
   const newer = new URLSearchParams(q);
   newer.set("after", nextSeq || q.get("after"));
-  show(
+  return [
     h("h1", {}, "Write log"),
     h(
       "section",
@@ -589,28 +589,36 @@ async function log(params) {
       h("label", {}, "\u00a0", h("button", { type: "submit" }, "Export")),
       h("p", { class: "muted" }, "Verify an export offline: oncegate log verify --file FILE --expect-head SEQ:HASH"),
     ),
-  );
+  ];
 }
 
 // ---------------------------------------------------------------- routing
 
+// Every route() is a navigation. Each page function returns its nodes and route() shows them, unless
+// a newer navigation began while they loaded (a click while the previous page still loads): then
+// they are dropped, not shown over the newer page.
+let navigations = 0;
+
 async function route() {
+  const mine = ++navigations;
   if (!token()) return login();
   nav.hidden = false;
   const [path, query] = (location.hash.slice(1) || "/actions").split("?");
   const params = new URLSearchParams(query || "");
   const parts = path.split("/").filter(Boolean);
   for (const a of nav.querySelectorAll("a")) a.classList.toggle("on", a.getAttribute("href") === "#/" + (parts[0] || "actions"));
+  let page;
   try {
-    if (parts[0] === "overview") await overview();
-    else if (parts[0] === "actions" && parts[1]) await action(decodeURIComponent(parts[1]));
-    else if (parts[0] === "tasks") await tasks(parts[1] ? decodeURIComponent(parts[1]) : "");
-    else if (parts[0] === "log") await log(params);
-    else await actions(params);
+    if (parts[0] === "overview") page = await overview();
+    else if (parts[0] === "actions" && parts[1]) page = await action(decodeURIComponent(parts[1]));
+    else if (parts[0] === "tasks") page = await tasks(parts[1] ? decodeURIComponent(parts[1]) : "");
+    else if (parts[0] === "log") page = await log(params);
+    else page = await actions(params);
   } catch (e) {
     if (e instanceof ApiError && !token()) return;
-    show(failure(e));
+    page = [failure(e)];
   }
+  if (mine === navigations) show(...page);
 }
 
 document.getElementById("logout").addEventListener("click", () => {

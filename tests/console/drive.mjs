@@ -91,6 +91,27 @@ try {
   out.overview_unknown = await page.textContent('[data-state="unknown"]');
   await shot("6-overview");
 
+  // A page still loading when the operator moves on never replaces the page they moved to. From
+  // the overview (no verify button of an earlier page to match), the actions list is held back
+  // until the write log is shown, then let through.
+  let release;
+  const held = new Promise((r) => (release = r));
+  const isList = (url) => url.pathname === "/v1/actions";
+  await page.route(isList, async (r) => {
+    await held;
+    await r.continue();
+  });
+  const listed = page.waitForEvent("requestfinished", (r) => isList(new URL(r.url())));
+  await page.goto(base + "/#/actions");
+  await page.goto(base + "/#/log");
+  await page.waitForSelector("#verify-button");
+  release();
+  await listed;
+  // The held page would show itself at once once its data arrived; give it the chance.
+  await page.waitForTimeout(300);
+  out.kept_newer_page = await page.textContent("main h1");
+  await page.unroute(isList);
+
   // A phone's width: every page fits, nothing scrolls sideways but the tables' own boxes.
   await page.setViewportSize({ width: 390, height: 844 });
   out.overflow = {};
