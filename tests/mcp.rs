@@ -161,7 +161,7 @@ struct McpServer {
     child: Child,
     port: u16,
     ledger: PathBuf,
-    _tmp: tempfile::TempDir,
+    tmp: tempfile::TempDir,
 }
 
 impl McpServer {
@@ -189,7 +189,7 @@ impl McpServer {
             child,
             port,
             ledger,
-            _tmp: tmp,
+            tmp,
         }
     }
 
@@ -331,9 +331,11 @@ async fn sdk_a_denied_tool_never_runs_and_the_model_is_told() {
 #[ignore = "needs the MCP Python SDK (ONCEGATE_PYTHON)"]
 async fn sdk_a_late_answer_is_unknown_then_settles_and_the_resend_never_runs() {
     let server = McpServer::start(&[]);
-    // The proxy waits 1 s for an event; the charge answers after 2.5 s.
+    // The proxy waits 1 s for an event; the charge answers when the test opens its gate (each
+    // client is a new Python process, whose start alone can take seconds on a loaded machine).
     let proxy = proxy_for(&server, "").await;
-    let args = json!({"amount": 4200, "seconds": 2.5});
+    let gate = server.tmp.path().join("answer");
+    let args = json!({"amount": 4200, "seconds": 60, "gate": gate});
     let first = py_client(&proxy, "slow_charge", args.clone(), &[]).await;
     let call = &first["calls"][0];
     assert_eq!(call["is_error"], true, "{first}");
@@ -353,7 +355,24 @@ async fn sdk_a_late_answer_is_unknown_then_settles_and_the_resend_never_runs() {
         "{resend}"
     );
     // The server finishes the charge; the proxy, still reading the stream, records its answer.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let id = call["structured"]["action"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    std::fs::write(&gate, "").unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let rec = proxy.store.get(&id).await.unwrap().unwrap();
+        if rec.state != oncegate::action::State::Unknown {
+            assert_eq!(rec.state, oncegate::action::State::Succeeded, "{rec:?}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the late answer was never recorded: {rec:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let settled = py_client(&proxy, "slow_charge", args, &[]).await;
     assert_eq!(server.ran("slow_charge"), 1, "{settled}");
     let text = settled["calls"][0]["text"].as_str().unwrap();

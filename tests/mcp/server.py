@@ -8,6 +8,7 @@ server really ran. Prints `PORT <n>` once it listens on 127.0.0.1 (port chosen b
 
 import asyncio
 import json
+import os
 import socket
 import sys
 
@@ -58,9 +59,16 @@ def delete_everything(confirm: bool) -> str:
 
 
 @server.tool()
-async def slow_charge(amount: int, seconds: float) -> str:
-    """Charges after a delay: the answer comes later than the proxy's timeout."""
-    await asyncio.sleep(seconds)
+async def slow_charge(amount: int, seconds: float, gate: str = "") -> str:
+    """Charges after a delay: the answer comes later than the proxy's timeout. With `gate`, the
+    charge waits until that file exists instead (for `seconds` at most), so that a test decides
+    when the answer comes whatever the machine's load."""
+    if gate:
+        deadline = asyncio.get_running_loop().time() + seconds
+        while not os.path.exists(gate) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+    else:
+        await asyncio.sleep(seconds)
     n = ran("slow_charge", amount=amount)
     return f"charged {amount} (#{n})"
 
