@@ -215,30 +215,36 @@ impl Chain {
             ts: &'a str,
             upstream: &'a Option<String>,
         }
-        serde_json::to_vec(&Canon {
-            action: &e.action,
-            actor: e.actor,
-            alg: &e.alg,
-            attempt: e.attempt,
-            detail: &e.detail,
-            event: e.event,
-            external_id: &e.external_id,
-            fingerprint: &e.fingerprint,
-            key: &e.key,
-            method: &e.method,
-            outcome: &e.outcome,
-            path: &e.path,
-            prev: &e.prev,
-            principal: &e.principal,
-            seq: e.seq,
-            status: e.status,
-            step: &e.step,
-            task: &e.task,
-            tool: &e.tool,
-            ts: &e.ts,
-            upstream: &e.upstream,
-        })
-        .expect("entries always serialize")
+        // Sized for an entry with its hash appended (about 600 bytes), so that neither grows it.
+        let mut line = Vec::with_capacity(1024);
+        serde_json::to_writer(
+            &mut line,
+            &Canon {
+                action: &e.action,
+                actor: e.actor,
+                alg: &e.alg,
+                attempt: e.attempt,
+                detail: &e.detail,
+                event: e.event,
+                external_id: &e.external_id,
+                fingerprint: &e.fingerprint,
+                key: &e.key,
+                method: &e.method,
+                outcome: &e.outcome,
+                path: &e.path,
+                prev: &e.prev,
+                principal: &e.principal,
+                seq: e.seq,
+                status: e.status,
+                step: &e.step,
+                task: &e.task,
+                tool: &e.tool,
+                ts: &e.ts,
+                upstream: &e.upstream,
+            },
+        )
+        .expect("entries always serialize");
+        line
     }
 
     /// The algorithm entries chained here carry.

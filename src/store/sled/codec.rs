@@ -2,6 +2,9 @@
 
 use super::*;
 
+/// What a record's encoding usually fits in (a write's is about 1.1 KiB).
+const ENCODED_HINT: usize = 2048;
+
 /// Encodes a record within [`RECORD_MAX`]. A record over it sheds evidence until it fits: the
 /// tries' bodies, oldest first, except the last try's; then the request's headers, last first;
 /// then whole tries, oldest first (each attempt keeps its last); then the last try's body. Each
@@ -9,13 +12,19 @@ use super::*;
 /// Returns the record as stored and its encoding.
 pub(super) fn encode_bounded(mut r: Record, sealer: Option<&Sealer>) -> (Record, Vec<u8>) {
     // With a sealer the bound applies to the sealed form, which is what sled holds.
-    let encode = |r: &Record| match sealer {
-        None => serde_json::to_vec(r).expect("records always serialize"),
-        Some(s) => {
-            let mut sealed = r.clone();
-            s.seal_record(&mut sealed);
-            serde_json::to_vec(&sealed).expect("records always serialize")
+    // Into a buffer sized for a usual record: grown from empty it was copied seven times.
+    let encode = |r: &Record| {
+        let mut v = Vec::with_capacity(ENCODED_HINT);
+        match sealer {
+            None => serde_json::to_writer(&mut v, r),
+            Some(s) => {
+                let mut sealed = r.clone();
+                s.seal_record(&mut sealed);
+                serde_json::to_writer(&mut v, &sealed)
+            }
         }
+        .expect("records always serialize");
+        v
     };
     let mut v = encode(&r);
     if v.len() <= RECORD_MAX {
