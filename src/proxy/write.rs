@@ -162,11 +162,10 @@ impl Proxy {
         job: WriteJob,
         claimed: Arc<AtomicU32>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
-        let fresh = self.fresh_record(&job);
         let mut waiter = None;
-        let next = self.decide(&job, &fresh, &mut waiter).await;
+        let next = self.decide(&job, &mut waiter).await;
         if let Some(w) = waiter {
-            self.waiters.release(&fresh.id, w);
+            self.waiters.release(&job.identity.action_id, w);
         }
         match next? {
             Next::Attempt(rec) => {
@@ -233,7 +232,6 @@ impl Proxy {
     async fn decide(
         &self,
         job: &WriteJob,
-        fresh: &Record,
         waiter: &mut Option<Arc<Notify>>,
     ) -> Result<Next, ProxyError> {
         let wait_until = tokio::time::Instant::now() + job.policy.in_flight_wait;
@@ -249,7 +247,9 @@ impl Proxy {
             let claim = self
                 .store
                 .claim(ClaimRequest {
-                    fresh: fresh.clone(),
+                    // Built for each claim, not cloned: the store takes it, and a claim is
+                    // made again only after a wait.
+                    fresh: self.fresh_record(job),
                     key_source: job.identity.source,
                     max_attempts: job.policy.max_attempts,
                     owner: self.owner.clone(),
@@ -274,7 +274,7 @@ impl Proxy {
                     let now = tokio::time::Instant::now();
                     if now < wait_until {
                         if waiter.is_none() {
-                            *waiter = Some(self.waiters.get(&fresh.id));
+                            *waiter = Some(self.waiters.get(&job.identity.action_id));
                             continue;
                         }
                         // Woken when the attempt settles here; polled for other proxies.
