@@ -42,6 +42,19 @@ fn parse(line: &[u8]) -> Option<Entry> {
     serde_json::from_slice(line).ok()
 }
 
+/// Where the chain stands after `line`: its `seq` and `hash`, all an append needs (parsing the
+/// whole entry allocated every member of it, for every block the drainer appends).
+fn head_of(line: &[u8]) -> Option<(u64, String)> {
+    #[derive(serde::Deserialize)]
+    struct Head<'a> {
+        seq: u64,
+        #[serde(borrow)]
+        hash: std::borrow::Cow<'a, str>,
+    }
+    let h: Head = serde_json::from_slice(line).ok()?;
+    Some((h.seq, h.hash.into_owned()))
+}
+
 /// The anchor of a pruned log: the first kept entry's `(seq, prev)`.
 pub fn anchor(dir: &Path) -> Result<Option<(u64, String)>, String> {
     match std::fs::read(dir.join(ANCHOR)) {
@@ -145,7 +158,7 @@ impl LogFiles {
             .unwrap_or(rest)
             .rsplit(|b| *b == b'\n')
             .next()
-            .and_then(parse)
+            .and_then(head_of)
             .ok_or("a write log block does not end in an entry")?;
         if self
             .current
@@ -158,7 +171,7 @@ impl LogFiles {
         f.write_all(rest)
             .map_err(|e| format!("append to the write log: {e}"))?;
         *len += rest.len() as u64;
-        self.last = Some((last_line.seq, last_line.hash));
+        self.last = Some(last_line);
         Ok(())
     }
 
