@@ -453,31 +453,48 @@ pub enum Claim {
 /// Decides a claim against the current record. Returns the answer and the record to write, if
 /// any. Every backend calls this inside its atomic section.
 pub fn decide_claim(current: Option<Record>, req: &ClaimRequest) -> (Claim, Option<Record>) {
-    let current = current.filter(|r| !r.is_expired(req.now));
-    match current {
-        None => {
-            let mut r = req.fresh.clone();
-            r.v = RECORD_VERSION;
-            r.attempts = 0;
-            r.evidence.clear();
-            r.response = None;
-            r.resolution = None;
-            r.external_id = None;
-            r.created_at = req.now;
-            r.start_attempt(&req.owner, req.lease, req.now);
-            (Claim::Claimed(r.clone()), Some(r))
-        }
-        Some(r) if req.reuses_key(&r) => (Claim::KeyReused(r), None),
-        Some(r) if r.state == State::Failed && r.attempts >= req.max_attempts => {
+    match current.filter(|r| !r.is_expired(req.now)) {
+        None => claim_new(req.fresh.clone(), &req.owner, req.lease, req.now),
+        Some(r) => claim_existing(r, req),
+    }
+}
+
+/// [`decide_claim`] for a caller that owns the request: a new action's record is the request's
+/// own fresh record, moved rather than copied.
+pub fn decide_claim_owned(current: Option<Record>, req: ClaimRequest) -> (Claim, Option<Record>) {
+    match current.filter(|r| !r.is_expired(req.now)) {
+        None => claim_new(req.fresh, &req.owner, req.lease, req.now),
+        Some(r) => claim_existing(r, &req),
+    }
+}
+
+/// A new action (or one whose record expired): its first attempt, claimed.
+fn claim_new(mut r: Record, owner: &str, lease: Millis, now: Millis) -> (Claim, Option<Record>) {
+    r.v = RECORD_VERSION;
+    r.attempts = 0;
+    r.evidence.clear();
+    r.response = None;
+    r.resolution = None;
+    r.external_id = None;
+    r.created_at = now;
+    r.start_attempt(owner, lease, now);
+    (Claim::Claimed(r.clone()), Some(r))
+}
+
+/// An action that exists and has not expired.
+fn claim_existing(r: Record, req: &ClaimRequest) -> (Claim, Option<Record>) {
+    match r {
+        r if req.reuses_key(&r) => (Claim::KeyReused(r), None),
+        r if r.state == State::Failed && r.attempts >= req.max_attempts => {
             (Claim::Exhausted(r), None)
         }
-        Some(mut r) if r.state == State::Failed => {
+        mut r if r.state == State::Failed => {
             r.start_attempt(&req.owner, req.lease, req.now);
             (Claim::Claimed(r.clone()), Some(r))
         }
         // An attempt whose owner stopped renewing its lease (a proxy that died): its outcome
         // is unknown, whoever notices first records it.
-        Some(r) if r.state == State::InFlight && r.lease_until.is_some_and(|l| l < req.now) => {
+        r if r.state == State::InFlight && r.lease_until.is_some_and(|l| l < req.now) => {
             let reason = format!(
                 "the lease of proxy {} expired during this attempt; the request may have reached the upstream",
                 r.owner.as_deref().unwrap_or("?")
@@ -485,7 +502,7 @@ pub fn decide_claim(current: Option<Record>, req: &ClaimRequest) -> (Claim, Opti
             let u = recover_in_flight(r, &reason, req.now).expect("the record is in flight");
             (Claim::Existing(u.clone()), Some(u))
         }
-        Some(r) => (Claim::Existing(r), None),
+        r => (Claim::Existing(r), None),
     }
 }
 
@@ -639,6 +656,32 @@ pub(crate) mod tests {
         // Expired: a new action, attempt 1.
         let (c, _) = decide_claim(Some(failed), &req("f", 14 + 1000));
         assert!(matches!(c, Claim::Claimed(ref r) if r.attempts == 1 && r.evidence.len() == 1));
+    }
+
+    #[test]
+    fn the_owned_claim_decides_as_the_borrowed_one() {
+        let (_, w) = decide_claim(None, &req("f", 10));
+        let running = w.expect("a claim writes");
+        let failed = apply_settle(Some(running.clone()), "id1", 1, settle(State::Failed, 12))
+            .expect("settles");
+        let (_, w) = decide_claim(Some(failed.clone()), &req("f", 13));
+        let exhausted = apply_settle(w, "id1", 2, settle(State::Failed, 14)).expect("settles");
+        let mut lease_gone = running.clone();
+        lease_gone.lease_until = Some(11);
+        let cases = [
+            (None, req("f", 10)),
+            (Some(running.clone()), req("f", 11)),
+            (Some(running), req("g", 11)),
+            (Some(lease_gone), req("f", 500)),
+            (Some(failed.clone()), req("f", 13)),
+            (Some(exhausted.clone()), req("f", 15)),
+            (Some(exhausted), req("f", 14 + 1000)),
+            (Some(failed), req("g", 14 + 1000)),
+        ];
+        for (current, req) in cases {
+            let borrowed = decide_claim(current.clone(), &req);
+            assert_eq!(decide_claim_owned(current, req), borrowed);
+        }
     }
 
     #[test]

@@ -59,7 +59,7 @@ use super::{
     Store, StoreError, StoreOptions,
 };
 use crate::action::{
-    apply_resolve, apply_settle, decide_claim, now_millis, recover_in_flight, BodyRef, Claim,
+    apply_resolve, apply_settle, decide_claim_owned, now_millis, recover_in_flight, BodyRef, Claim,
     ClaimRequest, Millis, Record, Resolve, State,
 };
 use crate::log::{self, Actor, Chain, Entry, Event, LogEvent, Verification, GENESIS};

@@ -478,10 +478,12 @@ impl Writer {
                 Err(e) => Answer::failed(tx, e),
                 Ok(current) => {
                     let old = current.clone();
-                    let (claim, write) = decide_claim(current.map(Arc::unwrap_or_clone), &req);
+                    let now = req.now;
+                    let (claim, write) =
+                        decide_claim_owned(current.map(Arc::unwrap_or_clone), *req);
                     if let Some(w) = write {
                         // An expired record being replaced loses its stored body and indexes.
-                        let expired = old.as_deref().filter(|o| o.is_expired(req.now));
+                        let expired = old.as_deref().filter(|o| o.is_expired(now));
                         if let Some(o) = expired {
                             self.unstage(pending, o);
                             self.append(
