@@ -12,7 +12,11 @@
 //! the alternatives (the preloads only when it names `stored`, the floor only when it names
 //! `floor`, the paced run of 100,000 writes only when it names `paced`), `BENCH_SECS=20`
 //! lengthens each run, `BENCH_ROUNDS=7` interleaves more rounds (5 by default), `BENCH_HOLD=60`
-//! keeps the proxy up, idle, after the workloads (for gdb or /proc).
+//! keeps the proxy up, idle, after the workloads (for gdb or /proc). `BENCH_WRAP` is prepended
+//! to the proxy's command line (`BENCH_WRAP='perf record -o F'`); a script there can run another
+//! build instead (`shift; exec /tmp/og-base "$@"`: same-run pairs of two builds) or one under
+//! `valgrind --tool=callgrind`, whose instruction counts per call do not move with the machine's
+//! load (docs/decisions.md, "Small changes are measured in instructions").
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "support/proc.rs"]
