@@ -451,7 +451,7 @@ pub enum Claim {
 }
 
 /// Decides a claim against the current record. Returns the answer and the record to write, if
-/// any. Every backend calls this inside its atomic section.
+/// any. Every backend calls this (or [`decide_claim_owned`]) inside its atomic section.
 pub fn decide_claim(current: Option<Record>, req: &ClaimRequest) -> (Claim, Option<Record>) {
     match current.filter(|r| !r.is_expired(req.now)) {
         None => claim_new(req.fresh.clone(), &req.owner, req.lease, req.now),

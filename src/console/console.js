@@ -406,12 +406,14 @@ async function action(id) {
                 result.replaceChildren(h("p", { class: "error", role: "alert" }, "A reason is required."));
                 return;
               }
+              const at = navigations; // the operator may move on while this is sent
               const body = { outcome: outcome.value, reason: reason.value.trim() };
               if (ext.value.trim()) body.external_id = ext.value.trim();
               try {
                 await api("/v1/actions/" + encodeURIComponent(a.id) + "/resolve", { method: "POST", body });
                 const entries = await api("/v1/log?limit=10000&event=resolved&action=" + encodeURIComponent(a.id));
                 const entry = entries[entries.length - 1];
+                if (at !== navigations) return;
                 show(
                   h("h1", {}, "Action ", h("span", { class: "mono" }, a.id), " settled"),
                   h("p", { class: "banner ok", id: "resolved" }, "Settled " + body.outcome + ". The write log recorded it:"),
