@@ -12,11 +12,19 @@ pub const REDACTED: &str = "REDACTED";
 /// Header values as strings, byte for byte: each byte is one char (Latin-1), so any header value
 /// survives a round trip through JSON.
 pub fn latin1(bytes: &[u8]) -> String {
-    bytes.iter().map(|&b| b as char).collect()
+    // Nearly every value is ASCII, which is the same in Latin-1 and UTF-8: copied whole, not a
+    // char at a time (every request's and every response's headers pass through here).
+    match std::str::from_utf8(bytes) {
+        Ok(s) if s.is_ascii() => s.to_owned(),
+        _ => bytes.iter().map(|&b| b as char).collect(),
+    }
 }
 
 /// The inverse of [`latin1`]. Chars above U+00FF (never produced by it) become `?`.
 pub fn from_latin1(s: &str) -> Vec<u8> {
+    if s.is_ascii() {
+        return s.as_bytes().to_vec();
+    }
     s.chars()
         .map(|c| u8::try_from(u32::from(c)).unwrap_or(b'?'))
         .collect()
@@ -137,5 +145,11 @@ mod tests {
     fn latin1_round_trips_every_byte() {
         let all: Vec<u8> = (0..=255).collect();
         assert_eq!(from_latin1(&latin1(&all)), all);
+        // ASCII (the copied-whole case) and a UTF-8 value, which is bytes to Latin-1, not text.
+        assert_eq!(latin1(b"application/json"), "application/json");
+        assert_eq!(from_latin1("application/json"), b"application/json");
+        let utf8 = "caf\u{e9}".as_bytes();
+        assert_eq!(latin1(utf8), "caf\u{c3}\u{a9}");
+        assert_eq!(from_latin1(&latin1(utf8)), utf8);
     }
 }
