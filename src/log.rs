@@ -266,13 +266,13 @@ impl Chain {
                 let mut h = Sha256::new();
                 h.update(prev.as_bytes());
                 h.update(body);
-                hex::encode(h.finalize())
+                crate::identity::hex(&h.finalize())
             }
             Some(k) => {
                 let mut m = Hmac::<Sha256>::new_from_slice(k).expect("HMAC takes keys of any size");
                 m.update(prev.as_bytes());
                 m.update(body);
-                hex::encode(m.finalize().into_bytes())
+                crate::identity::hex(&m.finalize().into_bytes())
             }
         }
     }

@@ -69,7 +69,7 @@ impl Canon {
         if let Some(c) = &self.continuation {
             parts.push(c.as_bytes());
         }
-        hex::encode(sha256_parts(&parts))
+        crate::identity::hex(&sha256_parts(&parts))
     }
 }
 
