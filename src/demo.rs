@@ -358,7 +358,7 @@ protocol = "mcp"
     );
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     // The demo's own admin token, for the reviewer's step: the admin API always needs one.
-    let token = hex::encode(rand::random::<[u8; 16]>());
+    let token = crate::identity::hex(&rand::random::<[u8; 16]>());
     let running = tokio::spawn(crate::run(
         config,
         crate::Listeners {

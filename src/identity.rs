@@ -46,8 +46,9 @@ pub(crate) fn hex32(d: &[u8; 32]) -> String {
     hex(&d[..16])
 }
 
-/// Lower-case hex, filled in one pass (`hex::encode` pushes a char at a time; every write makes
-/// about eight of these: its id, fingerprint, principal, body digest and its log entries' hashes).
+/// Lower-case hex, filled in one pass: every hex the proxy writes goes through here
+/// (`hex::encode` pushes a char at a time; every write makes about eight: its id, fingerprint,
+/// principal, body digest and its log entries' hashes).
 pub(crate) fn hex(bytes: &[u8]) -> String {
     let mut out = vec![0; bytes.len() * 2];
     hex::encode_to_slice(bytes, &mut out).expect("the buffer holds two digits per byte");

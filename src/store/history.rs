@@ -115,7 +115,7 @@ pub fn check(dir: &Path, db: &sled::Db, seen: &Seen) -> Result<(), String> {
         }
         (None, None) => {
             // A new store, or one made before store ids (its database holds its records).
-            let id = hex::encode(rand::random::<[u8; 16]>());
+            let id = crate::identity::hex(&rand::random::<[u8; 16]>());
             return adopt(dir, db, &id, seen, true);
         }
     }

@@ -114,7 +114,7 @@ impl Sealer {
             .map(|a| a.tries.iter_mut().map(|t| t.body.take()).collect())
             .collect();
         let plain = serde_json::to_vec(&secrets).expect("secrets serialize");
-        r.sealed = Some(hex::encode(self.seal(&plain)));
+        r.sealed = Some(crate::identity::hex(&self.seal(&plain)));
     }
 
     /// Restores a record's secrets from its sealed blob (on its way from storage).

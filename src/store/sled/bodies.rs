@@ -28,7 +28,7 @@ impl SledStore {
         body: Bytes,
         sealer: Option<Arc<Sealer>>,
     ) -> std::io::Result<String> {
-        let sha = hex::encode(Sha256::digest(&body));
+        let sha = crate::identity::hex(&Sha256::digest(&body));
         let body = seal_opt(sealer.as_deref(), &body);
         let bodies = dir.join("bodies");
         let path = bodies.join(&sha);
@@ -56,7 +56,7 @@ impl SledStore {
         if b.len() > INLINE_BODY_MAX {
             // Announced before the file is written and until its record is committed, so that
             // the sweeper never removes a body file a settlement is about to point at.
-            let sha = hex::encode(Sha256::digest(b));
+            let sha = crate::identity::hex(&Sha256::digest(b));
             self.placing(&sha, 1);
             let (dir, bytes, sealer) = (self.dir.clone(), b.clone(), self.sealer.clone());
             let written =
