@@ -65,8 +65,19 @@ async fn an_operator_settles_an_unknown_write_and_the_log_shows_it_in_a_browser(
         .await;
     assert_eq!(lost.header("oncegate-outcome"), Some("unknown"));
     let id = lost.header("oncegate-action").unwrap().to_string();
+    // A second one, which the operator resolves and moves on from before the page confirms it.
+    up.push(Behavior::Hang);
+    let second = c
+        .post(
+            &proxy.url("/pay/v1/charges"),
+            &[("idempotency-key", "console-lost-2")],
+            r#"{"amount":4300}"#,
+        )
+        .await;
+    assert_eq!(second.header("oncegate-outcome"), Some("unknown"));
+    let second = second.header("oncegate-action").unwrap().to_string();
 
-    let saw = drive(&node, &proxy, &id).await;
+    let saw = drive(&node, &proxy, &id, Some(&second)).await;
     assert_eq!(saw["errors"], serde_json::json!([]), "page errors: {saw}");
     assert!(
         saw["wrong_token"].as_str().unwrap().contains("refused"),
@@ -116,6 +127,10 @@ async fn an_operator_settles_an_unknown_write_and_the_log_shows_it_in_a_browser(
         saw["kept_newer_page"], "Write log",
         "a page that loaded late replaced the one navigated to: {saw}"
     );
+    assert_eq!(
+        saw["kept_after_resolve"], "Actions",
+        "a resolve's confirmation replaced the page navigated to: {saw}"
+    );
     assert_eq!(saw["overview_unknown"], "0", "{saw}");
     for (page, overflow) in saw["overflow"].as_object().unwrap() {
         assert!(
@@ -128,6 +143,8 @@ async fn an_operator_settles_an_unknown_write_and_the_log_shows_it_in_a_browser(
     // And the store agrees.
     let rec = proxy.store.get(&id).await.unwrap().unwrap();
     assert_eq!(rec.state, oncegate::action::State::Succeeded);
+    let other = proxy.store.get(&second).await.unwrap().unwrap();
+    assert_eq!(other.state, oncegate::action::State::Failed, "{other:?}");
     assert_eq!(rec.external_id.as_deref(), Some("ch_console_1"));
     assert!(screenshots().join("4-resolved.png").exists());
     proxy.stop().await;
@@ -144,7 +161,7 @@ fn console_node() -> String {
 }
 
 /// Runs `tests/console/drive.mjs` against the proxy's console; returns what it saw.
-async fn drive(node: &str, proxy: &TestProxy, what: &str) -> Value {
+async fn drive(node: &str, proxy: &TestProxy, what: &str, second: Option<&str>) -> Value {
     let shots = screenshots();
     std::fs::create_dir_all(&shots).unwrap();
     let mut cmd = std::process::Command::new("node");
@@ -156,6 +173,7 @@ async fn drive(node: &str, proxy: &TestProxy, what: &str) -> Value {
     .arg(ADMIN_TOKEN)
     .arg(what)
     .arg(&shots)
+    .args(second)
     .env("ONCEGATE_CONSOLE_NODE", node);
     let out = tokio::time::timeout(
         Duration::from_secs(120),
@@ -221,7 +239,7 @@ async fn a_log_edited_in_the_database_shows_red_from_the_first_bad_entry() {
         .await
         .unwrap();
     assert_eq!(n, 1);
-    let saw = drive(&node, &proxy, "--verify-only").await;
+    let saw = drive(&node, &proxy, "--verify-only", None).await;
     let verdict = saw["verify"].as_str().unwrap();
     assert!(
         verdict.contains("does NOT verify") && verdict.contains("seq 3"),

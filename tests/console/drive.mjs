@@ -1,7 +1,7 @@
 // Drives the console in headless Chromium as an operator and an auditor would (playwright-core,
 // installed in $ONCEGATE_CONSOLE_NODE by .ci/run; Chromium at $ONCEGATE_CHROMIUM).
 //
-//   node drive.mjs ADMIN_URL TOKEN UNKNOWN_ACTION_ID SCREENSHOT_DIR
+//   node drive.mjs ADMIN_URL TOKEN UNKNOWN_ACTION_ID SCREENSHOT_DIR [SECOND_UNKNOWN_ACTION_ID]
 //
 // Signs in, finds the unknown action, resolves it with a reason, checks the write log shows the
 // resolution and that the chain verifies, and looks at the pages at a phone's width. Prints one
@@ -12,7 +12,7 @@ import { pathToFileURL } from "node:url";
 const { chromium } = await import(
   pathToFileURL(path.join(process.env.ONCEGATE_CONSOLE_NODE, "node_modules/playwright-core/index.mjs")).href
 );
-const [base, token, unknownId, shots] = process.argv.slice(2);
+const [base, token, unknownId, shots, secondId] = process.argv.slice(2);
 const browser = await chromium.launch({
   executablePath: process.env.ONCEGATE_CHROMIUM || "/usr/bin/chromium",
   args: ["--no-sandbox", "--disable-dev-shm-usage"],
@@ -85,6 +85,35 @@ try {
   out.anchor = await page.textContent("#anchor");
   out.log_text = await page.textContent("main");
   await shot("5-write-log");
+
+  // A resolve's confirmation never replaces the page the operator moved to while it was sent:
+  // the second unknown action is resolved, its write-log read held back, the operator goes to
+  // the actions list, then the read is let through.
+  if (secondId) {
+    await page.goto(base + "/#/actions/" + secondId);
+    await page.waitForSelector("#settle");
+    let releaseEntry;
+    const entryHeld = new Promise((r) => (releaseEntry = r));
+    const isEntryRead = (url) => url.pathname === "/v1/log" && url.searchParams.get("event") === "resolved";
+    await page.route(isEntryRead, async (r) => {
+      await entryHeld;
+      await r.continue();
+    });
+    const entryRead = page.waitForEvent("requestfinished", (r) => isEntryRead(new URL(r.url())));
+    await page.selectOption("#outcome", "not-applied");
+    await page.fill("#reason", "checked in the service's dashboard: no second charge");
+    const resolved = page.waitForResponse((r) => r.url().endsWith("/resolve"));
+    await page.click("#resolve button[type=submit]");
+    await resolved;
+    await page.goto(base + "/#/actions");
+    await page.waitForSelector("#unknown");
+    releaseEntry();
+    await entryRead;
+    // The confirmation would show itself at once once its read arrived; give it the chance.
+    await page.waitForTimeout(300);
+    out.kept_after_resolve = await page.textContent("main h1");
+    await page.unroute(isEntryRead);
+  }
 
   await page.goto(base + "/#/overview");
   await page.waitForSelector(".tiles");
