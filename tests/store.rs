@@ -233,6 +233,76 @@ async fn resolves_only_unknown_actions(s: S) {
         .is_err());
 }
 
+/// The settlement of attempt `attempt` of `id` with a stored response of `status` and `body`.
+fn with_body(
+    id: &str,
+    attempt: u32,
+    state: State,
+    status: u16,
+    now: Millis,
+    body: &Bytes,
+) -> SettleRequest {
+    SettleRequest {
+        id: id.into(),
+        attempt,
+        settlement: Settlement {
+            state,
+            tries: vec![Try {
+                at: now,
+                status: Some(status),
+                ..Default::default()
+            }],
+            response: Some(StoredResponse {
+                status,
+                headers: vec![("content-type".into(), "application/json".into())],
+                size: body.len() as u64,
+                body: BodyRef::Inline,
+                source: Source::Upstream,
+            }),
+            external_id: None,
+            needs_decision: false,
+            now,
+        },
+        body: Some(body.clone()),
+    }
+}
+
+/// A failed attempt whose response is stored (a 422, say), then a new attempt of the same
+/// action: the record changes with every step (claimed, lease renewed, unknown, resolved), and
+/// each version keeps the stored body, though none of these steps brings a body of its own.
+async fn keeps_a_stored_body_through_later_versions_of_its_record(s: S) {
+    let id = "kb1";
+    s.claim(claim_req(record(id, "f", None), T0, 10_000))
+        .await
+        .unwrap();
+    let body = Bytes::from_static(br#"{"error":"card_declined"}"#);
+    s.settle(with_body(id, 1, State::Failed, 422, T0 + 1, &body))
+        .await
+        .unwrap();
+    let kept = |s: S| async move {
+        let r = s.get(id).await.unwrap().expect("the action is stored");
+        assert!(r.response.is_some(), "the response stays with the record");
+        s.body(&r).await.unwrap()
+    };
+    assert_eq!(kept(s.clone()).await.as_ref(), Some(&body));
+    let c = s
+        .claim(claim_req(record(id, "f", None), T0 + 2, 10_000))
+        .await
+        .unwrap();
+    assert!(matches!(c, Claim::Claimed(ref r) if r.attempts == 2));
+    assert_eq!(kept(s.clone()).await.as_ref(), Some(&body), "claimed");
+    assert!(s.renew(id, "proxy-a", 20_000, T0 + 2).await.unwrap());
+    assert_eq!(kept(s.clone()).await.as_ref(), Some(&body), "renewed");
+    settle(&s, id, 2, State::Unknown, T0 + 3, None).await;
+    assert_eq!(kept(s.clone()).await.as_ref(), Some(&body), "unknown");
+    let r = s
+        .resolve(id.into(), admin_resolve(false), Event::Resolved)
+        .await
+        .unwrap();
+    assert_eq!(r.state, State::Failed);
+    assert_eq!(kept(s.clone()).await.as_ref(), Some(&body), "resolved");
+}
+
 async fn logs_every_change_in_one_verifiable_chain(s: S) {
     s.claim(claim_req(record("f1", "f", None), T0, 10_000))
         .await
@@ -480,6 +550,7 @@ conformance!(
     expires_records_but_never_an_attempt_in_flight,
     expires_every_due_action_in_one_sweep,
     lists_newest_first_in_pages,
+    keeps_a_stored_body_through_later_versions_of_its_record,
 );
 
 #[tokio::test]
@@ -789,21 +860,21 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
         // What an older version left: records under `a/{id}` themselves (not pointers to their
         // creation keys), no expiry or creation index, no marker, and `succeeded` actions in the
         // state index.
+        // Bodies under `b/{id}`, not after their records.
         let records: Vec<_> = db.scan_prefix("c/").map(|kv| kv.unwrap()).collect();
         assert_eq!(records.len(), 2);
-        for (at, rec) in records {
+        assert_eq!(
+            db.scan_prefix("r/").count(),
+            0,
+            "small bodies are kept with their records"
+        );
+        for (at, value) in records {
             let id = String::from_utf8_lossy(&at[2 + 8..]).into_owned();
             let pointer = db.get(format!("a/{id}")).unwrap().unwrap();
             assert_eq!(&pointer[..], &at[2..2 + 8], "a/ holds the creation time");
-            db.insert(format!("a/{id}"), rec).unwrap();
-        }
-        // Bodies under `b/{id}`, not their creation keys.
-        let bodies: Vec<_> = db.scan_prefix("r/").map(|kv| kv.unwrap()).collect();
-        assert_eq!(bodies.len(), 2);
-        for (k, body) in bodies {
-            let id = String::from_utf8_lossy(&k[2 + 8..]).into_owned();
-            db.insert(format!("b/{id}"), body).unwrap();
-            db.remove(k).unwrap();
+            let newline = value.iter().position(|&b| b == b'\n').unwrap();
+            db.insert(format!("a/{id}"), &value[..newline]).unwrap();
+            db.insert(format!("b/{id}"), &value[newline + 1..]).unwrap();
         }
         db.insert("s/succeeded/o1", &[]).unwrap();
         let index: Vec<_> = ["e/", "c/"]
@@ -880,8 +951,9 @@ async fn sled_rekeys_an_expiry_index_kept_by_minute() {
     assert_eq!(db.scan_prefix("e/").count(), 0);
 }
 
-/// Records an older version kept under `a/{id}` itself read as before, and move under their
-/// creation key (with `a/{id}` pointing at it) when they next change; nothing is lost or doubled.
+/// Records an older version kept under `a/{id}` itself move under their creation key (with
+/// `a/{id}` pointing at it) when the store opens, and read and change as before; nothing is lost
+/// or doubled.
 #[tokio::test]
 async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
     let tmp = tempfile::tempdir().unwrap();
@@ -893,6 +965,7 @@ async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
         // The older layout: the record under `a/`, an empty creation index entry.
         db.insert("a/u1", rec).unwrap();
         db.insert(&at, &[]).unwrap();
+        db.insert("m/indexes", "6").unwrap();
         at.to_vec()
     });
     let s = open_sled(&dir, Default::default());
@@ -927,7 +1000,7 @@ async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
 }
 
 /// For a while `a/{id}` held the whole creation key of its record rather than its creation time:
-/// such a pointer reads, and becomes the short one when its record next changes.
+/// such a pointer becomes the short one when the store opens, and its record reads and changes.
 #[tokio::test]
 async fn sled_reads_a_pointer_kept_as_the_whole_creation_key() {
     let tmp = tempfile::tempdir().unwrap();
@@ -936,6 +1009,7 @@ async fn sled_reads_a_pointer_kept_as_the_whole_creation_key() {
     let at = edit_closed(&dir, |db| {
         let at = db.scan_prefix("c/").keys().next().unwrap().unwrap();
         db.insert("a/p1", at.clone()).unwrap();
+        db.insert("m/indexes", "6").unwrap();
         at.to_vec()
     });
     let s = open_sled(&dir, Default::default());
@@ -951,6 +1025,68 @@ async fn sled_reads_a_pointer_kept_as_the_whole_creation_key() {
     let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
     assert_eq!(db.get("a/p1").unwrap().unwrap().to_vec(), at[2..2 + 8]);
     assert_eq!(db.scan_prefix("c/").count(), 1);
+}
+
+/// A small stored body is kept after its record in the record's own value (one sled insert for
+/// both); one that would take that value past the store's bound (`RECORD_MAX`) under a key of its
+/// own. Both read back after a reopen; and a new attempt of a failed action, decided after a
+/// reopen (so its stored body comes from sled, not from what the writer remembers), keeps its
+/// body in the record's new value.
+#[tokio::test]
+async fn sled_keeps_a_small_body_in_its_records_value_and_a_larger_one_beside_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let small = Bytes::from_static(br#"{"id":"ch_1"}"#);
+    let large = Bytes::from(vec![b'x'; oncegate::store::sled::INLINE_BODY_MAX]);
+    let declined = Bytes::from_static(br#"{"error":"card_declined"}"#);
+    let s = open_sled(&dir, Default::default());
+    let mut big_head = record("lg", "f", None);
+    big_head.request.headers = (0..12)
+        .map(|i| (format!("x-h{i}"), "v".repeat(5_000)))
+        .collect();
+    for (r, body, state, status) in [
+        (record("sm", "f", None), &small, State::Succeeded, 201),
+        (big_head, &large, State::Succeeded, 201),
+        (record("kf", "f", None), &declined, State::Failed, 422),
+    ] {
+        let id = r.id.clone();
+        s.claim(claim_req(r, T0, 10_000)).await.unwrap();
+        s.settle(with_body(&id, 1, state, status, T0 + 1, body))
+            .await
+            .unwrap();
+    }
+    s.close().await.unwrap();
+    drop(s);
+    edit_closed(&dir, |db| {
+        let values: Vec<_> = db.scan_prefix("c/").values().map(|v| v.unwrap()).collect();
+        let with_body = |b: &[u8]| values.iter().filter(|v| v.ends_with(b)).count();
+        assert_eq!(
+            with_body(&small),
+            1,
+            "the small body is in its record's value"
+        );
+        assert_eq!(with_body(&declined), 1);
+        let beside: Vec<_> = db.scan_prefix("r/").values().map(|v| v.unwrap()).collect();
+        assert_eq!(beside.len(), 1, "only the large body has a key of its own");
+        assert_eq!(&beside[0][..], &large[..]);
+    });
+    let s = open_sled(&dir, Default::default());
+    for (id, body) in [("sm", &small), ("lg", &large), ("kf", &declined)] {
+        let r = s.get(id).await.unwrap().unwrap();
+        assert_eq!(s.body(&r).await.unwrap().as_ref(), Some(body), "{id}");
+    }
+    let c = s
+        .claim(claim_req(record("kf", "f", None), T0 + 2, 10_000))
+        .await
+        .unwrap();
+    assert!(matches!(c, Claim::Claimed(ref r) if r.attempts == 2));
+    s.close().await.unwrap();
+    drop(s);
+    let s = open_sled(&dir, Default::default());
+    let r = s.get("kf").await.unwrap().unwrap();
+    assert_eq!(r.attempts, 2);
+    assert_eq!(s.body(&r).await.unwrap().as_ref(), Some(&declined));
+    s.close().await.unwrap();
 }
 
 /// SPEC §6 keeps every try with up to 4 KiB of the upstream's body. Before the store bounded

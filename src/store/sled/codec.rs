@@ -111,14 +111,39 @@ pub(super) fn encode_bounded(mut r: Record, sealer: Option<&Sealer>) -> (Record,
     (r, v)
 }
 
-/// Parses a stored record and, with a sealer, opens its secrets. Without one a sealed record
-/// keeps them sealed (index maintenance needs none of them).
+/// A record's value may carry its stored response body: the record's JSON, a newline, then the
+/// body as stored (sealed when encryption is on). Compact JSON holds no newline (a string's
+/// control characters are escaped), so the first one ends the record. One value, one sled insert
+/// for both; the body is kept under its own key ([`body_key`]) only when the two together would
+/// exceed [`RECORD_MAX`] (and by stores from before). Returns the record's JSON and the body.
+pub(super) fn split_value(v: &[u8]) -> (&[u8], Option<&[u8]>) {
+    match v.iter().position(|&b| b == b'\n') {
+        Some(at) => (&v[..at], Some(&v[at + 1..])),
+        None => (v, None),
+    }
+}
+
+/// Appends a stored body to an encoded record ([`split_value`]) if both fit within
+/// [`RECORD_MAX`]; says whether it did.
+pub(super) fn frame_body(value: &mut Vec<u8>, body: &[u8]) -> bool {
+    if value.len() + 1 + body.len() > RECORD_MAX {
+        return false;
+    }
+    value.reserve_exact(1 + body.len());
+    value.push(b'\n');
+    value.extend_from_slice(body);
+    true
+}
+
+/// Parses a stored record (a body after it is left out) and, with a sealer, opens its secrets.
+/// Without one a sealed record keeps them sealed (index maintenance needs none of them).
 pub(super) fn decode(key: &[u8], v: &[u8], sealer: Option<&Sealer>) -> Result<Record, StoreError> {
     let corrupt = |reason: String| StoreError::Corrupt {
         id: String::from_utf8_lossy(key).into_owned(),
         reason,
     };
-    let mut r: Record = serde_json::from_slice(v).map_err(|e| corrupt(e.to_string()))?;
+    let json = split_value(v).0;
+    let mut r: Record = serde_json::from_slice(json).map_err(|e| corrupt(e.to_string()))?;
     if let Some(s) = sealer {
         s.open_record(&mut r).map_err(corrupt)?;
     }

@@ -23,7 +23,7 @@ pub fn pointer(r: &Record) -> [u8; 8] {
 
 /// Whether an `a/{id}` value points at the record rather than being the record itself (JSON, as
 /// versions before kept it). A pointer is [`pointer`], or, as written for a while, the whole
-/// creation key; both read, and the longer form becomes the short one when its record next changes.
+/// creation key; both read, and opening a store brings both older forms to the short one.
 pub(super) fn is_pointer(v: &[u8]) -> bool {
     v.len() == 8 || v.starts_with(CREATED_PREFIX)
 }
@@ -61,9 +61,10 @@ pub(super) fn read_record<V: AsRef<[u8]>>(
         reason: "its entry points at a record that is not there".into(),
     })
 }
-/// `r/{created_at:be64}{id}`: a record's stored response body (a small one, kept in sled),
-/// keyed like the record so that it too lands in the newest leaves; a reader of a body holds its
-/// record, and so its key.
+/// `r/{created_at:be64}{id}`: a record's stored response body (a small one, kept in sled) when
+/// it does not fit in the record's own value ([`split_value`]), and every body of stores from
+/// before; keyed like the record so that it too lands in the newest leaves; a reader of a body
+/// holds its record, and so its key.
 pub(super) fn body_key(r: &Record) -> Vec<u8> {
     timed_key(BODY_PREFIX, r.created_at, &r.id)
 }
@@ -156,22 +157,25 @@ pub(super) fn index_keys(r: &Record) -> impl Iterator<Item = Vec<u8>> + '_ {
     .flatten()
 }
 
-/// Every key the store writes for `r` with a small stored body: the record (its creation key),
-/// the body, the pointer (`a/{id}`, whose value is [`pointer`]) and the index entries
-/// (public for the benches' `sled alone` floor, which writes the same keys).
+/// Every key the store writes for `r` with a small stored body: the record (its creation key,
+/// whose value holds the body after the record), the pointer (`a/{id}`, whose value is
+/// [`pointer`]) and the index entries (public for the benches' `sled alone` floor, which writes
+/// the same keys).
 pub fn action_keys(r: &Record) -> Vec<Vec<u8>> {
-    let mut keys = vec![record_key(r), body_key(r), rec_key(&r.id)];
+    let mut keys = vec![record_key(r), rec_key(&r.id)];
     keys.extend(index_keys(r));
     keys
 }
 
 /// The indexes a store opened by an earlier version may lack are built once; this key records it.
 pub(super) const INDEXES_KEY: &[u8] = b"m/indexes";
-pub(super) const INDEXES_VERSION: &[u8] = b"6";
+pub(super) const INDEXES_VERSION: &[u8] = b"7";
 
 /// Builds the expiry, creation and body-file indexes of a store from before them, from its
-/// records (writing every index entry again is harmless), moves the bodies it keeps under
-/// `b/{id}` to their creation keys and keys its expiry index by time instead of by minute.
+/// records (writing every index entry again is harmless), moves records kept under `a/{id}`
+/// itself under their creation keys (and pointers kept as the whole creation key to the short
+/// form), moves the bodies it keeps under `b/{id}` to their creation keys and keys its expiry
+/// index by time instead of by minute.
 pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
     if db.get(INDEXES_KEY).map_err(|e| e.to_string())?.as_deref() == Some(INDEXES_VERSION) {
         return Ok(());
@@ -181,14 +185,27 @@ pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
     let mut n = 0;
     for kv in db.scan_prefix(b"a/") {
         let (k, v) = kv.map_err(|e| e.to_string())?;
-        if is_pointer(&v) {
-            // Written by this version, with its indexes.
+        if v.len() == 8 {
+            // A pointer as this version writes it: its record has its indexes.
             continue;
         }
+        if v.starts_with(CREATED_PREFIX) {
+            // A pointer written as the whole creation key: the creation time alone.
+            let created = v.get(CREATED_PREFIX.len()..CREATED_PREFIX.len() + 8);
+            let created = created
+                .ok_or_else(|| format!("{}: a pointer too short", String::from_utf8_lossy(&k)))?;
+            db.insert(k, created).map_err(|e| e.to_string())?;
+            continue;
+        }
+        // The record itself: its indexes, then the record under its creation key, then the
+        // pointer (the writer writes a pointer only with a record's first version). Interrupted,
+        // the build starts again from a record still readable under either key.
         let r = decode(&k, &v, None).map_err(|e| e.to_string())?;
-        for key in index_keys(&r).chain([record_key(&r)]) {
+        for key in index_keys(&r) {
             db.insert(key, &[]).map_err(|e| e.to_string())?;
         }
+        db.insert(record_key(&r), v).map_err(|e| e.to_string())?;
+        db.insert(k, &pointer(&r)).map_err(|e| e.to_string())?;
         n += 1;
     }
     // The state index no longer lists `succeeded` actions.

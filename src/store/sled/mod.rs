@@ -22,11 +22,13 @@
 //! `shared.rs` is what they share (the durable changes not yet in sled, counts, health); `ops.rs`
 //! what callers send; `cache.rs`, `codec.rs`, `index.rs`, `bodies.rs` and `open.rs` the rest.
 //!
-//! Keys (one tree): `c/{created_at:be64}{id}` the record (JSON), which is also the creation index
+//! Keys (one tree): `c/{created_at:be64}{id}` the record (JSON, then its small stored body), which is also the creation index
 //! (lists page newest first; new records land in the newest leaves, which sled holds), `a/{id}`
-//! the record's creation time (8 bytes; stores from before keep there the whole `c/` key, or the
-//! record itself with an empty `c/` entry, until the record next changes), `r/{created_at:be64}{id}`
-//! its small stored body (`b/{id}` before, moved at open), `s/{state}/{id}` state index (all states
+//! the record's creation time (8 bytes, written once with the record's first version; stores from
+//! before kept there the whole `c/` key, or the record itself with an empty `c/` entry: moved at
+//! open), `r/{created_at:be64}{id}`
+//! a small stored body too large to share its record's value (most are kept after the record in
+//! that value: [`codec::split_value`]; `b/{id}` before, moved at open), `s/{state}/{id}` state index (all states
 //! but `succeeded`), `t/{task}\0{id}` task index, `e/{expires_at:be64}{id}` expiry index (the sweeper
 //! reads only what is due; by minute before, rekeyed at open), `f/{sha256}/{id}` the
 //! actions whose response is a body file. Bodies over 64 KiB live in `bodies/{sha256}` beside the database;
@@ -447,9 +449,16 @@ impl Store for SledStore {
             }
             match record.response.as_ref().map(|r| &r.body) {
                 Some(BodyRef::Inline) => {
-                    let body = read_key(&self.shared, &self.db()?, &body_key(record))?
-                        .map(|v| self.open_body(&v))
-                        .transpose()?;
+                    // After the record in its own value, or (too large for both to fit, or
+                    // kept by a store from before) under its own key.
+                    let db = self.db()?;
+                    let value = read_key(&self.shared, &db, &record_key(record))?;
+                    let body = match value.as_deref().and_then(|v| split_value(v).1) {
+                        Some(b) => Some(self.open_body(b)?),
+                        None => read_key(&self.shared, &db, &body_key(record))?
+                            .map(|v| self.open_body(&v))
+                            .transpose()?,
+                    };
                     if let (Some(b), Some(gen), Ok(mut c)) = (&body, gen, self.cache.lock()) {
                         c.fill_body(gen, &record.id, b);
                     }

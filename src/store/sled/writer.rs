@@ -22,7 +22,7 @@ pub(super) struct Writer {
     /// Batches written, numbered; and records changed by batches not yet applied to sled (with
     /// the batch that last changed them), which the writer reads instead of sled.
     pub(super) seq: u64,
-    pub(super) unapplied: HashMap<String, (u64, Option<Arc<Record>>)>,
+    pub(super) unapplied: HashMap<String, Unapplied>,
     /// Sealed batches go to the syncer thread, or are synced here when nothing else waits.
     pub(super) sync: mpsc::Sender<Sealed>,
     pub(super) syncer: Arc<Syncer>,
@@ -40,6 +40,10 @@ pub(super) struct Writer {
     pub(super) saved_counts: Option<Counts>,
 }
 
+/// A record as the last batch sled lacks left it: that batch, the record (`None`: removed) and
+/// the stored body its value carries (see [`Pending::framed`]).
+pub(super) type Unapplied = (u64, Option<Arc<Record>>, Option<Bytes>);
+
 /// The changes of one batch, readable before they are applied.
 #[derive(Default)]
 pub(super) struct Pending {
@@ -49,6 +53,10 @@ pub(super) struct Pending {
     pub(super) records: HashMap<String, Option<Arc<Record>>>,
     /// Response bodies stored in this batch, by action id.
     pub(super) bodies: HashMap<String, Bytes>,
+    /// For each record this batch changed, the stored body (sealed when encryption is on) its
+    /// value carries after the record ([`split_value`]), which a later version that brings no
+    /// body of its own carries on ([`Writer::kept_body`]).
+    pub(super) framed: HashMap<String, Option<Bytes>>,
     /// The log entries of this batch (NDJSON) and the first one's sequence number.
     pub(super) log_block: Vec<u8>,
     pub(super) log_first: Option<u64>,
@@ -186,7 +194,9 @@ impl Writer {
         }
         if failed.is_none() {
             for (id, r) in &pending.records {
-                self.unapplied.insert(id.clone(), (self.seq, r.clone()));
+                let framed = pending.framed.get(id).cloned().flatten();
+                self.unapplied
+                    .insert(id.clone(), (self.seq, r.clone(), framed));
             }
         }
         let sealed = Sealed {
@@ -215,7 +225,7 @@ impl Writer {
         }
         if self.unapplied.len() > MAX_BATCH {
             let applied = self.shared.applied();
-            self.unapplied.retain(|_, (seq, _)| *seq > applied);
+            self.unapplied.retain(|_, (seq, ..)| *seq > applied);
         }
         if self.wal.wants_checkpoint(self.checkpoint_bytes) {
             // A new log file at once; the old one goes once sled holds its frames durably,
@@ -284,7 +294,7 @@ impl Writer {
         if let Some(r) = pending.records.get(id) {
             return Ok(r.clone());
         }
-        if let Some((_, r)) = self.unapplied.get(id) {
+        if let Some((_, r, _)) = self.unapplied.get(id) {
             return Ok(r.clone());
         }
         // Not changed by any batch sled lacks: what sled holds is the durable latest, and the
@@ -323,28 +333,68 @@ impl Writer {
         pending.writes += 1;
     }
 
+    /// The stored body `old`'s value carries, which `new` (a later version of the same record
+    /// that brings no body of its own) keeps: from this batch, a batch sled lacks, or sled.
+    /// `None` when `new` keeps no body of the store's (none, or a body file), or when the body
+    /// is under its own key ([`body_key`]), where it stays.
+    pub(super) fn kept_body(
+        &self,
+        pending: &Pending,
+        old: Option<&Record>,
+        new: &Record,
+    ) -> Result<Option<Bytes>, StoreError> {
+        let inline =
+            |r: &Record| matches!(r.response.as_ref().map(|s| &s.body), Some(BodyRef::Inline));
+        let Some(old) = old.filter(|o| inline(o) && inline(new)) else {
+            return Ok(None);
+        };
+        if let Some(b) = pending.framed.get(&old.id) {
+            return Ok(b.clone());
+        }
+        if let Some((_, _, b)) = self.unapplied.get(&old.id) {
+            return Ok(b.clone());
+        }
+        let value = self.db.get(record_key(old)).map_err(unavailable)?;
+        Ok(value.and_then(|v| split_value(&v).1.map(Bytes::copy_from_slice)))
+    }
+
     /// Stages `new` (replacing `old`) with its index entries; only entries that change are
-    /// written. Returns it as the batch now holds it.
+    /// written. `body`: the stored body (sealed when encryption is on) to keep with it, a new one
+    /// or [`Writer::kept_body`]; in the record's own value when both fit [`RECORD_MAX`], else
+    /// under [`body_key`]. Returns the record as the batch now holds it.
     pub(super) fn stage(
         &self,
         pending: &mut Pending,
         old: Option<&Record>,
         new: Record,
+        body: Option<Bytes>,
     ) -> Arc<Record> {
         if old.map(|o| o.state) != Some(new.state) {
             self.count(old.map(|o| o.state), Some(new.state));
         }
-        let (new, value) = encode_bounded(new, self.sealer.as_deref());
+        let (new, mut value) = encode_bounded(new, self.sealer.as_deref());
         let at = record_key(&new);
-        if let Some(o) = old.filter(|o| record_key(o) != at) {
+        let moved = old.filter(|o| record_key(o) != at);
+        if let Some(o) = moved {
             pending.del(record_key(o));
             pending.del(body_key(o));
         }
-        // The pointer with every stage: the same small value again, which the claim and its
-        // settle usually share in one drain, and which moves a record an older version kept under
-        // `a/` itself.
-        pending.put(rec_key(&new.id), pointer(&new));
+        // The pointer names the creation key, which a record keeps: written with a record's
+        // first version only, not again with each change (stores whose records or pointers had
+        // another form are brought to this one at open: `migrate_indexes`).
+        if old.is_none() || moved.is_some() {
+            pending.put(rec_key(&new.id), pointer(&new));
+        }
+        let framed = match body {
+            Some(b) if frame_body(&mut value, &b) => Some(b),
+            Some(b) => {
+                pending.put(body_key(&new), b.to_vec());
+                None
+            }
+            None => None,
+        };
         pending.put(at, value);
+        pending.framed.insert(new.id.clone(), framed);
         let before: Vec<Vec<u8>> = old.map(|o| index_keys(o).collect()).unwrap_or_default();
         let after: Vec<Vec<u8>> = index_keys(&new).collect();
         for k in before.iter().filter(|k| !after.contains(k)) {
@@ -382,6 +432,7 @@ impl Writer {
             pending.del(k);
         }
         pending.records.insert(old.id.clone(), None);
+        pending.framed.insert(old.id.clone(), None);
         pending.writes += 1;
     }
 
@@ -454,7 +505,7 @@ impl Writer {
             .unapplied
             .iter()
             .filter(|(id, _)| !pending.records.contains_key(*id))
-            .map(|(_, (_, r))| r);
+            .map(|(_, (_, r, _))| r);
         if pending.records.values().chain(newer).any(keeps) {
             return Ok(true);
         }
@@ -481,6 +532,15 @@ impl Writer {
                     let now = req.now;
                     let (claim, write) =
                         decide_claim_owned(current.map(Arc::unwrap_or_clone), *req);
+                    // A new attempt of a failed action keeps the response stored with it.
+                    let kept = match &write {
+                        Some(w) => self.kept_body(pending, old.as_deref(), w),
+                        None => Ok(None),
+                    };
+                    let kept = match kept {
+                        Ok(k) => k,
+                        Err(e) => return Answer::failed(tx, e),
+                    };
                     if let Some(w) = write {
                         // An expired record being replaced loses its stored body and indexes.
                         let expired = old.as_deref().filter(|o| o.is_expired(now));
@@ -496,7 +556,8 @@ impl Writer {
                         } else {
                             old.as_deref()
                         };
-                        let w = self.stage(pending, live_old, w);
+                        let kept = kept.filter(|_| live_old.is_some());
+                        let w = self.stage(pending, live_old, w, kept);
                         if old.is_none() {
                             // A new action: no batch ever put its state entry.
                             pending.new_keys.insert(state_key(w.state, &w.id));
@@ -519,16 +580,19 @@ impl Writer {
                     let old = current.clone();
                     let new =
                         apply_settle(current.map(Arc::unwrap_or_clone), &id, attempt, settlement)?;
-                    Ok((old, new))
+                    let stored = match &body {
+                        Some(b) => Some(Bytes::from(seal_opt(self.sealer.as_deref(), b))),
+                        None => self.kept_body(pending, old.as_deref(), &new)?,
+                    };
+                    Ok((old, new, stored))
                 });
                 match result {
                     Err(e) => Answer::failed(tx, e),
-                    Ok((old, new)) => {
+                    Ok((old, new, stored)) => {
                         if let Some(body) = &body {
-                            pending.put(body_key(&new), seal_opt(self.sealer.as_deref(), body));
                             pending.bodies.insert(new.id.clone(), body.clone());
                         }
-                        let new = self.stage(pending, old.as_deref(), new);
+                        let new = self.stage(pending, old.as_deref(), new, stored);
                         self.append(pending, settle_event(&new));
                         Answer::Record(tx, new)
                     }
@@ -543,16 +607,19 @@ impl Writer {
                 let result = self.read(pending, &id).and_then(|current| {
                     let old = current.clone();
                     let new = apply_resolve(current.map(Arc::unwrap_or_clone), &id, *res)?;
-                    Ok((old, new))
+                    let stored = match &body {
+                        Some(b) => Some(Bytes::from(seal_opt(self.sealer.as_deref(), b))),
+                        None => self.kept_body(pending, old.as_deref(), &new)?,
+                    };
+                    Ok((old, new, stored))
                 });
                 match result {
                     Err(e) => Answer::failed(tx, e),
-                    Ok((old, new)) => {
+                    Ok((old, new, stored)) => {
                         if let Some(body) = body {
-                            pending.put(body_key(&new), seal_opt(self.sealer.as_deref(), &body));
-                            pending.bodies.insert(new.id.clone(), body.clone());
+                            pending.bodies.insert(new.id.clone(), body);
                         }
-                        let new = self.stage(pending, old.as_deref(), new);
+                        let new = self.stage(pending, old.as_deref(), new, stored);
                         self.append(pending, resolve_event(event, &new, actor, reason));
                         Answer::Record(tx, new)
                     }
@@ -601,7 +668,11 @@ impl Writer {
                             if let Some(new) =
                                 recover_in_flight(Arc::unwrap_or_clone(r), reason, now)
                             {
-                                let new = self.stage(pending, Some(&old), new);
+                                let kept = match self.kept_body(pending, Some(&old), &new) {
+                                    Ok(k) => k,
+                                    Err(e) => return Answer::failed(tx, e),
+                                };
+                                let new = self.stage(pending, Some(&old), new, kept);
                                 self.append(pending, recover_event(&new, reason));
                                 n += 1;
                             }
@@ -620,8 +691,13 @@ impl Writer {
                 Ok(Some(r)) if r.state == State::InFlight && r.owner.as_ref() == Some(&owner) => {
                     let mut new = Record::clone(&r);
                     new.lease_until = Some(until);
-                    self.stage(pending, Some(&r), new);
-                    Answer::Bool(tx, true)
+                    match self.kept_body(pending, Some(&r), &new) {
+                        Ok(kept) => {
+                            self.stage(pending, Some(&r), new, kept);
+                            Answer::Bool(tx, true)
+                        }
+                        Err(e) => Answer::failed(tx, e),
+                    }
                 }
                 Ok(_) => Answer::Bool(tx, false),
             },
