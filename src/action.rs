@@ -1,6 +1,8 @@
 //! The action record and its state machine (SPEC §5): what a store keeps about one logical write,
 //! and the pure transitions every backend applies atomically (claim, settle, recover).
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 
 /// Current record format. Bumped when the stored shape changes; readers accept older versions.
@@ -437,31 +439,54 @@ impl ClaimRequest {
     }
 }
 
-/// What a claim found.
+/// What a claim found. The record is shared: a store that keeps it (the embedded store's batch,
+/// its cache) answers with the same one, not a copy.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Claim {
     /// This caller owns a new attempt; the record is durable and `in_flight`.
-    Claimed(Record),
+    Claimed(Arc<Record>),
     /// The action exists and is not claimable now (`succeeded`, `in_flight`, `unknown`).
-    Existing(Record),
+    Existing(Arc<Record>),
     /// Same key, different fingerprint.
-    KeyReused(Record),
+    KeyReused(Arc<Record>),
     /// `failed` with no attempts left.
-    Exhausted(Record),
+    Exhausted(Arc<Record>),
+}
+
+impl Claim {
+    /// The record the claim found or wrote.
+    pub fn record(&self) -> &Arc<Record> {
+        match self {
+            Claim::Claimed(r) | Claim::Existing(r) | Claim::KeyReused(r) | Claim::Exhausted(r) => r,
+        }
+    }
+
+    /// The same answer with `r` (the record as the store wrote it).
+    pub fn with_record(self, r: Arc<Record>) -> Claim {
+        match self {
+            Claim::Claimed(_) => Claim::Claimed(r),
+            Claim::Existing(_) => Claim::Existing(r),
+            Claim::KeyReused(_) => Claim::KeyReused(r),
+            Claim::Exhausted(_) => Claim::Exhausted(r),
+        }
+    }
 }
 
 /// Decides a claim against the current record. Returns the answer and the record to write, if
 /// any. Every backend calls this (or [`decide_claim_owned`]) inside its atomic section.
 pub fn decide_claim(current: Option<Record>, req: &ClaimRequest) -> (Claim, Option<Record>) {
-    match current.filter(|r| !r.is_expired(req.now)) {
+    let (claim, write) = match current.filter(|r| !r.is_expired(req.now)) {
         None => claim_new(req.fresh.clone(), &req.owner, req.lease, req.now),
         Some(r) => claim_existing(r, req),
-    }
+    };
+    let write = write.then(|| Record::clone(claim.record()));
+    (claim, write)
 }
 
 /// [`decide_claim`] for a caller that owns the request: a new action's record is the request's
-/// own fresh record, moved rather than copied.
-pub fn decide_claim_owned(current: Option<Record>, req: ClaimRequest) -> (Claim, Option<Record>) {
+/// own fresh record, moved rather than copied, and the record to write is the claim's own
+/// (`true`: [`Claim::record`] is to be written), shared rather than copied.
+pub fn decide_claim_owned(current: Option<Record>, req: ClaimRequest) -> (Claim, bool) {
     match current.filter(|r| !r.is_expired(req.now)) {
         None => claim_new(req.fresh, &req.owner, req.lease, req.now),
         Some(r) => claim_existing(r, &req),
@@ -469,7 +494,7 @@ pub fn decide_claim_owned(current: Option<Record>, req: ClaimRequest) -> (Claim,
 }
 
 /// A new action (or one whose record expired): its first attempt, claimed.
-fn claim_new(mut r: Record, owner: &str, lease: Millis, now: Millis) -> (Claim, Option<Record>) {
+fn claim_new(mut r: Record, owner: &str, lease: Millis, now: Millis) -> (Claim, bool) {
     r.v = RECORD_VERSION;
     r.attempts = 0;
     r.evidence.clear();
@@ -478,19 +503,19 @@ fn claim_new(mut r: Record, owner: &str, lease: Millis, now: Millis) -> (Claim, 
     r.external_id = None;
     r.created_at = now;
     r.start_attempt(owner, lease, now);
-    (Claim::Claimed(r.clone()), Some(r))
+    (Claim::Claimed(Arc::new(r)), true)
 }
 
 /// An action that exists and has not expired.
-fn claim_existing(r: Record, req: &ClaimRequest) -> (Claim, Option<Record>) {
+fn claim_existing(r: Record, req: &ClaimRequest) -> (Claim, bool) {
     match r {
-        r if req.reuses_key(&r) => (Claim::KeyReused(r), None),
+        r if req.reuses_key(&r) => (Claim::KeyReused(Arc::new(r)), false),
         r if r.state == State::Failed && r.attempts >= req.max_attempts => {
-            (Claim::Exhausted(r), None)
+            (Claim::Exhausted(Arc::new(r)), false)
         }
         mut r if r.state == State::Failed => {
             r.start_attempt(&req.owner, req.lease, req.now);
-            (Claim::Claimed(r.clone()), Some(r))
+            (Claim::Claimed(Arc::new(r)), true)
         }
         // An attempt whose owner stopped renewing its lease (a proxy that died): its outcome
         // is unknown, whoever notices first records it.
@@ -500,9 +525,9 @@ fn claim_existing(r: Record, req: &ClaimRequest) -> (Claim, Option<Record>) {
                 r.owner.as_deref().unwrap_or("?")
             );
             let u = recover_in_flight(r, &reason, req.now).expect("the record is in flight");
-            (Claim::Existing(u.clone()), Some(u))
+            (Claim::Existing(Arc::new(u)), true)
         }
-        r => (Claim::Existing(r), None),
+        r => (Claim::Existing(Arc::new(r)), false),
     }
 }
 
@@ -679,8 +704,10 @@ pub(crate) mod tests {
             (Some(failed), req("g", 14 + 1000)),
         ];
         for (current, req) in cases {
-            let borrowed = decide_claim(current.clone(), &req);
-            assert_eq!(decide_claim_owned(current, req), borrowed);
+            let (claim, write) = decide_claim(current.clone(), &req);
+            let (owned, writes) = decide_claim_owned(current, req);
+            assert_eq!(owned, claim);
+            assert_eq!(writes.then(|| Record::clone(owned.record())), write);
         }
     }
 

@@ -11,6 +11,7 @@ pub mod wal;
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use bytes::Bytes;
 
@@ -171,7 +172,7 @@ pub trait Store: Send + Sync + 'static {
     fn claim(&self, req: ClaimRequest) -> BoxFuture<'_, Result<Claim, StoreError>>;
 
     /// Records the outcome of an attempt (SPEC §5 step 5).
-    fn settle(&self, req: SettleRequest) -> BoxFuture<'_, Result<Record, StoreError>>;
+    fn settle(&self, req: SettleRequest) -> BoxFuture<'_, Result<Arc<Record>, StoreError>>;
 
     /// Reads one record.
     fn get<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Record>, StoreError>>;

@@ -70,7 +70,7 @@ async fn settle(
     state: State,
     now: Millis,
     body: Option<&'static str>,
-) -> Record {
+) -> Arc<Record> {
     let (settlement, body) = settled(state, now, body);
     s.settle(SettleRequest {
         id: id.into(),

@@ -21,7 +21,7 @@ impl Proxy {
     pub(super) async fn run_attempt(
         self: Arc<Self>,
         mut job: WriteJob,
-        rec: Record,
+        rec: Arc<Record>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let policy = &job.policy.clone();
         let key_header = policy
@@ -238,7 +238,7 @@ impl Proxy {
         &self,
         req: SettleRequest,
         claimed: &Record,
-    ) -> Result<Record, ProxyError> {
+    ) -> Result<Arc<Record>, ProxyError> {
         let id = req.id.clone();
         let give_up = tokio::time::Instant::now() + SETTLE_PATIENCE;
         let mut wait = Duration::from_millis(50);

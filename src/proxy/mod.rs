@@ -126,8 +126,8 @@ pub struct Proxy {
 
 /// What a claim leads to.
 enum Next {
-    Attempt(Record),
-    Replay(Record),
+    Attempt(Arc<Record>),
+    Replay(Arc<Record>),
 }
 
 /// The request as the write path keeps it.

@@ -138,7 +138,7 @@ impl Proxy {
     pub(super) async fn settle_relayed(
         &self,
         job: &WriteJob,
-        rec: Record,
+        rec: Arc<Record>,
         relayed: Relayed,
         mut tries: Vec<Try>,
     ) -> Result<Response<ProxyBody>, ProxyError> {

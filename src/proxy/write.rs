@@ -334,8 +334,8 @@ impl Proxy {
     /// The problem context of a record: the record and its task's completed work. Boxed: it is
     /// awaited only on the problem paths, and would otherwise set the size of every write's
     /// future.
-    pub(super) fn ctx(&self, record: Record) -> BoxFuture<'_, Box<ActionCtx>> {
-        Box::pin(self.ctx_inner(record))
+    pub(super) fn ctx(&self, record: impl Into<Arc<Record>>) -> BoxFuture<'_, Box<ActionCtx>> {
+        Box::pin(self.ctx_inner(Arc::unwrap_or_clone(record.into())))
     }
 
     async fn ctx_inner(&self, record: Record) -> Box<ActionCtx> {

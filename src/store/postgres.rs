@@ -450,7 +450,7 @@ impl Store for PostgresStore {
         }))
     }
 
-    fn settle(&self, req: SettleRequest) -> BoxFuture<'_, Result<Record, StoreError>> {
+    fn settle(&self, req: SettleRequest) -> BoxFuture<'_, Result<Arc<Record>, StoreError>> {
         let chain = self.chain.clone();
         let sealer = self.sealer.clone();
         let given = self.given(req.settlement.now);
@@ -474,7 +474,7 @@ impl Store for PostgresStore {
                 let new = apply_settle(current, &id, attempt, settlement)?;
                 write(tx, &new, body.as_ref(), sealer.as_deref()).await?;
                 append(tx, &chain, vec![settle_event(&new)]).await?;
-                Ok(new)
+                Ok(Arc::new(new))
             })
         }))
     }

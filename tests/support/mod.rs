@@ -833,7 +833,10 @@ mod faulty {
             }
             self.inner.claim(r)
         }
-        fn settle(&self, r: SettleRequest) -> BoxFuture<'_, Result<Record, StoreError>> {
+        fn settle(
+            &self,
+            r: SettleRequest,
+        ) -> BoxFuture<'_, Result<std::sync::Arc<Record>, StoreError>> {
             if self.fail_settles.load(Ordering::SeqCst) {
                 return Box::pin(async { Err(broken()) });
             }

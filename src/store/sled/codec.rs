@@ -9,27 +9,36 @@ const ENCODED_HINT: usize = 2048;
 /// tries' bodies, oldest first, except the last try's; then the request's headers, last first;
 /// then whole tries, oldest first (each attempt keeps its last); then the last try's body. Each
 /// dropped piece is marked in the record.
-/// Returns the record as stored and its encoding.
-pub(super) fn encode_bounded(mut r: Record, sealer: Option<&Sealer>) -> (Record, Vec<u8>) {
-    // With a sealer the bound applies to the sealed form, which is what sled holds.
-    // Into a buffer sized for a usual record: grown from empty it was copied seven times.
-    let encode = |r: &Record| {
-        let mut v = Vec::with_capacity(ENCODED_HINT);
-        match sealer {
-            None => serde_json::to_writer(&mut v, r),
-            Some(s) => {
-                let mut sealed = r.clone();
-                s.seal_record(&mut sealed);
-                serde_json::to_writer(&mut v, &sealed)
-            }
-        }
-        .expect("records always serialize");
-        v
-    };
-    let mut v = encode(&r);
+/// Returns the record as stored and its encoding. The record is shared: it is copied only when
+/// it must shed evidence.
+pub(super) fn encode_bounded(r: Arc<Record>, sealer: Option<&Sealer>) -> (Arc<Record>, Vec<u8>) {
+    let v = encode(&r, sealer);
     if v.len() <= RECORD_MAX {
         return (r, v);
     }
+    let (r, v) = shed(Arc::unwrap_or_clone(r), v, sealer);
+    (Arc::new(r), v)
+}
+
+/// A record's JSON; with a sealer, its secrets sealed (the bound applies to the sealed form,
+/// which is what sled holds).
+fn encode(r: &Record, sealer: Option<&Sealer>) -> Vec<u8> {
+    // Into a buffer sized for a usual record: grown from empty it was copied seven times.
+    let mut v = Vec::with_capacity(ENCODED_HINT);
+    match sealer {
+        None => serde_json::to_writer(&mut v, r),
+        Some(s) => {
+            let mut sealed = r.clone();
+            s.seal_record(&mut sealed);
+            serde_json::to_writer(&mut v, &sealed)
+        }
+    }
+    .expect("records always serialize");
+    v
+}
+
+/// Sheds evidence from `r`, whose encoding `v` is over [`RECORD_MAX`], until it fits.
+fn shed(mut r: Record, mut v: Vec<u8>, sealer: Option<&Sealer>) -> (Record, Vec<u8>) {
     let size = v.len();
     let tries: Vec<(usize, usize)> = r
         .evidence
@@ -95,7 +104,7 @@ pub(super) fn encode_bounded(mut r: Record, sealer: Option<&Sealer>) -> (Record,
     ];
     for step in steps {
         while step(&mut r, v.len() - RECORD_MAX) {
-            v = encode(&r);
+            v = encode(&r, sealer);
             if v.len() <= RECORD_MAX {
                 tracing::debug!(id = %r.id, size, "record shed evidence to fit the store's bound");
                 return (r, v);
@@ -188,8 +197,8 @@ mod tests {
     #[test]
     fn a_small_record_is_stored_as_it_is() {
         let r = with_tries(5, 3, 4096);
-        let (stored, v) = encode_bounded(r.clone(), None);
-        assert_eq!(stored, r);
+        let (stored, v) = encode_bounded(Arc::new(r.clone()), None);
+        assert_eq!(*stored, r);
         assert_eq!(v, serde_json::to_vec(&r).expect("encodes"));
     }
 
@@ -200,7 +209,7 @@ mod tests {
         r.request.headers = (0..40)
             .map(|i| (format!("x-h{i:02}"), "v".repeat(4096)))
             .collect();
-        let (stored, v) = encode_bounded(r, None);
+        let (stored, v) = encode_bounded(Arc::new(r), None);
         assert!(v.len() <= RECORD_MAX);
         let tries: Vec<_> = stored.evidence.iter().flat_map(|a| &a.tries).collect();
         assert!(tries[..3]
@@ -214,7 +223,7 @@ mod tests {
         // Tries beyond what bodiless evidence fits: whole tries go, oldest first, each attempt
         // keeping its last.
         let r = with_tries(20, 200, 10);
-        let (stored, v) = encode_bounded(r, None);
+        let (stored, v) = encode_bounded(Arc::new(r), None);
         assert!(v.len() <= RECORD_MAX);
         let first = &stored.evidence[0];
         assert!(first.tries_dropped > 0);
@@ -246,7 +255,7 @@ mod tests {
             body: BodyRef::Inline,
             source: crate::action::Source::Upstream,
         });
-        let (stored, v) = encode_bounded(r, None);
+        let (stored, v) = encode_bounded(Arc::new(r), None);
         assert!(v.len() <= RECORD_MAX, "{} bytes", v.len());
         assert_eq!(stored.evidence.len(), attempts);
     }

@@ -201,7 +201,7 @@ impl SledStore {
         // From the cache only. A miss goes to the writer, which reads the record anyway (and
         // fills the cache from what it reads in sled): most misses are new keys, and a read of
         // sled here found nothing for them at the cost of a tree walk.
-        // The shared record under the lock; a copy only for an answer, outside it.
+        // The shared record under the lock, and shared with the answer.
         let r = Arc::clone(&self.cache.lock().ok()?.map.get(&req.fresh.id)?.0);
         if r.is_expired(req.now) {
             return None;
@@ -209,12 +209,12 @@ impl SledStore {
         // What the cache holds is durable: the syncer puts a change in only after its
         // write-ahead log frame is (lease renewals aside, which only ever extend a lease).
         if req.reuses_key(&r) {
-            return Some(Claim::KeyReused(Record::clone(&r)));
+            return Some(Claim::KeyReused(r));
         }
         match r.state {
-            State::Succeeded | State::Unknown => Some(Claim::Existing(Record::clone(&r))),
+            State::Succeeded | State::Unknown => Some(Claim::Existing(r)),
             State::InFlight if r.lease_until.is_some_and(|l| l >= req.now) => {
-                Some(Claim::Existing(Record::clone(&r)))
+                Some(Claim::Existing(r))
             }
             _ => None,
         }
@@ -267,7 +267,7 @@ impl Store for SledStore {
         Box::pin(self.call(|tx| Op::Claim(Box::new(req), tx)))
     }
 
-    fn settle(&self, mut req: SettleRequest) -> BoxFuture<'_, Result<Record, StoreError>> {
+    fn settle(&self, mut req: SettleRequest) -> BoxFuture<'_, Result<Arc<Record>, StoreError>> {
         Box::pin(async move {
             if let Some(resp) = req.settlement.response.as_mut() {
                 self.place_body(&mut req.body, &mut resp.body).await?;
@@ -297,6 +297,7 @@ impl Store for SledStore {
             }
             self.call(|tx| Op::Resolve(id, Box::new(res), event, tx))
                 .await
+                .map(Arc::unwrap_or_clone)
         })
     }
 

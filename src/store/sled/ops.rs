@@ -6,8 +6,8 @@ pub(super) type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
 
 pub(super) enum Op {
     Claim(Box<ClaimRequest>, Reply<Claim>),
-    Settle(Box<SettleRequest>, Reply<Record>),
-    Resolve(String, Box<Resolve>, Event, Reply<Record>),
+    Settle(Box<SettleRequest>, Reply<Arc<Record>>),
+    Resolve(String, Box<Resolve>, Event, Reply<Arc<Record>>),
     /// Notes are waiting in the shared buffer.
     Notes,
     Recover(Option<String>, Millis, Reply<usize>),
@@ -29,8 +29,8 @@ impl Op {
 /// An answer decided in a batch, sent once the batch is durable.
 pub(super) enum Answer {
     Claim(Reply<Claim>, Box<Claim>),
-    /// The record as the batch holds it, copied for the caller only once it is durable.
-    Record(Reply<Record>, Arc<Record>),
+    /// The record as the batch holds it, shared with the caller once it is durable.
+    Record(Reply<Arc<Record>>, Arc<Record>),
     Count(Reply<usize>, usize),
     Step(Reply<(usize, Option<Vec<u8>>)>, usize, Option<Vec<u8>>),
     Unit(Reply<()>),
@@ -52,7 +52,7 @@ impl Answer {
             (Answer::Failed(f), _) => f(),
             (Answer::None, _) => {}
             (Answer::Claim(tx, c), Ok(())) => drop(tx.send(Ok(*c))),
-            (Answer::Record(tx, r), Ok(())) => drop(tx.send(Ok(Arc::unwrap_or_clone(r)))),
+            (Answer::Record(tx, r), Ok(())) => drop(tx.send(Ok(r))),
             (Answer::Count(tx, n), Ok(())) => drop(tx.send(Ok(n))),
             (Answer::Step(tx, n, next), Ok(())) => drop(tx.send(Ok((n, next)))),
             (Answer::Unit(tx), Ok(())) => drop(tx.send(Ok(()))),

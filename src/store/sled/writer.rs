@@ -366,7 +366,7 @@ impl Writer {
         &self,
         pending: &mut Pending,
         old: Option<&Record>,
-        new: Record,
+        new: Arc<Record>,
         body: Option<Bytes>,
     ) -> Arc<Record> {
         if old.map(|o| o.state) != Some(new.state) {
@@ -403,7 +403,6 @@ impl Writer {
         for k in after.into_iter().filter(|k| !before.contains(k)) {
             pending.put(k, []);
         }
-        let new = Arc::new(new);
         pending
             .records
             .insert(new.id.clone(), Some(Arc::clone(&new)));
@@ -533,15 +532,16 @@ impl Writer {
                     let (claim, write) =
                         decide_claim_owned(current.map(Arc::unwrap_or_clone), *req);
                     // A new attempt of a failed action keeps the response stored with it.
-                    let kept = match &write {
-                        Some(w) => self.kept_body(pending, old.as_deref(), w),
-                        None => Ok(None),
+                    let kept = match write {
+                        true => self.kept_body(pending, old.as_deref(), claim.record()),
+                        false => Ok(None),
                     };
                     let kept = match kept {
                         Ok(k) => k,
                         Err(e) => return Answer::failed(tx, e),
                     };
-                    if let Some(w) = write {
+                    let mut claim = claim;
+                    if write {
                         // An expired record being replaced loses its stored body and indexes.
                         let expired = old.as_deref().filter(|o| o.is_expired(now));
                         if let Some(o) = expired {
@@ -557,7 +557,8 @@ impl Writer {
                             old.as_deref()
                         };
                         let kept = kept.filter(|_| live_old.is_some());
-                        let w = self.stage(pending, live_old, w, kept);
+                        // The claim's own record, shared with the batch (and so with the cache).
+                        let w = self.stage(pending, live_old, Arc::clone(claim.record()), kept);
                         if old.is_none() {
                             // A new action: no batch ever put its state entry.
                             pending.new_keys.insert(state_key(w.state, &w.id));
@@ -565,6 +566,7 @@ impl Writer {
                         for ev in claim_events(&claim, &w) {
                             self.append(pending, ev);
                         }
+                        claim = claim.with_record(w);
                     }
                     Answer::Claim(tx, Box::new(claim))
                 }
@@ -592,7 +594,7 @@ impl Writer {
                         if let Some(body) = &body {
                             pending.bodies.insert(new.id.clone(), body.clone());
                         }
-                        let new = self.stage(pending, old.as_deref(), new, stored);
+                        let new = self.stage(pending, old.as_deref(), Arc::new(new), stored);
                         self.append(pending, settle_event(&new));
                         Answer::Record(tx, new)
                     }
@@ -619,7 +621,7 @@ impl Writer {
                         if let Some(body) = body {
                             pending.bodies.insert(new.id.clone(), body);
                         }
-                        let new = self.stage(pending, old.as_deref(), new, stored);
+                        let new = self.stage(pending, old.as_deref(), Arc::new(new), stored);
                         self.append(pending, resolve_event(event, &new, actor, reason));
                         Answer::Record(tx, new)
                     }
@@ -672,7 +674,7 @@ impl Writer {
                                     Ok(k) => k,
                                     Err(e) => return Answer::failed(tx, e),
                                 };
-                                let new = self.stage(pending, Some(&old), new, kept);
+                                let new = self.stage(pending, Some(&old), Arc::new(new), kept);
                                 self.append(pending, recover_event(&new, reason));
                                 n += 1;
                             }
@@ -693,7 +695,7 @@ impl Writer {
                     new.lease_until = Some(until);
                     match self.kept_body(pending, Some(&r), &new) {
                         Ok(kept) => {
-                            self.stage(pending, Some(&r), new, kept);
+                            self.stage(pending, Some(&r), Arc::new(new), kept);
                             Answer::Bool(tx, true)
                         }
                         Err(e) => Answer::failed(tx, e),
