@@ -92,6 +92,8 @@ pub(super) struct Mem {
     pub(super) draining: bool,
     /// When the oldest change in `active` arrived.
     pub(super) since: Option<Instant>,
+    /// The bytes of the keys and values put in `active` (a value put again counts again).
+    pub(super) bytes: usize,
 }
 
 impl Mem {
@@ -103,9 +105,12 @@ impl Mem {
     }
 }
 
-/// Drains run at least this often, and when this many keys wait.
+/// Drains run at least this often, and when this many keys, or this many bytes, wait. The bytes
+/// bound what readers' overlay holds when few keys carry much: the write-log blocks of replays'
+/// notes (tens of MiB a second at full speed), which waited for the clock.
 pub(super) const DRAIN_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 pub(super) const DRAIN_KEYS: usize = 2_048;
+pub(super) const DRAIN_BYTES: usize = 2 << 20;
 
 /// Reads one key: the durable changes not yet in sled first, then sled.
 pub(super) fn read_key(

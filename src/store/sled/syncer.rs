@@ -177,6 +177,7 @@ impl Syncer {
                                 {
                                     m.absent.insert(k.clone());
                                 }
+                                m.bytes += k.len() + v.len();
                                 m.active.insert(k, Some(v));
                             }
                             Change::Del(k) => {
@@ -229,8 +230,9 @@ impl Syncer {
         let Ok(mut m) = self.shared.mem.write() else {
             return;
         };
-        let due =
-            m.since.is_some_and(|t| t.elapsed() >= DRAIN_EVERY) || m.active.len() >= DRAIN_KEYS;
+        let due = m.since.is_some_and(|t| t.elapsed() >= DRAIN_EVERY)
+            || m.active.len() >= DRAIN_KEYS
+            || m.bytes >= DRAIN_BYTES;
         if !force && (!due || m.draining) {
             return;
         }
@@ -261,6 +263,7 @@ impl Syncer {
         m.frozen = frozen.clone();
         m.draining = true;
         m.since = None;
+        m.bytes = 0;
         drop(m);
         if tx.send((frozen, visible)).is_err() {
             self.shared.fail("the drainer thread stopped");
