@@ -177,9 +177,13 @@ pub(super) const INDEXES_VERSION: &[u8] = b"7";
 /// form), moves the bodies it keeps under `b/{id}` to their creation keys and keys its expiry
 /// index by time instead of by minute.
 pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
-    if db.get(INDEXES_KEY).map_err(|e| e.to_string())?.as_deref() == Some(INDEXES_VERSION) {
+    let marker = db.get(INDEXES_KEY).map_err(|e| e.to_string())?;
+    if marker.as_deref() == Some(INDEXES_VERSION) {
         return Ok(());
     }
+    // A store of version 6 lacks only the move of records and pointers below: its open skips the
+    // scans of the state, body and expiry indexes (the last reads every settled record).
+    let only_records = marker.as_deref() == Some(b"6".as_slice());
     // Plain inserts, not a sled batch: one batch would put every later read in this process
     // behind sled's global lock. The marker goes last, so an interrupted build starts again.
     let mut n = 0;
@@ -208,14 +212,17 @@ pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
         db.insert(k, &pointer(&r)).map_err(|e| e.to_string())?;
         n += 1;
     }
-    // The state index no longer lists `succeeded` actions.
-    let prefix = format!("s/{}/", State::Succeeded.as_str());
-    for k in db.scan_prefix(prefix.as_bytes()).keys() {
-        db.remove(k.map_err(|e| e.to_string())?)
-            .map_err(|e| e.to_string())?;
+    let mut moved = 0;
+    if !only_records {
+        // The state index no longer lists `succeeded` actions.
+        let prefix = format!("s/{}/", State::Succeeded.as_str());
+        for k in db.scan_prefix(prefix.as_bytes()).keys() {
+            db.remove(k.map_err(|e| e.to_string())?)
+                .map_err(|e| e.to_string())?;
+        }
+        moved = move_bodies(db)?;
+        rekey_expiry(db)?;
     }
-    let moved = move_bodies(db)?;
-    rekey_expiry(db)?;
     db.insert(INDEXES_KEY, INDEXES_VERSION)
         .map_err(|e| e.to_string())?;
     if n > 0 {
