@@ -1027,6 +1027,60 @@ async fn sled_reads_a_pointer_kept_as_the_whole_creation_key() {
     assert_eq!(db.scan_prefix("c/").count(), 1);
 }
 
+/// The writer asks a filter of the ids the store holds before it looks a new action up in sled;
+/// after a reopen (and a replay of the write-ahead log, for what a SIGKILL left there) every
+/// action is still found, never claimed again as new, and new ones are.
+#[tokio::test]
+async fn sled_finds_every_action_it_holds_after_a_reopen() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let s = open_sled(&dir, Default::default());
+    for i in 0..200 {
+        let id = format!("held{i}");
+        s.claim(claim_req(record(&id, "f", None), T0, 10_000))
+            .await
+            .unwrap();
+        if i % 2 == 0 {
+            settle(&s, &id, 1, State::Succeeded, T0 + 1, Some("{}")).await;
+        }
+    }
+    // Not closed: the store is dropped with its last batches only in the write-ahead log.
+    drop(s);
+    let s = open_sled(&dir, Default::default());
+    for i in 0..200 {
+        let id = format!("held{i}");
+        let c = s
+            .claim(claim_req(record(&id, "f", None), T0 + 2, 10_000))
+            .await
+            .unwrap();
+        assert!(matches!(c, Claim::Existing(_)), "{id} claimed again: {c:?}");
+    }
+    for i in 0..50 {
+        let id = format!("new{i}");
+        let c = s
+            .claim(claim_req(record(&id, "f", None), T0 + 2, 10_000))
+            .await
+            .unwrap();
+        assert!(matches!(c, Claim::Claimed(_)), "{id}");
+    }
+    // A sweep waits until sled holds every change, so the writer no longer remembers these
+    // actions and asks the filter, then sled, again; their leases have run out, so the cache of
+    // live attempts does not answer for the writer.
+    assert_eq!(s.expire(T0 + 2).await.unwrap(), 0);
+    for i in 0..50 {
+        let id = format!("new{i}");
+        let again = s
+            .claim(claim_req(record(&id, "f", None), T0 + 20_000, 10_000))
+            .await
+            .unwrap();
+        assert!(
+            matches!(again, Claim::Existing(ref r) if r.state == State::Unknown),
+            "{id} claimed twice: {again:?}"
+        );
+    }
+    s.close().await.unwrap();
+}
+
 /// A small stored body is kept after its record in the record's own value (one sled insert for
 /// both); one that would take that value past the store's bound (`RECORD_MAX`) under a key of its
 /// own. Both read back after a reopen; and a new attempt of a failed action, decided after a

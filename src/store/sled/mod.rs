@@ -20,7 +20,8 @@
 //! The code follows the threads: `writer.rs` decides and seals batches, `syncer.rs` makes them
 //! durable and visible, `drainer.rs` applies them to sled, `checkpoint.rs` lets log files go;
 //! `shared.rs` is what they share (the durable changes not yet in sled, counts, health); `ops.rs`
-//! what callers send; `cache.rs`, `codec.rs`, `index.rs`, `bodies.rs` and `open.rs` the rest.
+//! what callers send; `cache.rs`, `codec.rs`, `index.rs`, `ids.rs` (which ids the store may
+//! hold), `bodies.rs` and `open.rs` the rest.
 //!
 //! Keys (one tree): `c/{created_at:be64}{id}` the record (JSON, then its small stored body), which is also the creation index
 //! (lists page newest first; new records land in the newest leaves, which sled holds), `a/{id}`
@@ -71,6 +72,7 @@ mod cache;
 mod checkpoint;
 mod codec;
 mod drainer;
+mod ids;
 mod index;
 mod open;
 mod ops;
@@ -82,6 +84,7 @@ use cache::*;
 use checkpoint::*;
 use codec::*;
 use drainer::*;
+use ids::Ids;
 pub use index::{action_keys, pointer};
 
 use index::*;

@@ -199,6 +199,9 @@ impl SledStore {
         let cache = Arc::new(Mutex::new(Cache::default()));
         let placing = Arc::new(Mutex::new(HashMap::new()));
         let (counts, kept) = open_counts(&db);
+        // Every pointer sled holds, now that the log is replayed and older layouts moved.
+        let stored = counts.iter().sum::<u64>() as usize;
+        let ids = Ids::of(&db, stored).map_err(|e| fail("read the action ids", &e))?;
         let shared = Arc::new(Shared::new(logfiles, counts, head.clone()));
         let reader_view = shared.clone();
         let (drain_tx, drain_rx) = mpsc::channel::<(Arc<Changes>, u64)>();
@@ -251,6 +254,7 @@ impl SledStore {
             shared,
             seq: 0,
             unapplied: HashMap::new(),
+            ids,
             sync: sealed_tx,
             syncer: sync,
             checkpointer: Some((checkpoint_tx, checkpointer)),

@@ -23,6 +23,9 @@ pub(super) struct Writer {
     /// the batch that last changed them), which the writer reads instead of sled.
     pub(super) seq: u64,
     pub(super) unapplied: HashMap<String, Unapplied>,
+    /// Every id the store has held since open, and some it has not: a claim of a new action asks
+    /// it instead of sled.
+    pub(super) ids: Ids,
     /// Sealed batches go to the syncer thread, or are synced here when nothing else waits.
     pub(super) sync: mpsc::Sender<Sealed>,
     pub(super) syncer: Arc<Syncer>,
@@ -297,6 +300,10 @@ impl Writer {
         if let Some((_, r, _)) = self.unapplied.get(id) {
             return Ok(r.clone());
         }
+        if !self.ids.may_hold(id.as_bytes()) {
+            // Never given a pointer: sled has nothing under it.
+            return Ok(None);
+        }
         // Not changed by any batch sled lacks: what sled holds is the durable latest, and the
         // claim fast path may answer from it next time (the generation guards the fill all the
         // same).
@@ -363,7 +370,7 @@ impl Writer {
     /// or [`Writer::kept_body`]; in the record's own value when both fit [`RECORD_MAX`], else
     /// under [`body_key`]. Returns the record as the batch now holds it.
     pub(super) fn stage(
-        &self,
+        &mut self,
         pending: &mut Pending,
         old: Option<&Record>,
         new: Arc<Record>,
@@ -384,6 +391,7 @@ impl Writer {
         // another form are brought to this one at open: `migrate_indexes`).
         if old.is_none() || moved.is_some() {
             pending.put(rec_key(&new.id), pointer(&new));
+            self.ids.insert(new.id.as_bytes());
         }
         let framed = match body {
             Some(b) if frame_body(&mut value, &b) => Some(b),
