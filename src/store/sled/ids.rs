@@ -50,7 +50,7 @@ impl Ids {
     pub(super) fn of(db: &sled::Db, expected: usize) -> Result<Ids, String> {
         let mut ids = Ids::with_capacity(expected);
         for k in db.scan_prefix(b"a/").keys() {
-            let k = k.map_err(|e| format!("read the action ids: {e}"))?;
+            let k = k.map_err(|e| e.to_string())?;
             ids.insert(&k[2..]);
         }
         Ok(ids)
