@@ -19,6 +19,8 @@
 //! load (docs/decisions.md, "Small changes are measured in instructions").
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[path = "support/fsync_probe.rs"]
+mod fsync_probe;
 #[path = "support/proc.rs"]
 mod proc;
 #[path = "support/sled_alone.rs"]
@@ -1259,6 +1261,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     let mut flushes_per_write = HashMap::new();
     // Where a write's time goes at 1 connection: oncegate's phase histograms over those rounds.
     let mut phases: Option<Vec<(String, f64, f64, f64)>> = None;
+    let mut fsync: Option<fsync_probe::Probe> = None;
     for spec in specs {
         let mut per: HashMap<&str, Result_> = HashMap::new();
         let one_writer = spec.workload == Workload::Write && spec.conns == 1;
@@ -1319,6 +1322,15 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         if let Some(before) = phases_before {
             // The other targets' rounds run in between, but only oncegate's writes are counted.
             phases = Some(phase_quantiles(&before, &phase_buckets(og_admin).await));
+            // What an fdatasync costs on the store's disk, right after: the 1-connection
+            // targets are set against it.
+            let probe = fsync_probe::measure(&og_dir, 2000);
+            println!(
+                "fdatasync on the store's disk: median {:.0} µs, p99 {:.0} µs",
+                probe.q(0.5),
+                probe.q(0.99)
+            );
+            fsync = Some(probe);
         }
         results.push((spec, per));
     }
@@ -1492,6 +1504,9 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             md.push_str(&format!("| {phase} | {n:.0} | {p50:.0} | {p99:.0} |\n"));
         }
     }
+    if let Some(probe) = &fsync {
+        fsync_targets(&mut md, probe, &results);
+    }
     md.push_str("\n## Durability and storage\n\n");
     for (conns, (flushes, writes)) in &flushes_per_write {
         md.push_str(&format!(
@@ -1631,4 +1646,41 @@ fn peer_report(md: &mut String, results: &[(&Spec, HashMap<&str, Result_>)]) {
             rss(d),
         ));
     }
+}
+
+/// The 1-connection targets, set against what one fdatasync costs on the store's disk in this
+/// run: a durable write makes two (its claim before it is sent, its outcome before it is
+/// answered), so its p50 can be no less than twice the median plus the forwarding.
+fn fsync_targets(
+    md: &mut String,
+    probe: &fsync_probe::Probe,
+    results: &[(&Spec, HashMap<&str, Result_>)],
+) {
+    let (median, p99) = (probe.q(0.5), probe.q(0.99));
+    md.push_str(&format!(
+        "\n## Against the disk (1 connection)\n\nfdatasync alone on the store's disk, right after the 1-connection rounds: median {median:.0} µs, p99 {p99:.0} µs ({} overwrites of 2 KiB in a file written ahead, each made durable, as the write-ahead log does; `benches/support/fsync_probe.rs`).\n\n",
+        probe.len()
+    ));
+    let Some(r) = results
+        .iter()
+        .find(|(s, _)| s.workload == Workload::Write && s.conns == 1)
+        .and_then(|(_, per)| per.get("oncegate"))
+    else {
+        return;
+    };
+    let p50_target = 2.0 * median + 100.0;
+    let verdict = |ok: bool| if ok { "met" } else { "not met" };
+    md.push_str(&format!(
+        "| target | bound (µs) | oncegate (µs) | |\n|---|---:|---:|---|\n| p50 ≤ 2 × fdatasync median + 100 µs | {p50_target:.0} | {:.0} | {} |\n| p99 ≤ 1.5 ms | 1500 | {:.0} | {} |\n| the floor: two fdatasyncs (medians) and bare hyper's p50 | {:.0} | | |\n",
+        r.q(0.5),
+        verdict(r.q(0.5) <= p50_target),
+        r.q(0.99),
+        verdict(r.q(0.99) <= 1500.0),
+        2.0 * median
+            + results
+                .iter()
+                .find(|(s, _)| s.workload == Workload::Write && s.conns == 1)
+                .and_then(|(_, per)| per.get("bare hyper"))
+                .map_or(0.0, |b| b.q(0.5)),
+    ));
 }

@@ -1342,3 +1342,83 @@ async fn sled_keeps_its_counts_by_state_across_a_reopen() {
     assert_eq!(expected(s.counts().await.unwrap()), want, "counted");
     s.close().await.unwrap();
 }
+
+/// A call with nothing else in flight is decided and made durable on the caller's thread (no
+/// hand-off to the writer thread and back, which cost as much as the work at one connection);
+/// calls that come meanwhile queue for the writer thread and are answered; calls racing the
+/// close are either durable or refused, never lost or left waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sled_decides_a_lone_call_on_the_callers_thread_and_queues_the_rest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let sled = Arc::new(oncegate::store::sled::SledStore::open(&dir, Default::default()).unwrap());
+    let s: S = sled.clone();
+    let before = sled.caller_batches();
+    for i in 0..5 {
+        let id = format!("lone{i}");
+        let c = s
+            .claim(claim_req(record(&id, "f", None), T0, 10_000))
+            .await
+            .unwrap();
+        assert!(matches!(c, Claim::Claimed(_)), "{c:?}");
+        settle(&s, &id, 1, State::Succeeded, T0 + 1, Some("{}")).await;
+    }
+    assert_eq!(
+        sled.caller_batches() - before,
+        10,
+        "each lone claim and settlement was its own batch, on its caller's thread"
+    );
+    let flushes = sled.flush_count();
+    // Many at once: every claim answered, once, and durable.
+    let claims = |prefix: &'static str, n: usize| {
+        let s = s.clone();
+        tokio::spawn(async move {
+            let mut ok = Vec::new();
+            for i in 0..n {
+                let id = format!("{prefix}{i}");
+                match s.claim(claim_req(record(&id, "f", None), T0, 10_000)).await {
+                    Ok(Claim::Claimed(_)) => ok.push(id),
+                    Ok(other) => panic!("{id}: {other:?}"),
+                    Err(_) => return (ok, true),
+                }
+            }
+            (ok, false)
+        })
+    };
+    let tasks: Vec<_> = ["a", "b", "c", "d", "e", "f", "g", "h"]
+        .into_iter()
+        .map(|p| claims(p, 40))
+        .collect();
+    for t in tasks {
+        let (ok, refused) = t.await.unwrap();
+        assert_eq!((ok.len(), refused), (40, false));
+    }
+    assert!(sled.flush_count() > flushes);
+    // Racing the close: each task stops at its first refusal.
+    let tasks: Vec<_> = ["w", "x", "y", "z"]
+        .into_iter()
+        .map(|p| claims(p, 100_000))
+        .collect();
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    s.close().await.unwrap();
+    let mut durable = Vec::new();
+    for t in tasks {
+        let (ok, refused) = t.await.unwrap();
+        assert!(refused, "a claim went on after the close");
+        durable.extend(ok);
+    }
+    assert!(!durable.is_empty());
+    drop((s, sled));
+    let s = open_sled(&dir, Default::default());
+    for id in durable.iter().chain(&["a0".to_string(), "h39".to_string()]) {
+        let c = s
+            .claim(claim_req(record(id, "f", None), T0 + 2, 10_000))
+            .await
+            .unwrap();
+        assert!(
+            matches!(c, Claim::Existing(ref r) if r.state == State::InFlight),
+            "{id} was answered as claimed but is not in the store: {c:?}"
+        );
+    }
+    s.close().await.unwrap();
+}

@@ -1,6 +1,7 @@
-//! The embedded store: sled 0.34.7 behind one writer thread with group commit.
+//! The embedded store: sled 0.34.7 behind one writer with group commit.
 //!
-//! Every change goes through a single writer thread. It takes a batch of operations off its queue,
+//! Every change goes through a single writer. Its thread takes a batch of operations off its queue
+//! (a caller with nothing else in flight runs its own batch of one instead: no hand-off),
 //! decides each against the current records (plus the changes of batches not yet in sled), stages
 //! the records and their write-log entries and appends the batch as one frame to the write-ahead
 //! log ([`super::wal`]). A syncer thread makes waiting frames durable with one `fdatasync`, then
@@ -11,13 +12,15 @@
 //! by an fsync of sled's files; only then are the log files it covers deleted. So:
 //! - a claim is durable before its request leaves, an outcome before its client is answered;
 //! - a state change and its log entry are in one atomic batch: neither exists without the other;
-//! - claims are atomic without locks (one thread decides), and the log has one chain;
+//! - claims are atomic (one writer decides at a time), and the log has one chain;
 //! - many concurrent writes share one flush, and a claim that finds an existing record never
 //!   waits for a flush it does not need;
 //! - claims of settled or running records (replays, conflicts) are answered off the writer, from a
 //!   cache of their last durable versions.
 //!
-//! The code follows the threads: `writer.rs` decides and seals batches, `syncer.rs` makes them
+//! The code follows the threads: `writer.rs` seals batches and `decide.rs` decides their
+//! operations (on the writer's thread, or on a caller's when nothing else is in flight:
+//! `slot.rs`), `syncer.rs` makes them
 //! durable and visible, `drainer.rs` applies them to sled, `checkpoint.rs` lets log files go;
 //! `shared.rs` is what they share (the durable changes not yet in sled, counts, health); `ops.rs`
 //! what callers send; `cache.rs`, `codec.rs`, `index.rs`, `ids.rs` (which ids the store may
@@ -43,7 +46,7 @@ use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
@@ -71,12 +74,14 @@ mod bodies;
 mod cache;
 mod checkpoint;
 mod codec;
+mod decide;
 mod drainer;
 mod ids;
 mod index;
 mod open;
 mod ops;
 mod shared;
+mod slot;
 mod syncer;
 mod writer;
 
@@ -91,6 +96,7 @@ use index::*;
 
 use ops::*;
 use shared::*;
+use slot::*;
 use syncer::*;
 use writer::*;
 
@@ -128,6 +134,8 @@ pub struct SledStore {
     dir: PathBuf,
     chain: Chain,
     tx: Mutex<Option<mpsc::Sender<Op>>>,
+    /// The writer, which its thread and (when nothing else is in flight) a caller run.
+    slot: Arc<Slot>,
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Flushes performed, for metrics and the "flushes per write" figure.
     flushes: Arc<AtomicU64>,
@@ -190,6 +198,12 @@ impl SledStore {
             self.call(Op::Sync).await?;
         }
         Ok(())
+    }
+
+    /// How many batches a caller decided and made durable on its own thread, with nothing else
+    /// in flight ([`Slot::inline`]); the writer thread made the rest.
+    pub fn caller_batches(&self) -> u64 {
+        self.slot.inline.load(Ordering::Relaxed)
     }
 
     pub fn flush_count(&self) -> u64 {
@@ -255,10 +269,27 @@ impl SledStore {
             .map_err(|_| unavailable("store writer stopped"))
     }
 
+    /// One operation of the writer, answered once durable: queued for the writer thread, or,
+    /// when no other call is in flight, run on this thread ([`Slot::inline`]).
     async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Op) -> Result<T, StoreError> {
         let (tx, rx) = oneshot::channel();
-        self.send(make(tx))?;
-        rx.await.map_err(|_| unavailable("store writer stopped"))?
+        let call = Call::begin(&self.slot);
+        let op = make(tx);
+        let queued = if call.alone && self.is_open() {
+            self.slot.inline(op)
+        } else {
+            Some(op)
+        };
+        if let Some(op) = queued {
+            self.send(op)?;
+        }
+        let answer = rx.await.map_err(|_| unavailable("store writer stopped"))?;
+        drop(call);
+        answer
+    }
+
+    fn is_open(&self) -> bool {
+        self.tx.lock().is_ok_and(|t| t.is_some())
     }
 }
 

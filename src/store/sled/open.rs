@@ -267,15 +267,19 @@ impl SledStore {
             notes_due: None,
             saved_counts: kept.then_some(counts),
         };
+        let slot = Arc::new(Slot::new(writer));
         let handle = std::thread::Builder::new()
             .name("oncegate-store".into())
-            .spawn(move || {
-                // The writer drops its sender when it ends: the syncer ends once its queue is
-                // empty.
-                writer.run(rx);
-                let _ = syncer.join();
-                // The syncer let go of the drainer's queue as it ended.
-                let _ = drainer.join();
+            .spawn({
+                let slot = slot.clone();
+                move || {
+                    // The writer drops its sender when it ends: the syncer ends once its queue is
+                    // empty.
+                    slot.run(rx);
+                    let _ = syncer.join();
+                    // The syncer let go of the drainer's queue as it ended.
+                    let _ = drainer.join();
+                }
             })
             .map_err(|e| fail("start writer thread", &e))?;
         Ok(SledStore {
@@ -283,6 +287,7 @@ impl SledStore {
             dir: dir.to_owned(),
             chain: options.chain,
             tx: Mutex::new(Some(tx)),
+            slot,
             writer: Mutex::new(Some(handle)),
             shared: reader_view,
             flushes,

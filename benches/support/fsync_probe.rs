@@ -1,0 +1,57 @@
+//! What one `fdatasync` costs on the disk under the store, measured in the same run as the
+//! workloads: the 1-connection write latency is held against it (two of them are in every
+//! durable write).
+//!
+//! The probe does what the write-ahead log does at one connection: it overwrites, one frame at a
+//! time, a file that was written out (and synced) beforehand, and makes each frame durable with
+//! `fdatasync`. Overwriting allocated blocks leaves no metadata to flush, as in the log, which
+//! keeps its files written ahead of its frames; appending to a growing file would cost more.
+
+use std::fs::OpenOptions;
+use std::io::{Seek, SeekFrom, Write};
+use std::path::Path;
+use std::time::Instant;
+
+/// The size of one probe write: about one claim's frame at one connection.
+const FRAME: usize = 2048;
+
+/// `fdatasync` latencies in µs, sorted.
+pub struct Probe(Vec<f64>);
+
+impl Probe {
+    pub fn q(&self, q: f64) -> f64 {
+        let i = ((self.0.len() as f64 * q) as usize).min(self.0.len().saturating_sub(1));
+        self.0.get(i).copied().unwrap_or(0.0)
+    }
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// `n` frames written and made durable one by one in a file of its own in `dir`.
+pub fn measure(dir: &Path, n: usize) -> Probe {
+    let path = dir.join("fsync-probe");
+    let mut f = OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .read(true)
+        .write(true)
+        .open(&path)
+        .expect("open the fsync probe's file");
+    f.write_all(&vec![0u8; FRAME * n])
+        .expect("write the probe's file ahead");
+    f.sync_all().expect("sync the probe's file");
+    f.seek(SeekFrom::Start(0)).unwrap();
+    let frame = vec![0x5au8; FRAME];
+    let mut lat = Vec::with_capacity(n);
+    for _ in 0..n {
+        f.write_all(&frame).unwrap();
+        let t = Instant::now();
+        f.sync_data().expect("fdatasync the probe's file");
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    drop(f);
+    let _ = std::fs::remove_file(&path);
+    lat.sort_by(|a, b| a.total_cmp(b));
+    Probe(lat)
+}

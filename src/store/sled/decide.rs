@@ -1,0 +1,299 @@
+//! What the writer decides for each operation of a batch, and the sweeps it makes (expiry, the
+//! write log's retention).
+
+use super::*;
+
+impl Writer {
+    /// One step of expiry: the due entries of the expiry index after `from`, at most
+    /// [`EXPIRE_STEP`] of them. The index is read from sled: the first step waits until sled
+    /// holds every change so far; an entry whose record moved on since (or went) is skipped.
+    pub(super) fn expire_step(
+        &mut self,
+        pending: &mut Pending,
+        now: Millis,
+        from: Option<Vec<u8>>,
+    ) -> Result<(usize, Option<Vec<u8>>), StoreError> {
+        let start = match from {
+            Some(k) => k,
+            None => {
+                self.settle_down().map_err(unavailable)?;
+                EXPIRY_PREFIX.to_vec()
+            }
+        };
+        let mut keys = Vec::new();
+        for k in self.db.range(start..expiry_end(now)).keys() {
+            keys.push(k.map_err(unavailable)?);
+            if keys.len() == EXPIRE_STEP {
+                break;
+            }
+        }
+        let mut n = 0;
+        let mut freed = Vec::new();
+        for k in &keys {
+            let id = index_id(k, EXPIRY_PREFIX)?;
+            let Some(r) = self.read(pending, &id)? else {
+                continue;
+            };
+            // Only settled records expire (`is_expired`); skip entries of an older expiry.
+            if !r.is_expired(now)
+                || r.expires_at.map(|e| expiry_key(e, &id)).as_deref() != Some(&**k)
+            {
+                continue;
+            }
+            self.unstage(pending, &r);
+            self.append(
+                pending,
+                LogEvent::for_record(Event::Expired, &r, Actor::Proxy),
+            );
+            freed.extend(body_file(&r).map(str::to_string));
+            n += 1;
+        }
+        // Body files are shared by content: one goes when no record keeps it and no settlement
+        // is placing it.
+        for sha in freed {
+            let placed = self.placing.lock().is_ok_and(|p| p.contains_key(&sha));
+            if !placed && !self.file_kept(pending, &sha)? {
+                let _ = std::fs::remove_file(self.dir.join("bodies").join(&sha));
+            }
+        }
+        if keys.len() < EXPIRE_STEP {
+            self.prune_log(now).map_err(unavailable)?;
+            return Ok((n, None));
+        }
+        let mut next = keys.pop().map(|k| k.to_vec()).unwrap_or_default();
+        next.push(0);
+        Ok((n, Some(next)))
+    }
+
+    /// Whether any record keeps its response in body file `sha`: those sled's index names (as
+    /// they are now), and those changed by batches not yet in sled.
+    pub(super) fn file_kept(&self, pending: &Pending, sha: &str) -> Result<bool, StoreError> {
+        let keeps = |r: &Option<Arc<Record>>| r.as_deref().and_then(body_file) == Some(sha);
+        let newer = self
+            .unapplied
+            .iter()
+            .filter(|(id, _)| !pending.records.contains_key(*id))
+            .map(|(_, (_, r, _))| r);
+        if pending.records.values().chain(newer).any(keeps) {
+            return Ok(true);
+        }
+        let prefix = file_key(sha, "");
+        for k in self.db.scan_prefix(&prefix).keys() {
+            let k = k.map_err(unavailable)?;
+            let id = String::from_utf8_lossy(&k[prefix.len()..]).into_owned();
+            if keeps(&self.read(pending, &id)?) {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    pub(super) fn apply(&mut self, op: Op, pending: &mut Pending) -> Answer {
+        if op.needs_flush() {
+            pending.durable = true;
+        }
+        match op {
+            Op::Claim(req, tx) => match self.read(pending, &req.fresh.id) {
+                Err(e) => Answer::failed(tx, e),
+                Ok(current) => {
+                    let old = current.clone();
+                    let now = req.now;
+                    let (claim, write) =
+                        decide_claim_owned(current.map(Arc::unwrap_or_clone), *req);
+                    // A new attempt of a failed action keeps the response stored with it.
+                    let kept = match write {
+                        true => self.kept_body(pending, old.as_deref(), claim.record()),
+                        false => Ok(None),
+                    };
+                    let kept = match kept {
+                        Ok(k) => k,
+                        Err(e) => return Answer::failed(tx, e),
+                    };
+                    let mut claim = claim;
+                    if write {
+                        // An expired record being replaced loses its stored body and indexes.
+                        let expired = old.as_deref().filter(|o| o.is_expired(now));
+                        if let Some(o) = expired {
+                            self.unstage(pending, o);
+                            self.append(
+                                pending,
+                                LogEvent::for_record(Event::Expired, o, Actor::Proxy),
+                            );
+                        }
+                        let live_old = if expired.is_some() {
+                            None
+                        } else {
+                            old.as_deref()
+                        };
+                        let kept = kept.filter(|_| live_old.is_some());
+                        // The claim's own record, shared with the batch (and so with the cache).
+                        let w = self.stage(pending, live_old, Arc::clone(claim.record()), kept);
+                        if old.is_none() {
+                            // A new action: no batch ever put its state entry.
+                            pending.new_keys.insert(state_key(w.state, &w.id));
+                        }
+                        for ev in claim_events(&claim, &w) {
+                            self.append(pending, ev);
+                        }
+                        claim = claim.with_record(w);
+                    }
+                    Answer::Claim(tx, Box::new(claim))
+                }
+            },
+            Op::Settle(req, tx) => {
+                let SettleRequest {
+                    id,
+                    attempt,
+                    settlement,
+                    body,
+                } = *req;
+                let result = self.read(pending, &id).and_then(|current| {
+                    let old = current.clone();
+                    let new =
+                        apply_settle(current.map(Arc::unwrap_or_clone), &id, attempt, settlement)?;
+                    let stored = match &body {
+                        Some(b) => Some(Bytes::from(seal_opt(self.sealer.as_deref(), b))),
+                        None => self.kept_body(pending, old.as_deref(), &new)?,
+                    };
+                    Ok((old, new, stored))
+                });
+                match result {
+                    Err(e) => Answer::failed(tx, e),
+                    Ok((old, new, stored)) => {
+                        if let Some(body) = &body {
+                            pending.bodies.insert(new.id.clone(), body.clone());
+                        }
+                        let new = self.stage(pending, old.as_deref(), Arc::new(new), stored);
+                        self.append(pending, settle_event(&new));
+                        Answer::Record(tx, new)
+                    }
+                }
+            }
+            Op::Resolve(id, mut res, event, tx) => {
+                let (actor, reason) = match event {
+                    Event::Lookup => (Actor::Lookup, res.reason.clone()),
+                    _ => (Actor::Admin, res.reason.clone()),
+                };
+                let body = res.body.take();
+                let result = self.read(pending, &id).and_then(|current| {
+                    let old = current.clone();
+                    let new = apply_resolve(current.map(Arc::unwrap_or_clone), &id, *res)?;
+                    let stored = match &body {
+                        Some(b) => Some(Bytes::from(seal_opt(self.sealer.as_deref(), b))),
+                        None => self.kept_body(pending, old.as_deref(), &new)?,
+                    };
+                    Ok((old, new, stored))
+                });
+                match result {
+                    Err(e) => Answer::failed(tx, e),
+                    Ok((old, new, stored)) => {
+                        if let Some(body) = body {
+                            pending.bodies.insert(new.id.clone(), body);
+                        }
+                        let new = self.stage(pending, old.as_deref(), Arc::new(new), stored);
+                        self.append(pending, resolve_event(event, &new, actor, reason));
+                        Answer::Record(tx, new)
+                    }
+                }
+            }
+            Op::Notes => {
+                // Notes wait a little for company (see `batch`).
+                self.notes_due
+                    .get_or_insert_with(|| Instant::now() + NOTES_WAIT);
+                Answer::None
+            }
+            Op::Recover(owner, now, tx) => {
+                let filter = Filter {
+                    state: Some(State::InFlight),
+                    ..Filter::default()
+                };
+                let found = self.settle_down().map_err(unavailable).and_then(|()| {
+                    // Everything is applied: sled alone is the whole store.
+                    let nothing = Overlay::take(&self.shared, |_| false)?;
+                    scan(
+                        &self.db,
+                        &nothing,
+                        &filter,
+                        usize::MAX,
+                        self.sealer.as_deref(),
+                    )
+                });
+                match found {
+                    Err(e) => Answer::failed(tx, e),
+                    Ok(records) => {
+                        let mut n = 0;
+                        for r in records {
+                            // An earlier operation of this batch may have changed it.
+                            let Ok(Some(r)) = self.read(pending, &r.id) else {
+                                continue;
+                            };
+                            if owner.as_ref().is_some_and(|o| r.owner.as_ref() != Some(o)) {
+                                continue;
+                            }
+                            let old = r.clone();
+                            let reason = if owner.is_some() {
+                                "the proxy stopped (drain_timeout) during this attempt; the request may have reached the upstream"
+                            } else {
+                                "the proxy stopped during this attempt; the request may have reached the upstream"
+                            };
+                            if let Some(new) =
+                                recover_in_flight(Arc::unwrap_or_clone(r), reason, now)
+                            {
+                                let kept = match self.kept_body(pending, Some(&old), &new) {
+                                    Ok(k) => k,
+                                    Err(e) => return Answer::failed(tx, e),
+                                };
+                                let new = self.stage(pending, Some(&old), Arc::new(new), kept);
+                                self.append(pending, recover_event(&new, reason));
+                                n += 1;
+                            }
+                        }
+                        Answer::Count(tx, n)
+                    }
+                }
+            }
+            Op::Expire(now, from, tx) => match self.expire_step(pending, now, from) {
+                Ok((n, next)) => Answer::Step(tx, n, next),
+                Err(e) => Answer::failed(tx, e),
+            },
+            Op::Sync(tx) => Answer::Unit(tx),
+            Op::Renew(id, owner, until, tx) => match self.read(pending, &id) {
+                Err(e) => Answer::failed(tx, e),
+                Ok(Some(r)) if r.state == State::InFlight && r.owner.as_ref() == Some(&owner) => {
+                    let mut new = Record::clone(&r);
+                    new.lease_until = Some(until);
+                    match self.kept_body(pending, Some(&r), &new) {
+                        Ok(kept) => {
+                            self.stage(pending, Some(&r), Arc::new(new), kept);
+                            Answer::Bool(tx, true)
+                        }
+                        Err(e) => Answer::failed(tx, e),
+                    }
+                }
+                Ok(_) => Answer::Bool(tx, false),
+            },
+        }
+    }
+
+    /// Drops log entries older than `log.retention`, whole files at a time, keeping the chain
+    /// verifiable from the first kept entry (the anchor). Entries still on their way to the
+    /// files are newer than any file, which is never the newest.
+    pub(super) fn prune_log(&self, now: Millis) -> Result<(), StoreError> {
+        let Some(keep) = self.log_retention else {
+            return Ok(());
+        };
+        let cutoff = crate::action::rfc3339(now.saturating_sub(keep.as_millis() as u64));
+        let dropped = self
+            .shared
+            .logfiles()?
+            .prune(&cutoff)
+            .map_err(unavailable)?;
+        if dropped > 0 {
+            tracing::info!(
+                files = dropped,
+                "write log: pruned files past the retention"
+            );
+        }
+        Ok(())
+    }
+}
