@@ -491,6 +491,18 @@ fn log_segments(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     segments
 }
 
+/// A claim of `id` at `now` finds it held in `state`: it is not claimed (sent) again.
+async fn assert_held(s: &S, id: &str, now: Millis, state: State) {
+    let c = s
+        .claim(claim_req(record(id, "f", None), now, 10_000))
+        .await
+        .unwrap();
+    assert!(
+        matches!(c, Claim::Existing(ref r) if r.state == state),
+        "{id} is not held as {state:?}: a claim of it got {c:?}"
+    );
+}
+
 async fn sled_store() -> (S, tempfile::TempDir) {
     let tmp = tempfile::tempdir().unwrap();
     let s =
@@ -1068,15 +1080,7 @@ async fn sled_finds_every_action_it_holds_after_a_reopen() {
     // live attempts does not answer for the writer.
     assert_eq!(s.expire(T0 + 2).await.unwrap(), 0);
     for i in 0..50 {
-        let id = format!("new{i}");
-        let again = s
-            .claim(claim_req(record(&id, "f", None), T0 + 20_000, 10_000))
-            .await
-            .unwrap();
-        assert!(
-            matches!(again, Claim::Existing(ref r) if r.state == State::Unknown),
-            "{id} claimed twice: {again:?}"
-        );
+        assert_held(&s, &format!("new{i}"), T0 + 20_000, State::Unknown).await;
     }
     s.close().await.unwrap();
 }
@@ -1411,14 +1415,7 @@ async fn sled_decides_a_lone_call_on_the_callers_thread_and_queues_the_rest() {
     drop((s, sled));
     let s = open_sled(&dir, Default::default());
     for id in durable.iter().chain(&["a0".to_string(), "h39".to_string()]) {
-        let c = s
-            .claim(claim_req(record(id, "f", None), T0 + 2, 10_000))
-            .await
-            .unwrap();
-        assert!(
-            matches!(c, Claim::Existing(ref r) if r.state == State::InFlight),
-            "{id} was answered as claimed but is not in the store: {c:?}"
-        );
+        assert_held(&s, id, T0 + 2, State::InFlight).await;
     }
     s.close().await.unwrap();
 }

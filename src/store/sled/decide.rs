@@ -147,25 +147,13 @@ impl Writer {
                     settlement,
                     body,
                 } = *req;
-                let result = self.read(pending, &id).and_then(|current| {
-                    let old = current.clone();
-                    let new =
-                        apply_settle(current.map(Arc::unwrap_or_clone), &id, attempt, settlement)?;
-                    let stored = match &body {
-                        Some(b) => Some(Bytes::from(seal_opt(self.sealer.as_deref(), b))),
-                        None => self.kept_body(pending, old.as_deref(), &new)?,
-                    };
-                    Ok((old, new, stored))
+                let result = self.change(pending, &id, body.as_ref(), |current| {
+                    apply_settle(current, &id, attempt, settlement)
                 });
                 match result {
                     Err(e) => Answer::failed(tx, e),
-                    Ok((old, new, stored)) => {
-                        if let Some(body) = &body {
-                            pending.bodies.insert(new.id.clone(), body.clone());
-                        }
-                        let new = self.stage(pending, old.as_deref(), Arc::new(new), stored);
-                        self.append(pending, settle_event(&new));
-                        Answer::Record(tx, new)
+                    Ok(change) => {
+                        Answer::Record(tx, self.commit(pending, change, body, settle_event))
                     }
                 }
             }
@@ -175,25 +163,17 @@ impl Writer {
                     _ => (Actor::Admin, res.reason.clone()),
                 };
                 let body = res.body.take();
-                let result = self.read(pending, &id).and_then(|current| {
-                    let old = current.clone();
-                    let new = apply_resolve(current.map(Arc::unwrap_or_clone), &id, *res)?;
-                    let stored = match &body {
-                        Some(b) => Some(Bytes::from(seal_opt(self.sealer.as_deref(), b))),
-                        None => self.kept_body(pending, old.as_deref(), &new)?,
-                    };
-                    Ok((old, new, stored))
+                let result = self.change(pending, &id, body.as_ref(), |current| {
+                    apply_resolve(current, &id, *res)
                 });
                 match result {
                     Err(e) => Answer::failed(tx, e),
-                    Ok((old, new, stored)) => {
-                        if let Some(body) = body {
-                            pending.bodies.insert(new.id.clone(), body);
-                        }
-                        let new = self.stage(pending, old.as_deref(), Arc::new(new), stored);
-                        self.append(pending, resolve_event(event, &new, actor, reason));
-                        Answer::Record(tx, new)
-                    }
+                    Ok(change) => Answer::Record(
+                        tx,
+                        self.commit(pending, change, body, |new| {
+                            resolve_event(event, new, actor, reason)
+                        }),
+                    ),
                 }
             }
             Op::Notes => {
@@ -296,4 +276,48 @@ impl Writer {
         }
         Ok(())
     }
+
+    /// The next version of record `id`, made by `next` from the current one, with the stored
+    /// body its value carries: `body` (sealed) when the change brings one, else the one the
+    /// current version carries on. Returns the current version too.
+    fn change<E: Into<StoreError>>(
+        &mut self,
+        pending: &mut Pending,
+        id: &str,
+        body: Option<&Bytes>,
+        next: impl FnOnce(Option<Record>) -> Result<Record, E>,
+    ) -> Result<Staging, StoreError> {
+        let old = self.read(pending, id)?;
+        let new = next(old.clone().map(Arc::unwrap_or_clone)).map_err(Into::into)?;
+        let stored = match body {
+            Some(b) => Some(Bytes::from(seal_opt(self.sealer.as_deref(), b))),
+            None => self.kept_body(pending, old.as_deref(), &new)?,
+        };
+        Ok(Staging { old, new, stored })
+    }
+
+    /// Stages a change made by [`Writer::change`] in the batch, with its body and its log entry.
+    fn commit(
+        &mut self,
+        pending: &mut Pending,
+        change: Staging,
+        body: Option<Bytes>,
+        event: impl FnOnce(&Record) -> LogEvent,
+    ) -> Arc<Record> {
+        let Staging { old, new, stored } = change;
+        if let Some(body) = body {
+            pending.bodies.insert(new.id.clone(), body);
+        }
+        let new = self.stage(pending, old.as_deref(), Arc::new(new), stored);
+        self.append(pending, event(&new));
+        new
+    }
+}
+
+/// A record's next version, before it is staged: the version it replaces and the stored body
+/// its value carries.
+struct Staging {
+    old: Option<Arc<Record>>,
+    new: Record,
+    stored: Option<Bytes>,
 }
