@@ -491,12 +491,16 @@ fn log_segments(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     segments
 }
 
+/// A claim of the action `id` at `now` (a 10 s lease).
+async fn claim_at(s: &S, id: &str, now: Millis) -> Claim {
+    s.claim(claim_req(record(id, "f", None), now, 10_000))
+        .await
+        .unwrap()
+}
+
 /// A claim of `id` at `now` finds it held in `state`: it is not claimed (sent) again.
 async fn assert_held(s: &S, id: &str, now: Millis, state: State) {
-    let c = s
-        .claim(claim_req(record(id, "f", None), now, 10_000))
-        .await
-        .unwrap();
+    let c = claim_at(s, id, now).await;
     assert!(
         matches!(c, Claim::Existing(ref r) if r.state == state),
         "{id} is not held as {state:?}: a claim of it got {c:?}"
@@ -1061,18 +1065,12 @@ async fn sled_finds_every_action_it_holds_after_a_reopen() {
     let s = open_sled(&dir, Default::default());
     for i in 0..200 {
         let id = format!("held{i}");
-        let c = s
-            .claim(claim_req(record(&id, "f", None), T0 + 2, 10_000))
-            .await
-            .unwrap();
+        let c = claim_at(&s, &id, T0 + 2).await;
         assert!(matches!(c, Claim::Existing(_)), "{id} claimed again: {c:?}");
     }
     for i in 0..50 {
         let id = format!("new{i}");
-        let c = s
-            .claim(claim_req(record(&id, "f", None), T0 + 2, 10_000))
-            .await
-            .unwrap();
+        let c = claim_at(&s, &id, T0 + 2).await;
         assert!(matches!(c, Claim::Claimed(_)), "{id}");
     }
     // A sweep waits until sled holds every change, so the writer no longer remembers these
