@@ -1417,3 +1417,45 @@ async fn sled_decides_a_lone_call_on_the_callers_thread_and_queues_the_rest() {
     }
     s.close().await.unwrap();
 }
+
+/// A lone call blocks its thread for an fdatasync only where another worker serves the rest
+/// meanwhile: on a runtime with one worker (a sidecar limited to one core) or one thread (an
+/// operator command), every call goes to the writer thread, so a write never stalls reads and
+/// health probes for its fdatasync.
+#[test]
+fn sled_never_blocks_the_only_worker_for_a_lone_call() {
+    for one in [
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap(),
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap(),
+    ] {
+        one.block_on(async {
+            let (sled, _tmp) = {
+                let tmp = tempfile::tempdir().unwrap();
+                let s = oncegate::store::sled::SledStore::open(
+                    &tmp.path().join("s"),
+                    Default::default(),
+                )
+                .unwrap();
+                (Arc::new(s), tmp)
+            };
+            let s: S = sled.clone();
+            for i in 0..5 {
+                let c = claim_at(&s, &format!("one{i}"), T0).await;
+                assert!(matches!(c, Claim::Claimed(_)), "{c:?}");
+            }
+            assert_eq!(
+                sled.caller_batches(),
+                0,
+                "a lone call blocked the only worker"
+            );
+            s.close().await.unwrap();
+        });
+    }
+}

@@ -160,6 +160,18 @@ pub fn sled_config(dir: &Path) -> sled::Config {
         .flush_every_ms(None)
 }
 
+/// Whether a lone call may block its thread for one fdatasync ([`Slot::inline`]): only where
+/// another worker serves everything else meanwhile, a multi-threaded runtime with two workers
+/// or more. With one (a sidecar limited to one core, an operator command) a lone write would
+/// stall every read, replay and health probe for its fdatasync, and for as long as a failing
+/// disk holds it: there the writer thread makes it durable, as under load.
+fn may_block_here() -> bool {
+    tokio::runtime::Handle::try_current().is_ok_and(|h| {
+        h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread
+            && h.metrics().num_workers() >= 2
+    })
+}
+
 fn unavailable(e: impl std::fmt::Display) -> StoreError {
     StoreError::Unavailable(e.to_string())
 }
@@ -275,7 +287,7 @@ impl SledStore {
         let (tx, rx) = oneshot::channel();
         let call = Call::begin(&self.slot);
         let op = make(tx);
-        let queued = if call.alone && self.is_open() {
+        let queued = if call.alone && self.is_open() && may_block_here() {
             self.slot.inline(op)
         } else {
             Some(op)

@@ -51,7 +51,8 @@ impl Slot {
     /// this returns. At one connection the hand-off to the writer thread and back (a wake-up
     /// and a context switch each way, twice per write) cost about as much as the work itself.
     /// This blocks the calling thread for one fdatasync, which only a call with nothing else
-    /// in flight does; under load every call goes through the queue and shares a group commit.
+    /// in flight does, on a runtime with another worker to serve the rest meanwhile (the caller
+    /// checks both); under load every call goes through the queue and shares a group commit.
     /// Anything else (or a busy writer) is given back, to be queued.
     pub(super) fn inline(&self, op: Op) -> Option<Op> {
         if !matches!(op, Op::Claim(..) | Op::Settle(..)) {
