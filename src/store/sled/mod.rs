@@ -287,7 +287,8 @@ impl SledStore {
         let (tx, rx) = oneshot::channel();
         let call = Call::begin(&self.slot);
         let op = make(tx);
-        let queued = if call.alone && self.is_open() && may_block_here() {
+        // A closed store's slot holds no writer: the call is then queued, and refused.
+        let queued = if call.alone && may_block_here() {
             self.slot.inline(op)
         } else {
             Some(op)
@@ -295,13 +296,8 @@ impl SledStore {
         if let Some(op) = queued {
             self.send(op)?;
         }
-        let answer = rx.await.map_err(|_| unavailable("store writer stopped"))?;
-        drop(call);
-        answer
-    }
-
-    fn is_open(&self) -> bool {
-        self.tx.lock().is_ok_and(|t| t.is_some())
+        // `call` counts until the answer is in.
+        rx.await.map_err(|_| unavailable("store writer stopped"))?
     }
 }
 
