@@ -847,6 +847,13 @@ fn edit_closed<T>(dir: &std::path::Path, edit: impl FnOnce(&::sled::Db) -> T) ->
     out
 }
 
+/// A record's value as versions before stored it: the record's JSON, and the body it carries
+/// (which went after a newline).
+fn older_form(key: &[u8], value: &[u8]) -> (Vec<u8>, Option<Vec<u8>>) {
+    let (r, body) = oncegate::store::sled::read_value(key, value).unwrap();
+    (serde_json::to_vec(&r).unwrap(), body.map(<[u8]>::to_vec))
+}
+
 /// A sled store at `dir`, closed, holding `actions`: `(id, claimed at, outcome)`, each settled a
 /// millisecond after its claim (a success with the body `{}`), for fixtures of older layouts.
 async fn closed_with(dir: &std::path::Path, actions: &[(&str, Millis, State)]) {
@@ -888,9 +895,10 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
             let id = String::from_utf8_lossy(&at[2 + 8..]).into_owned();
             let pointer = db.get(format!("a/{id}")).unwrap().unwrap();
             assert_eq!(&pointer[..], &at[2..2 + 8], "a/ holds the creation time");
-            let newline = value.iter().position(|&b| b == b'\n').unwrap();
-            db.insert(format!("a/{id}"), &value[..newline]).unwrap();
-            db.insert(format!("b/{id}"), &value[newline + 1..]).unwrap();
+            let (json, body) = older_form(&at, &value);
+            db.insert(format!("a/{id}"), json).unwrap();
+            db.insert(format!("b/{id}"), body.expect("a small body rides along"))
+                .unwrap();
         }
         db.insert("s/succeeded/o1", &[]).unwrap();
         let index: Vec<_> = ["e/", "c/"]
@@ -978,8 +986,8 @@ async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
     let created = edit_closed(&dir, |db| {
         let (at, rec) = db.scan_prefix("c/").next().unwrap().unwrap();
         assert_eq!(&db.get("a/u1").unwrap().unwrap()[..], &at[2..2 + 8]);
-        // The older layout: the record under `a/`, an empty creation index entry.
-        db.insert("a/u1", rec).unwrap();
+        // The older layout: the record (JSON) under `a/`, an empty creation index entry.
+        db.insert("a/u1", older_form(&at, &rec).0).unwrap();
         db.insert(&at, &[]).unwrap();
         db.insert("m/indexes", "6").unwrap();
         at.to_vec()
@@ -1008,11 +1016,10 @@ async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
     let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
     assert_eq!(db.get("a/u1").unwrap().unwrap().to_vec(), created[2..2 + 8]);
     let moved = db.get(&created).unwrap().unwrap();
-    assert!(
-        moved.starts_with(b"{"),
-        "the record is under its creation key"
-    );
-    assert!(String::from_utf8_lossy(&moved).contains("ext_1"));
+    let (r, _) = oncegate::store::sled::read_value(&created, &moved)
+        .expect("the record is under its creation key");
+    assert_eq!(r.external_id.as_deref(), Some("ext_1"));
+    assert!(!moved.starts_with(b"{"), "changed, it is packed");
 }
 
 /// For a while `a/{id}` held the whole creation key of its record rather than its creation time:
@@ -1041,6 +1048,73 @@ async fn sled_reads_a_pointer_kept_as_the_whole_creation_key() {
     let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
     assert_eq!(db.get("a/p1").unwrap().unwrap().to_vec(), at[2..2 + 8]);
     assert_eq!(db.scan_prefix("c/").count(), 1);
+}
+
+/// The version before packed its records stored them as JSON (with a small body after a newline):
+/// such a store opens with nothing to move, its records and bodies read, replay and expire, and a
+/// record is packed when it next changes.
+#[tokio::test]
+async fn sled_reads_records_an_older_version_stored_as_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    closed_with(
+        &dir,
+        &[("j1", T0, State::Succeeded), ("j2", T0, State::Unknown)],
+    )
+    .await;
+    edit_closed(&dir, |db| {
+        let records: Vec<_> = db.scan_prefix("c/").map(|kv| kv.unwrap()).collect();
+        assert_eq!(records.len(), 2);
+        for (at, value) in records {
+            assert!(!value.starts_with(b"{"), "this version packs its records");
+            let (mut v, body) = older_form(&at, &value);
+            if let Some(b) = body {
+                v.push(b'\n');
+                v.extend_from_slice(&b);
+            }
+            db.insert(at, v).unwrap();
+        }
+    });
+    let s = open_sled(&dir, Default::default());
+    let j1 = s.get("j1").await.unwrap().expect("a JSON record reads");
+    assert_eq!(j1.state, State::Succeeded);
+    let body = s
+        .body(&j1)
+        .await
+        .unwrap()
+        .expect("so does the body after it");
+    assert_eq!(&body[..], b"{}");
+    // A claim of the settled action is a replay of it, not a new send.
+    match s
+        .claim(claim_req(record("j1", "f", None), T0 + 5, 10_000))
+        .await
+        .unwrap()
+    {
+        Claim::Existing(r) => assert_eq!((r.id.as_str(), r.state), ("j1", State::Succeeded)),
+        other => panic!("expected the settled action, got {other:?}"),
+    }
+    s.resolve("j2".into(), admin_resolve(false), Event::Resolved)
+        .await
+        .unwrap();
+    s.close().await.unwrap();
+    drop(s);
+    let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
+    let forms: std::collections::HashMap<String, bool> = db
+        .scan_prefix("c/")
+        .map(|kv| kv.unwrap())
+        .map(|(at, v)| {
+            let (r, _) = oncegate::store::sled::read_value(&at, &v).unwrap();
+            (r.id, v.starts_with(b"{"))
+        })
+        .collect();
+    assert!(forms["j1"], "unchanged, it stays as it was (JSON)");
+    assert!(!forms["j2"], "changed, it is packed");
+    drop(db);
+    let s = open_sled(&dir, Default::default());
+    assert_eq!(s.expire(T0 + 1 + 3_600_000).await.unwrap(), 1);
+    assert!(s.get("j1").await.unwrap().is_none());
+    assert_eq!(s.get("j2").await.unwrap().unwrap().state, State::Failed);
+    s.close().await.unwrap();
 }
 
 /// The writer asks a filter of the ids the store holds before it looks a new action up in sled;

@@ -23,10 +23,11 @@
 //! `slot.rs`), `syncer.rs` makes them
 //! durable and visible, `drainer.rs` applies them to sled, `checkpoint.rs` lets log files go;
 //! `shared.rs` is what they share (the durable changes not yet in sled, counts, health); `ops.rs`
-//! what callers send; `cache.rs`, `codec.rs`, `index.rs`, `ids.rs` (which ids the store may
-//! hold), `bodies.rs` and `open.rs` the rest.
+//! what callers send; `cache.rs`, `codec.rs` (with `packed.rs`, a record's binary form),
+//! `index.rs`, `ids.rs` (which ids the store may hold), `bodies.rs` and `open.rs` the rest.
 //!
-//! Keys (one tree): `c/{created_at:be64}{id}` the record (JSON, then its small stored body), which is also the creation index
+//! Keys (one tree): `c/{created_at:be64}{id}` the record (packed: [`packed`]; then its small
+//! stored body), which is also the creation index
 //! (lists page newest first; new records land in the newest leaves, which sled holds), `a/{id}`
 //! the record's creation time (8 bytes, written once with the record's first version; stores from
 //! before kept there the whole `c/` key, or the record itself with an empty `c/` entry: moved at
@@ -80,6 +81,7 @@ mod ids;
 mod index;
 mod open;
 mod ops;
+mod packed;
 mod shared;
 mod slot;
 mod syncer;
@@ -88,6 +90,7 @@ mod writer;
 use cache::*;
 use checkpoint::*;
 use codec::*;
+pub use codec::{read_value, record_value};
 use drainer::*;
 use ids::Ids;
 pub use index::{action_keys, pointer};
