@@ -1543,8 +1543,8 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             preload_rows[1].1.rps() / preload_rows[0].1.rps()
         ));
     }
-    if let Some((fast, rated)) = floors {
-        md.push_str("\n## The floor under the sled store\n\n`sled alone` makes only the sled operations one durable write ends in (a lookup of the action, then the inserts of the record with its small body after it under its creation key, the pointer to the record and its expiry index entry; keys as the store's, a 1 KiB record), on one thread, with sled configured as the store configures it, in a process of its own with oncegate's allocator, after the workloads above. No write-ahead log, fsync, JSON, write log or HTTP (`benches/support/sled_alone.rs`).\n\n");
+    if let Some((fast, rated)) = &floors {
+        md.push_str("\n## The floor under the sled store\n\n`sled alone` makes only the sled operations one durable write ends in (a lookup of the action, then the inserts of the record with its small body after it under its creation key, the pointer to the record and its expiry index entry; keys and a value of the store's own form, a packed write record of about 450 bytes and its body), on one thread, with sled configured as the store configures it, in a process of its own with oncegate's allocator, after the workloads above. No write-ahead log, fsync, encoding, write log or HTTP (`benches/support/sled_alone.rs`).\n\n");
         md.push_str(&format!(
             "- as fast as one thread goes: {}\n",
             fast.describe()
@@ -1576,6 +1576,13 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             ));
         }
     }
+    targets_report(
+        &mut md,
+        &results,
+        fsync.as_ref(),
+        floors.as_ref().map(|f| &f.0),
+        actions,
+    );
     print!("{md}");
     if let Some(p) = out {
         if let Some(parent) = p.parent() {
@@ -1645,6 +1652,115 @@ fn peer_report(md: &mut String, results: &[(&Spec, HashMap<&str, Result_>)]) {
             rss(v),
             rss(d),
         ));
+    }
+}
+
+/// The write path's targets in one table: each with its bound, what this run measured, and, where
+/// one applies, the floor measured in the same run that no proxy on this stack can go below.
+fn targets_report(
+    md: &mut String,
+    results: &[(&Spec, HashMap<&str, Result_>)],
+    probe: Option<&fsync_probe::Probe>,
+    floor: Option<&sled_alone::Floor>,
+    actions: f64,
+) {
+    let find = |w: Workload, conns: usize| {
+        results
+            .iter()
+            .find(|(s, _)| s.workload == w && s.conns == conns)
+            .map(|(_, p)| p)
+    };
+    let verdict = |ok: bool| if ok { "met" } else { "not met" };
+    let mut rows: Vec<[String; 4]> = Vec::new();
+    let w64 = find(Workload::Write, 64);
+    if let Some((og, peer)) = w64.and_then(|p| Some((p.get("oncegate")?, p.get(PEER_VOLATILE)?))) {
+        let r = og.rps() / peer.rps();
+        rows.push([
+            "unique writes, 64 connections ≥ 1.0× the peer without persistence".into(),
+            format!("{r:.2}×"),
+            verdict(r >= 1.0).into(),
+            "-".into(),
+        ]);
+    }
+    if let Some(cpu) = w64.and_then(|p| p.get("oncegate")?.cpu_us()) {
+        let floor = match (w64.and_then(|p| p.get("bare hyper")?.cpu_us()), floor) {
+            (Some(bare), Some(f)) => format!(
+                "{:.0} µs (bare hyper {bare:.0} + sled alone {:.0}); oncegate {:.1}× it",
+                bare + f.cpu_us_per_write,
+                f.cpu_us_per_write,
+                cpu / (bare + f.cpu_us_per_write)
+            ),
+            _ => "-".into(),
+        };
+        rows.push([
+            "CPU per unique write ≤ 100 µs".into(),
+            format!("{cpu:.0} µs"),
+            verdict(cpu <= 100.0).into(),
+            floor,
+        ]);
+    }
+    let w1 = find(Workload::Write, 1);
+    if let (Some(per), Some(probe)) = (w1, probe) {
+        if let Some(og) = per.get("oncegate") {
+            let (median, p99) = (probe.q(0.5), probe.q(0.99));
+            let bare = per.get("bare hyper");
+            rows.push([
+                format!(
+                    "1 connection: p50 ≤ 2 × fdatasync median + 100 µs = {:.0} µs",
+                    2.0 * median + 100.0
+                ),
+                format!("{:.0} µs", og.q(0.5)),
+                verdict(og.q(0.5) <= 2.0 * median + 100.0).into(),
+                bare.map_or("-".into(), |b| {
+                    format!(
+                        "{:.0} µs (two fdatasyncs and bare hyper's p50)",
+                        2.0 * median + b.q(0.5)
+                    )
+                }),
+            ]);
+            rows.push([
+                "1 connection: p99 ≤ 1.5 ms".into(),
+                format!("{:.0} µs", og.q(0.99)),
+                verdict(og.q(0.99) <= 1500.0).into(),
+                bare.map_or("-".into(), |b| {
+                    format!(
+                        "bare hyper's own p99 {:.0} µs; fdatasync p99 {p99:.0} µs, two per write",
+                        b.q(0.99)
+                    )
+                }),
+            ]);
+        }
+    }
+    let peaks: Vec<f64> = [Workload::Write, Workload::Replay, Workload::Mixed]
+        .iter()
+        .filter_map(|&w| find(w, 64)?.get("oncegate"))
+        .map(|r| r.peak_rss_kib as f64 / 1024.0)
+        .collect();
+    if let Some(peak) = peaks.iter().copied().reduce(f64::max) {
+        rows.push([
+            format!("peak RSS ≤ 96 MiB in writes, replays and mixed at 64 connections ({actions:.0} actions stored at the end)"),
+            format!("{peak:.0} MiB"),
+            verdict(peak <= 96.0).into(),
+            floor.map_or("-".into(), |f| format!("sled alone: {:.0} MiB peak", f.peak_rss_mib)),
+        ]);
+    }
+    if let Some((og, peer)) =
+        find(Workload::Replay, 64).and_then(|p| Some((p.get("oncegate")?, p.get(PEER_VOLATILE)?)))
+    {
+        let r = og.rps() / peer.rps();
+        rows.push([
+            "replays ≥ 3× the peer".into(),
+            format!("{r:.2}×"),
+            verdict(r >= 3.0).into(),
+            "-".into(),
+        ]);
+    }
+    if rows.is_empty() {
+        return;
+    }
+    md.push_str("\n## The write path's targets, in this run\n\nEach target with what this run measured; where one is not met, the floor beside it was measured in the same run: what a proxy on this stack (hyper's server and client, sled as the store configures it, this disk) pays before any work of its own.\n\n| target | measured | | floor (same run) |\n|---|---:|---|---|\n");
+    for [t, m, v, f] in rows {
+        md.push_str(&format!("| {t} | {m} | {v} | {f} |\n"));
     }
 }
 
