@@ -182,7 +182,8 @@ pub fn read_value<'v>(key: &[u8], v: &'v [u8]) -> Result<(Record, Option<&'v [u8
 }
 
 /// The value the store writes for `r` (unsealed) with a small stored `body` after it: for the
-/// benches' floor, which writes values of the store's own form and size.
+/// benches' floor, which writes values of the store's own form and size. A body that would take
+/// the value past [`RECORD_MAX`] is left out, as the store keeps such a body under its own key.
 pub fn record_value(r: &Record, body: &[u8]) -> Vec<u8> {
     let mut v = encode(r, None);
     frame_body(&mut v, body);

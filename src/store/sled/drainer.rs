@@ -2,8 +2,8 @@
 
 use super::*;
 
-/// Inserts between two yields of the drainer's core (about 0.2 ms of sled's work): see
-/// [`apply_changes`].
+/// Changes the drainer applies between two yields of its core (about 0.2 ms of sled's work):
+/// see [`drain_loop`].
 const YIELD_EVERY: usize = 16;
 
 /// Applies durable changes one by one: log blocks (in order) to the log files, the rest to sled.
@@ -18,21 +18,12 @@ const YIELD_EVERY: usize = 16;
 ///
 /// The log files are locked per block, not across the sled inserts: readers of the log and the
 /// checkpoint's fsync of the files do not wait for a drain.
-///
-/// A drain is milliseconds of one core's work (about 350 writes' keys every 250 ms at one
-/// connection), and a request's thread woken meanwhile on that core waits for the drainer's
-/// slice to run out (the kernel's scheduler lets a running thread keep its core up to about
-/// 1.5 ms here). The drainer yields its core every [`YIELD_EVERY`] changes, so a woken request
-/// waits for at most that much of sled's work.
 pub(super) fn apply_changes<'a>(
     db: &sled::Db,
     files: &Mutex<LogFiles>,
     changes: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
 ) -> Result<(), String> {
-    for (n, (k, v)) in changes.enumerate() {
-        if n > 0 && n % YIELD_EVERY == 0 {
-            std::thread::yield_now();
-        }
+    for (k, v) in changes {
         match (log_seq(k), v) {
             (Some(first), Some(block)) => files
                 .lock()
@@ -47,6 +38,13 @@ pub(super) fn apply_changes<'a>(
 }
 
 /// Applies frozen changes to sled, then lets readers forget them.
+///
+/// A drain is milliseconds of one core's work (about 350 writes' keys every 250 ms at one
+/// connection), and a request's thread woken meanwhile on that core waits for the drainer's
+/// slice to run out (the kernel's scheduler lets a running thread keep its core up to about
+/// 1.5 ms here). The drainer yields its core every [`YIELD_EVERY`] changes, so a woken request
+/// waits for at most that much of sled's work. (Replaying the write-ahead log at open, the other
+/// caller of [`apply_changes`], has no request to give way to.)
 pub(super) fn drain_loop(db: &sled::Db, shared: &Shared, rx: mpsc::Receiver<(Arc<Changes>, u64)>) {
     while let Ok((changes, seq)) = rx.recv() {
         // Log blocks in order (the map has none); records and indexes in any.
@@ -55,7 +53,13 @@ pub(super) fn drain_loop(db: &sled::Db, shared: &Shared, rx: mpsc::Receiver<(Arc
             .map(|(k, v)| (k.as_slice(), v.as_deref()))
             .collect();
         pairs.sort_unstable_by_key(|(k, _)| log_seq(k));
-        let applied = match apply_changes(db, &shared.logfiles, pairs.into_iter()) {
+        let yielding = pairs.into_iter().enumerate().map(|(n, pair)| {
+            if n > 0 && n % YIELD_EVERY == 0 {
+                std::thread::yield_now();
+            }
+            pair
+        });
+        let applied = match apply_changes(db, &shared.logfiles, yielding) {
             Ok(()) => true,
             Err(e) => {
                 shared.fail(&format!("apply durable changes: {e}"));
