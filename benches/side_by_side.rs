@@ -1,7 +1,9 @@
 //! oncegate side by side with what a user would otherwise run: the upstream directly, and nginx as
 //! a plain reverse proxy with upstream keepalive; and with its own HTTP stack alone (`bare hyper`,
-//! hyper-util's server and client forwarding everything), the floor of what oncegate can cost.
-//! Every workload runs against the four targets in turn, interleaved (A B C D A B C D …), so
+//! hyper-util's server and client forwarding everything), the floor of what oncegate can cost;
+//! at one connection, also with the two durable appends of a write (`bare hyper, two
+//! fdatasyncs`, `support/append_log.rs`), the floor of a durable write's latency.
+//! Every workload runs against the targets in turn, interleaved (A B C D A B C D …), so
 //! machine drift hits all alike. Then `sled alone`, the floor under the embedded store: only the
 //! sled operations of one durable write (`support/sled_alone.rs`), as fast as one thread goes and
 //! paced at the mixed workload's rate of new writes.
@@ -19,6 +21,8 @@
 //! load (docs/decisions.md, "Small changes are measured in instructions").
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[path = "support/append_log.rs"]
+mod append_log;
 #[path = "support/fsync_probe.rs"]
 mod fsync_probe;
 #[path = "support/proc.rs"]
@@ -116,7 +120,13 @@ async fn mcp_answer(req: http::Request<hyper::body::Incoming>) -> http::Response
 /// pooled client, forwarding every request as it comes, with no routing, records or logs. Run in a
 /// process of its own (this bench, started again with `BENCH_BARE_PROXY=upstream`), with a runtime
 /// like oncegate's, so its CPU and RSS are measured alike.
-fn bare_proxy(upstream: SocketAddr) {
+///
+/// With `BENCH_BARE_LOG=file` it is the floor of a durable proxy at one connection (`bare hyper,
+/// two fdatasyncs`): each POST appends a claim-sized frame to that file and makes it durable
+/// before it is forwarded, and a settlement-sized one before it is answered
+/// (`support/append_log.rs`).
+fn bare_proxy(upstream: SocketAddr, log: Option<PathBuf>) {
+    let log = log.map(|p| Arc::new(append_log::AppendLog::create(&p).unwrap()));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -134,9 +144,11 @@ fn bare_proxy(upstream: SocketAddr) {
             };
             let _ = s.set_nodelay(true);
             let client = client.clone();
+            let log = log.clone();
             tokio::spawn(async move {
                 let svc = service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
                     let client = client.clone();
+                    let log = log.clone().filter(|_| req.method() == http::Method::POST);
                     async move {
                         let pq = req
                             .uri()
@@ -144,7 +156,14 @@ fn bare_proxy(upstream: SocketAddr) {
                             .map(|p| p.as_str())
                             .unwrap_or("/");
                         *req.uri_mut() = format!("http://{upstream}{pq}").parse().unwrap();
-                        client.request(req).await
+                        if let Some(log) = &log {
+                            log.append(append_log::CLAIM_FRAME).unwrap();
+                        }
+                        let resp = client.request(req).await;
+                        if let Some(log) = &log {
+                            log.append(append_log::SETTLE_FRAME).unwrap();
+                        }
+                        resp
                     }
                 });
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
@@ -155,12 +174,13 @@ fn bare_proxy(upstream: SocketAddr) {
     });
 }
 
-fn start_bare_proxy(upstream: SocketAddr) -> (std::process::Child, SocketAddr) {
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .env("BENCH_BARE_PROXY", upstream.to_string())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+fn start_bare_proxy(upstream: SocketAddr, log: Option<&Path>) -> (std::process::Child, SocketAddr) {
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.env("BENCH_BARE_PROXY", upstream.to_string());
+    if let Some(log) = log {
+        cmd.env("BENCH_BARE_LOG", log);
+    }
+    let mut child = cmd.stdout(std::process::Stdio::piped()).spawn().unwrap();
     let mut line = String::new();
     std::io::BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut line)
@@ -180,7 +200,12 @@ struct Target {
     peer: bool,
     /// The peer's Redis: its CPU and memory count with the peer's.
     redis: Option<u32>,
+    /// A floor for the unique writes at 1 connection only (`bare hyper, two fdatasyncs`).
+    one_writer: bool,
 }
+
+/// The durable floor at one connection: bare hyper with two durable appends per write.
+const BARE_DURABLE: &str = "bare hyper, two fdatasyncs";
 
 // ---------------------------------------------------------------- the peer
 
@@ -1113,7 +1138,8 @@ fn budgets(md: &mut String, results: &[(&Spec, HashMap<&str, Result_>)]) {
 
 fn main() {
     if let Ok(up) = std::env::var("BENCH_BARE_PROXY") {
-        return bare_proxy(up.parse().unwrap());
+        let log = std::env::var_os("BENCH_BARE_LOG").map(PathBuf::from);
+        return bare_proxy(up.parse().unwrap(), log);
     }
     if let Ok(spec) = std::env::var(sled_alone::ENV) {
         return sled_alone::child(&spec);
@@ -1162,13 +1188,21 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         pid,
         peer: false,
         redis: None,
+        one_writer: false,
     };
     let mut targets = vec![plain("direct", up, None)];
     if let Some((c, a)) = &nginx {
         targets.push(plain("nginx", *a, Some(c.id())));
     }
-    let (mut bare, bare_addr) = start_bare_proxy(up);
+    let (mut bare, bare_addr) = start_bare_proxy(up, None);
     targets.push(plain("bare hyper", bare_addr, Some(bare.id())));
+    // Its log lives beside oncegate's store, on the same disk.
+    let (mut bare_durable, bare_durable_addr) =
+        start_bare_proxy(up, Some(&tmp.path().join("bare-durable.log")));
+    targets.push(Target {
+        one_writer: true,
+        ..plain(BARE_DURABLE, bare_durable_addr, Some(bare_durable.id()))
+    });
     targets.push(plain("oncegate", og_addr, Some(og.id())));
     // The closest public peer, on Redis without persistence and with every write fsynced
     // (`BENCH_PEER=0` leaves it out).
@@ -1192,6 +1226,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
                 pid: Some(peer.id()),
                 peer: true,
                 redis: Some(redis.id()),
+                one_writer: false,
             });
             peers.push(peer);
             peers.push(redis);
@@ -1200,7 +1235,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
 
     // The replay workload's keys exist before it runs: each of the 512 keys sent once (the
     // peer keeps them 10 s: its keys are sent again before each of its rounds).
-    for t in targets.iter().filter(|t| !t.peer) {
+    for t in targets.iter().filter(|t| !t.peer && !t.one_writer) {
         warm_replays(t.addr, false).await;
     }
     let specs = [
@@ -1283,6 +1318,9 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
                 if t.peer && !matches!(spec.workload, Workload::Write | Workload::Replay) {
                     continue;
                 }
+                if t.one_writer && !one_writer {
+                    continue;
+                }
                 if t.peer && spec.workload == Workload::Replay {
                     warm_replays(t.addr, true).await;
                 }
@@ -1360,8 +1398,10 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     }
     let _ = og.kill();
     let _ = og.wait();
-    let _ = bare.kill();
-    let _ = bare.wait();
+    for b in [&mut bare, &mut bare_durable] {
+        let _ = b.kill();
+        let _ = b.wait();
+    }
     for mut p in peers {
         let _ = p.kill();
         let _ = p.wait();
@@ -1717,6 +1757,13 @@ fn targets_report(
         if let Some(og) = per.get("oncegate") {
             let (median, p99) = (probe.q(0.5), probe.q(0.99));
             let bare = per.get("bare hyper");
+            // Measured where it ran: bare hyper with the two durable appends of a write.
+            let durable = per.get(BARE_DURABLE);
+            let measured = |q: f64| {
+                durable.map_or(String::new(), |d| {
+                    format!("; {BARE_DURABLE}, measured: {:.0} µs", d.q(q))
+                })
+            };
             rows.push([
                 format!(
                     "1 connection: p50 ≤ 2 × fdatasync median + 100 µs = {:.0} µs",
@@ -1726,8 +1773,9 @@ fn targets_report(
                 verdict(og.q(0.5) <= 2.0 * median + 100.0).into(),
                 bare.map_or("-".into(), |b| {
                     format!(
-                        "{:.0} µs (two fdatasyncs and bare hyper's p50)",
-                        2.0 * median + b.q(0.5)
+                        "{:.0} µs (two fdatasync medians and bare hyper's p50){}",
+                        2.0 * median + b.q(0.5),
+                        measured(0.5)
                     )
                 }),
             ]);
@@ -1737,8 +1785,9 @@ fn targets_report(
                 verdict(og.q(0.99) <= 1500.0).into(),
                 bare.map_or("-".into(), |b| {
                     format!(
-                        "bare hyper's own p99 {:.0} µs; fdatasync p99 {p99:.0} µs, two per write",
-                        b.q(0.99)
+                        "bare hyper's own p99 {:.0} µs; fdatasync p99 {p99:.0} µs, two per write{}",
+                        b.q(0.99),
+                        measured(0.99)
                     )
                 }),
             ]);
@@ -1803,6 +1852,13 @@ fn fsync_targets(
         md.push_str(&format!(
             "| the floor: two fdatasyncs (medians) and bare hyper's p50 | {:.0} | | |\n",
             2.0 * median + bare.q(0.5)
+        ));
+    }
+    if let Some(d) = per.get(BARE_DURABLE) {
+        md.push_str(&format!(
+            "| the floor, measured: `{BARE_DURABLE}` p50 / p99 (bare hyper appending a claim-sized and a settlement-sized frame to a log and fdatasyncing each on the request's thread, before forwarding and before answering; `benches/support/append_log.rs`) | {:.0} / {:.0} | | |\n",
+            d.q(0.5),
+            d.q(0.99)
         ));
     }
 }
