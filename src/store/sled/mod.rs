@@ -121,8 +121,9 @@ const SEGMENT_SIZE: usize = 8 << 20;
 pub const RECORD_MAX: usize = 112 * 1024;
 /// A log block is closed at this size and the next entries start a new one.
 const LOG_BLOCK_MAX: usize = 64 * 1024;
-/// sled's page cache (its default is 1 GiB): the proxy's memory is mostly this.
-const SLED_CACHE: u64 = 16 << 20;
+/// sled's page cache (its default is 1 GiB). 8 MiB: with 16 the proxy's peak RSS under load was
+/// 10–50 MiB higher at the same throughput (docs/decisions.md, "sled's page cache, halved").
+const SLED_CACHE: u64 = 8 << 20;
 const ANCHOR_KEY: &[u8] = b"m/log_anchor";
 /// Audit-only log entries and lease renewals are made durable within this.
 const LAZY_FLUSH: std::time::Duration = std::time::Duration::from_millis(100);
