@@ -4,8 +4,8 @@
 //! (under its creation key), the pointer to the record and its expiry index entry, with the keys
 //! the store derives (`action_keys`) and a value of the store's own form (`record_value`: the
 //! packed record of a write like the side-by-side bench's, about 450 bytes, and its body). No
-//! write-ahead log, fsync, encoding, write log or HTTP. Its CPU per write is what no store on sled can go below, and its RSS what sled
-//! alone holds.
+//! write-ahead log, fsync, encoding, write log or HTTP. Its CPU per write is what no store on
+//! sled can go below, and its RSS what sled alone holds.
 //!
 //! Run it in a process of its own (the benches start themselves again with `BENCH_SLED_ALONE`), so
 //! the RSS is sled's and the allocator's only.
