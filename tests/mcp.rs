@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use bytes::Bytes;
 use serde_json::{json, Value};
 use support::{Behavior, ChildProxy, FakeUpstream, TestClient, TestProxy};
 
@@ -631,4 +632,59 @@ async fn shutdown_lets_go_of_calls_waiting_for_a_late_answer() {
         .unwrap();
     assert_eq!(rec.state, oncegate::action::State::Unknown);
     oncegate::store::Store::close(&store).await.unwrap();
+}
+
+/// An answer relayed as events for longer than the attempt's lease keeps the lease renewed: a
+/// resend that arrives after the lease would have lapsed waits for the running call and gets its
+/// result, instead of taking the call for a dead attempt (unknown). The call ran once.
+#[tokio::test]
+async fn a_call_relayed_past_its_lease_stays_in_flight_and_its_resend_gets_the_result() {
+    let up = FakeUpstream::start().await;
+    let event = |v: Value| Bytes::from(format!("event: message\ndata: {v}\n\n"));
+    let progress = |n: u32| {
+        event(json!({"jsonrpc": "2.0", "method": "notifications/progress",
+            "params": {"progressToken": 1, "progress": n}}))
+    };
+    // Progress every 300 ms (within the 500 ms timeout) for 4.2 s, then the result.
+    let mut chunks: Vec<Bytes> = (1..=14).map(progress).collect();
+    chunks.push(event(json!({"jsonrpc": "2.0", "id": 1,
+        "result": {"content": [{"type": "text", "text": "sent"}]}})));
+    up.push(Behavior::Paced {
+        every: Duration::from_millis(300),
+        chunks,
+    });
+    // The lease: the timeout once, no retries, and two seconds: 2.5 s, renewed every 833 ms.
+    let cfg = mcp_config(
+        &format!("{}/mcp", up.url()),
+        "timeout = \"500ms\"\nretries = 0",
+    );
+    let proxy = TestProxy::start(&cfg).await;
+    let url = proxy.url("/mcp");
+    let call = |id: u64| {
+        let url = url.clone();
+        tokio::spawn(async move {
+            TestClient::default()
+                .post(
+                    &url,
+                    JSON_SSE,
+                    &call_body(id, "send_email", json!({"to": "a"})),
+                )
+                .await
+        })
+    };
+    let first = call(1);
+    up.wait_for(1).await;
+    // Past the lease as first taken; the resend waits for the running call (in_flight_wait).
+    tokio::time::sleep(Duration::from_millis(3_000)).await;
+    let resend = call(2).await.unwrap();
+    assert_eq!(first.await.unwrap().status, 200);
+    assert_eq!(
+        resend.header("oncegate-outcome"),
+        Some("replayed"),
+        "{}",
+        String::from_utf8_lossy(&resend.body)
+    );
+    assert_eq!(resend.json()["result"]["content"][0]["text"], "sent");
+    assert_eq!(up.count(), 1);
+    proxy.stop().await;
 }

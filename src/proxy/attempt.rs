@@ -6,16 +6,6 @@ use super::*;
 /// than a routine database restart (SPEC §6).
 pub const SETTLE_PATIENCE: Duration = Duration::from_secs(30);
 
-/// A task aborted when its handle is dropped: a lease renewer ends with its attempt, however
-/// the attempt ends (a panic included).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 impl Proxy {
     /// Phases `send`, `settle` and `answer`, in the action's task.
     pub(super) async fn run_attempt(
@@ -47,20 +37,9 @@ impl Proxy {
             key_header,
         );
         // While the attempt runs, its lease is renewed, so that other proxies sharing the store
-        // never take a slow attempt for a dead one.
-        let renewer = {
-            let (store, id, owner) = (self.store.clone(), rec.id.clone(), self.owner.clone());
-            let (lease, clock) = (Self::lease(policy), self.clock.clone());
-            AbortOnDrop(tokio::spawn(async move {
-                let every = Duration::from_millis((lease / 3).max(100));
-                loop {
-                    tokio::time::sleep(every).await;
-                    if let Err(e) = store.renew(&id, &owner, lease, clock()).await {
-                        tracing::warn!(error = %e, "could not renew the lease of an attempt");
-                    }
-                }
-            }))
-        };
+        // never take a slow attempt for a dead one: a future polled beside the send (and the
+        // relay), which ends with them, however the attempt ends.
+        let mut renewal = std::pin::pin!(self.renew_lease(rec.id.clone(), policy));
         let mut tries: Vec<Try> = Vec::new();
         let result = match out {
             Ok(out) => {
@@ -80,6 +59,7 @@ impl Proxy {
                 let cut = tokio::select! {
                     r = send => Ok(r),
                     () = self.deadline.cancelled() => Err(crate::action::Phase::Response),
+                    never = &mut renewal => match never {},
                 };
                 let r = cut.unwrap_or_else(|phase| {
                     let error = "the proxy stopped (drain_timeout) during this attempt".to_string();
@@ -105,13 +85,17 @@ impl Proxy {
             // Boxed, like the other rare paths: an action's task is spawned, moved and completed
             // with its future's full size, which its largest path sets.
             AttemptResult::Streaming { head, body } => {
-                let relayed = Box::pin(self.relay(&mut job, &rec, head, body, &mut tries)).await;
-                drop(renewer);
+                let relayed = Box::pin(async {
+                    tokio::select! {
+                        r = self.relay(&mut job, &rec, head, body, &mut tries) => r,
+                        never = &mut renewal => match never {},
+                    }
+                })
+                .await;
                 return Box::pin(self.settle_relayed(&job, rec, relayed, tries)).await;
             }
             other => other,
         };
-        drop(renewer);
         let now = (self.clock)();
         let attempt = rec.attempts;
         let settle = |state, response, external_id, needs_decision, body| SettleRequest {
@@ -228,6 +212,25 @@ impl Proxy {
             }
         };
         answer
+    }
+
+    /// Renews the lease of attempt `id` every third of it, for as long as it is polled; never
+    /// ends. Polled within the attempt's own task rather than spawned beside it: a task spawned
+    /// per write took the worker's next-task slot, so the upstream connection's wake-up that
+    /// followed made tokio wake the other worker to steal it, for nothing.
+    async fn renew_lease(&self, id: String, policy: &Policy) -> std::convert::Infallible {
+        let lease = Self::lease(policy);
+        let every = Duration::from_millis((lease / 3).max(100));
+        loop {
+            tokio::time::sleep(every).await;
+            if let Err(e) = self
+                .store
+                .renew(&id, &self.owner, lease, (self.clock)())
+                .await
+            {
+                tracing::warn!(error = %e, "could not renew the lease of an attempt");
+            }
+        }
     }
 
     /// Phase `settle`: the outcome is durable before the client hears it. The outcome is known

@@ -55,6 +55,8 @@ pub enum Behavior {
     },
     /// A body of `n` bytes, streamed in 64 KiB chunks.
     Large(u64),
+    /// An event stream: each chunk sent `every` after the one before (the first at once).
+    Paced { every: Duration, chunks: Vec<Bytes> },
 }
 
 impl Behavior {
@@ -313,6 +315,24 @@ fn run_behavior(
                     let _ = tx.send(Ok(Frame::data(first))).await;
                     gate.notified().await;
                     let _ = tx.send(Ok(Frame::data(rest))).await;
+                });
+                let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+                let mut r = Response::new(StreamBody::new(stream).boxed());
+                r.headers_mut()
+                    .insert("content-type", "text/event-stream".parse().unwrap());
+                Ok(r)
+            }
+            Behavior::Paced { every, chunks } => {
+                let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
+                tokio::spawn(async move {
+                    for (i, chunk) in chunks.into_iter().enumerate() {
+                        if i > 0 {
+                            tokio::time::sleep(every).await;
+                        }
+                        if tx.send(Ok(Frame::data(chunk))).await.is_err() {
+                            return;
+                        }
+                    }
                 });
                 let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
                 let mut r = Response::new(StreamBody::new(stream).boxed());
