@@ -59,6 +59,15 @@ pub enum Behavior {
     Paced { every: Duration, chunks: Vec<Bytes> },
 }
 
+/// A `text/event-stream` response whose body is what `rx` receives.
+fn event_stream(rx: tokio::sync::mpsc::Receiver<Result<Frame<Bytes>, BoxError>>) -> Response<Body> {
+    let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+    let mut r = Response::new(StreamBody::new(stream).boxed());
+    r.headers_mut()
+        .insert("content-type", "text/event-stream".parse().unwrap());
+    r
+}
+
 impl Behavior {
     pub fn status(status: u16) -> Behavior {
         Behavior::Respond {
@@ -316,11 +325,7 @@ fn run_behavior(
                     gate.notified().await;
                     let _ = tx.send(Ok(Frame::data(rest))).await;
                 });
-                let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
-                let mut r = Response::new(StreamBody::new(stream).boxed());
-                r.headers_mut()
-                    .insert("content-type", "text/event-stream".parse().unwrap());
-                Ok(r)
+                Ok(event_stream(rx))
             }
             Behavior::Paced { every, chunks } => {
                 let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
@@ -334,11 +339,7 @@ fn run_behavior(
                         }
                     }
                 });
-                let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
-                let mut r = Response::new(StreamBody::new(stream).boxed());
-                r.headers_mut()
-                    .insert("content-type", "text/event-stream".parse().unwrap());
-                Ok(r)
+                Ok(event_stream(rx))
             }
             Behavior::Large(n) => {
                 let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(2);
