@@ -38,8 +38,10 @@ impl Proxy {
         );
         // While the attempt runs, its lease is renewed, so that other proxies sharing the store
         // never take a slow attempt for a dead one: a future polled beside the send (and the
-        // relay), which ends with them, however the attempt ends.
-        let mut renewal = std::pin::pin!(self.renew_lease(rec.id.clone(), policy));
+        // relay), dropped as soon as they end. Dropped, not merely left unpolled: a renewal
+        // suspended mid-call would hold its store call (a pooled PostgreSQL connection, the sled
+        // writer's count of calls in flight) through the settle.
+        let mut renewal = Box::pin(self.renew_lease(rec.id.clone(), policy));
         let mut tries: Vec<Try> = Vec::new();
         let result = match out {
             Ok(out) => {
@@ -92,10 +94,12 @@ impl Proxy {
                     }
                 })
                 .await;
+                drop(renewal);
                 return Box::pin(self.settle_relayed(&job, rec, relayed, tries)).await;
             }
             other => other,
         };
+        drop(renewal);
         let now = (self.clock)();
         let attempt = rec.attempts;
         let settle = |state, response, external_id, needs_decision, body| SettleRequest {
