@@ -1364,9 +1364,10 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             // targets are set against it.
             let probe = fsync_probe::measure(&og_dir, 2000);
             println!(
-                "fdatasync on the store's disk: median {:.0} µs, p99 {:.0} µs",
+                "fdatasync on the store's disk: median {:.0} µs, p99 {:.0} µs, {} µs of CPU per frame made durable",
                 probe.q(0.5),
-                probe.q(0.99)
+                probe.q(0.99),
+                probe.cpu_us_per_sync().map_or("-".into(), |c| format!("{c:.0}"))
             );
             fsync = Some(probe);
         }
@@ -1621,6 +1622,9 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         &results,
         fsync.as_ref(),
         floors.as_ref().map(|f| &f.0),
+        flushes_per_write
+            .get(&64)
+            .map(|(flushes, writes)| flushes / (*writes).max(1) as f64),
         actions,
     );
     print!("{md}");
@@ -1702,6 +1706,7 @@ fn targets_report(
     results: &[(&Spec, HashMap<&str, Result_>)],
     probe: Option<&fsync_probe::Probe>,
     floor: Option<&sled_alone::Floor>,
+    flushes_64: Option<f64>,
     actions: f64,
 ) {
     let find = |w: Workload, conns: usize| {
@@ -1736,13 +1741,26 @@ fn targets_report(
     );
     let w64 = find(Workload::Write, 64);
     if let Some(cpu) = w64.and_then(|p| p.get("oncegate")?.cpu_us()) {
+        // What durability itself costs the kernel: oncegate's flushes per write in this run,
+        // each at what the probe's thread spent to make one frame durable.
+        let durable = probe
+            .and_then(|p| p.cpu_us_per_sync())
+            .zip(flushes_64)
+            .map(|(each, per_write)| (per_write * each, per_write, each));
         let floor = match (w64.and_then(|p| p.get("bare hyper")?.cpu_us()), floor) {
-            (Some(bare), Some(f)) => format!(
-                "{:.0} µs (bare hyper {bare:.0} + sled alone {:.0}); oncegate {:.1}× it",
-                bare + f.cpu_us_per_write,
-                f.cpu_us_per_write,
-                cpu / (bare + f.cpu_us_per_write)
-            ),
+            (Some(bare), Some(f)) => {
+                let total = bare + f.cpu_us_per_write + durable.map_or(0.0, |d| d.0);
+                let flushes = durable.map_or(String::new(), |(us, per_write, each)| {
+                    format!(
+                        " + durable flushes {us:.0}: {per_write:.3} a write × {each:.0} µs of CPU each, from the fdatasync probe"
+                    )
+                });
+                format!(
+                    "{total:.0} µs (bare hyper {bare:.0} + sled alone {:.0}{flushes}); oncegate {:.1}× it",
+                    f.cpu_us_per_write,
+                    cpu / total
+                )
+            }
             _ => "-".into(),
         };
         rows.push([
@@ -1830,9 +1848,12 @@ fn fsync_targets(
 ) {
     let median = probe.q(0.5);
     md.push_str(&format!(
-        "\n## Against the disk (1 connection)\n\nfdatasync alone on the store's disk, right after the 1-connection rounds: median {median:.0} µs, p99 {:.0} µs ({} overwrites of 2 KiB in a file written ahead, each made durable, as the write-ahead log does; `benches/support/fsync_probe.rs`).\n\n",
+        "\n## Against the disk (1 connection)\n\nfdatasync alone on the store's disk, right after the 1-connection rounds: median {median:.0} µs, p99 {:.0} µs ({} overwrites of 2 KiB in a file written ahead, each made durable, as the write-ahead log does; `benches/support/fsync_probe.rs`){}.\n\n",
         probe.q(0.99),
-        probe.len()
+        probe.len(),
+        probe.cpu_us_per_sync().map_or(String::new(), |c| format!(
+            "; the probe's thread spent {c:.0} µs of CPU per frame made durable (its `pwrite` and `fdatasync`, in the kernel)"
+        ))
     ));
     let Some(per) = results
         .iter()

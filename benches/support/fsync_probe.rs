@@ -6,6 +6,10 @@
 //! time, a file that was written out (and synced) beforehand, and makes each frame durable with
 //! `fdatasync`. Overwriting allocated blocks leaves no metadata to flush, as in the log, which
 //! keeps its files written ahead of its frames; appending to a growing file would cost more.
+//!
+//! It also counts the CPU its thread spends per durable frame (the `pwrite` and the
+//! `fdatasync`, in the kernel): what making a write durable costs in CPU before any store's
+//! work, which the CPU floor at 64 connections adds per flush.
 
 use std::fs::OpenOptions;
 use std::io::{Seek, SeekFrom, Write};
@@ -15,10 +19,16 @@ use std::time::Instant;
 /// The size of one probe write: about one claim's frame at one connection.
 const FRAME: usize = 2048;
 
-/// `fdatasync` latencies in µs, sorted.
-pub struct Probe(Vec<f64>);
+/// `fdatasync` latencies in µs, sorted, and the thread's CPU per frame made durable.
+pub struct Probe(Vec<f64>, Option<f64>);
 
 impl Probe {
+    /// CPU µs the probe's thread spent per frame written and made durable (`None` where the
+    /// kernel does not say: no `/proc/thread-self/schedstat`).
+    pub fn cpu_us_per_sync(&self) -> Option<f64> {
+        self.1
+    }
+
     pub fn q(&self, q: f64) -> f64 {
         let i = ((self.0.len() as f64 * q) as usize).min(self.0.len().saturating_sub(1));
         self.0.get(i).copied().unwrap_or(0.0)
@@ -44,14 +54,29 @@ pub fn measure(dir: &Path, n: usize) -> Probe {
     f.seek(SeekFrom::Start(0)).unwrap();
     let frame = vec![0x5au8; FRAME];
     let mut lat = Vec::with_capacity(n);
+    let cpu_before = thread_cpu_ns();
     for _ in 0..n {
         f.write_all(&frame).unwrap();
         let t = Instant::now();
         f.sync_data().expect("fdatasync the probe's file");
         lat.push(t.elapsed().as_secs_f64() * 1e6);
     }
+    let cpu = cpu_before
+        .zip(thread_cpu_ns())
+        .map(|(a, b)| b.saturating_sub(a) as f64 / 1e3 / n.max(1) as f64);
     drop(f);
     let _ = std::fs::remove_file(&path);
     lat.sort_by(|a, b| a.total_cmp(b));
-    Probe(lat)
+    Probe(lat, cpu)
+}
+
+/// The calling thread's time on a CPU so far, in ns (the first field of its schedstat, which
+/// counts the kernel's time in its system calls too, at ns resolution; its `stat` counts ticks).
+fn thread_cpu_ns() -> Option<u64> {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
