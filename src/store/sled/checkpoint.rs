@@ -57,8 +57,9 @@ fn release_sealed_buffers() {
 /// The checkpoint thread's queue and handle.
 pub(super) type Checkpointer = (mpsc::Sender<(u64, u64)>, std::thread::JoinHandle<()>);
 
-/// Removes log files once sled holds their frames durably: waits until the drainer has applied
-/// the file's last batch, then flushes and fsyncs sled (the checkpoint) and deletes the files.
+/// Lets log files go once sled holds their frames durably: waits until the drainer has applied
+/// the file's last batch, then flushes and fsyncs sled (the checkpoint) and deletes the files,
+/// keeping the newest as the spare a later file starts in ([`wal::recycle_through`]).
 pub(super) fn checkpoint_loop(
     db: &sled::Db,
     dir: &Path,
@@ -71,7 +72,7 @@ pub(super) fn checkpoint_loop(
         shared.wait_applied(seq)?;
         sled_durable(db, dir, &mut blobs, &log)?;
         shared.logfiles().map_err(|e| e.to_string())?.sync()?;
-        wal::remove_through(&dir.join("wal"), generation)?;
+        wal::recycle_through(&dir.join("wal"), generation)?;
     }
     Ok(())
 }

@@ -163,7 +163,7 @@ impl Writer {
         }
         if failed.is_none() && !changes.is_empty() {
             wal::encode(&changes, &mut self.frame);
-            if let Err(e) = self.wal.append(&self.frame) {
+            if let Err(e) = self.wal.append(&mut self.frame) {
                 let e = format!("write-ahead log write: {e}");
                 self.shared.fail(&e);
                 failed = Some(e);

@@ -1,0 +1,176 @@
+//! A write-ahead log frame's bytes: a batch's changes, its length and its checksum.
+
+const PUT: u8 = 1;
+const DEL: u8 = 2;
+pub(super) const HEADER: usize = 8;
+
+/// One change of a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    Put(Vec<u8>, Vec<u8>),
+    Del(Vec<u8>),
+}
+
+impl Change {
+    /// `(key, Some(value))` for a put, `(key, None)` for a removal.
+    pub fn as_pair(&self) -> (&[u8], Option<&[u8]>) {
+        match self {
+            Change::Put(k, v) => (k, Some(v)),
+            Change::Del(k) => (k, None),
+        }
+    }
+}
+
+/// Encodes a batch as one frame, its header left for [`super::Wal::append`] to fill in (the checksum
+/// names the file's generation).
+pub fn encode(changes: &[Change], out: &mut Vec<u8>) {
+    out.clear();
+    out.extend_from_slice(&[0; HEADER]);
+    for c in changes {
+        match c {
+            Change::Put(k, v) => {
+                out.push(PUT);
+                out.extend_from_slice(&(k.len() as u32).to_le_bytes());
+                out.extend_from_slice(k);
+                out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+                out.extend_from_slice(v);
+            }
+            Change::Del(k) => {
+                out.push(DEL);
+                out.extend_from_slice(&(k.len() as u32).to_le_bytes());
+                out.extend_from_slice(k);
+            }
+        }
+    }
+}
+
+/// Fills in an encoded frame's header: its length and its checksum under `generation`.
+pub(super) fn seal(frame: &mut [u8], generation: u64) {
+    let len = (frame.len() - HEADER) as u32;
+    let crc = checksum(Some(generation), &frame[HEADER..]);
+    frame[..4].copy_from_slice(&len.to_le_bytes());
+    frame[4..HEADER].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// A frame's checksum: CRC-32 of its file's generation and its payload, or of its payload alone
+/// (`None`: files written before files were recycled).
+fn checksum(generation: Option<u64>, payload: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    if let Some(g) = generation {
+        h.update(&g.to_le_bytes());
+    }
+    h.update(payload);
+    h.finalize()
+}
+
+fn take<'a>(p: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+    if p.len() < n {
+        return None;
+    }
+    let (a, b) = p.split_at(n);
+    *p = b;
+    Some(a)
+}
+
+fn take_u32(p: &mut &[u8]) -> Option<usize> {
+    take(p, 4)
+        .and_then(|b| <[u8; 4]>::try_from(b).ok())
+        .map(|b| u32::from_le_bytes(b) as usize)
+}
+
+fn decode_payload(mut p: &[u8]) -> Option<Vec<Change>> {
+    let mut out = Vec::new();
+    while !p.is_empty() {
+        let kind = take(&mut p, 1)?[0];
+        let klen = take_u32(&mut p)?;
+        let key = take(&mut p, klen)?.to_vec();
+        match kind {
+            PUT => {
+                let vlen = take_u32(&mut p)?;
+                out.push(Change::Put(key, take(&mut p, vlen)?.to_vec()));
+            }
+            DEL => out.push(Change::Del(key)),
+            _ => return None,
+        }
+    }
+    Some(out)
+}
+
+/// The frames of one file's bytes (of generation `generation`), how many bytes they take, and
+/// whether the rest is only the zeros the file was extended with (else the end is torn, corrupt,
+/// or what a recycled file held before).
+///
+/// The first frame decides how the file's checksums read: under its generation, or (a file
+/// written before recycling) over the payload alone; every later frame must check the same way,
+/// so a frame left over from a recycled file's earlier life ends the file's frames whichever
+/// way it was written.
+pub fn frames(bytes: &[u8], generation: u64) -> (Vec<Vec<Change>>, usize, bool) {
+    let mut out = Vec::new();
+    let mut p = bytes;
+    let mut good = 0;
+    let mut checked: Option<Option<u64>> = None;
+    // A zero length never starts a frame (empty batches are not written): it is where the
+    // written part of a preallocated file ends.
+    while p.len() >= 4 && p[..4] != [0; 4] {
+        let frame = take_u32(&mut p)
+            .zip(take_u32(&mut p))
+            .and_then(|(len, crc)| {
+                let payload = take(&mut p, len)?;
+                let matches = |g: Option<u64>| checksum(g, payload) as usize == crc;
+                let way = match checked {
+                    Some(way) => matches(way).then_some(way)?,
+                    None => [Some(generation), None].into_iter().find(|g| matches(*g))?,
+                };
+                let changes = decode_payload(payload)?;
+                checked = Some(way);
+                Some((changes, HEADER + len))
+            });
+        match frame {
+            Some((changes, size)) => {
+                out.push(changes);
+                good += size;
+            }
+            None => break,
+        }
+    }
+    let clean = bytes[good..].iter().all(|b| *b == 0);
+    (out, good, clean)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::wal::tests::{frame, put};
+
+    #[test]
+    fn frames_round_trip() {
+        let a = vec![put("a/1", "one"), Change::Del(b"s/x".to_vec())];
+        let b = vec![put("a/2", ""), put("", "empty key")];
+        let mut bytes = frame(&a);
+        bytes.extend(frame(&b));
+        let n = bytes.len();
+        assert_eq!(frames(&bytes, 1), (vec![a.clone(), b.clone()], n, true));
+        // Zeros after the frames (a preallocated file) end it cleanly.
+        bytes.extend([0; 100]);
+        assert_eq!(frames(&bytes, 1), (vec![a, b], n, true));
+    }
+
+    #[test]
+    fn a_torn_or_corrupt_tail_ends_the_frames() {
+        let a = vec![put("a/1", "one")];
+        let mut bytes = frame(&a);
+        let n = bytes.len();
+        let b = frame(&[put("a/2", "two")]);
+        for cut in 1..b.len() {
+            let mut torn = bytes.clone();
+            torn.extend_from_slice(&b[..cut]);
+            assert_eq!(frames(&torn, 1).0, vec![a.clone()], "cut at {cut}");
+            assert_eq!(frames(&torn, 1).1, n, "cut at {cut}");
+        }
+        let mut flipped = b.clone();
+        let last = flipped.len() - 1;
+        flipped[last] ^= 1;
+        bytes.extend(flipped);
+        assert_eq!(frames(&bytes, 1), (vec![a], n, false));
+    }
+}

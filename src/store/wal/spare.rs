@@ -1,0 +1,257 @@
+//! Log files let go and taken again: the checkpointer keeps the newest file it is done with as a
+//! spare, and the next file starts in it ([`recycle`]).
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt as _;
+use std::path::Path;
+
+use super::frame::HEADER;
+use super::{file_name, files, generations};
+
+/// A kept spare's name ends so; log files end `.wal`.
+const SPARE: &str = "spare";
+
+/// Deletes every log file up to and including `generation` (sled holds their frames durably).
+pub fn remove_through(dir: &Path, generation: u64) -> Result<(), String> {
+    retire_through(dir, generation, false)
+}
+
+/// Lets every log file up to and including `generation` go (sled holds their frames durably):
+/// the newest of them stays as the spare the next file starts in, if there is none yet
+/// ([`recycle`]); the rest are deleted.
+pub fn recycle_through(dir: &Path, generation: u64) -> Result<(), String> {
+    retire_through(dir, generation, true)
+}
+
+fn retire_through(dir: &Path, generation: u64, keep_spare: bool) -> Result<(), String> {
+    let gens: Vec<u64> = generations(dir)?
+        .into_iter()
+        .filter(|g| *g <= generation)
+        .collect();
+    let spare = match gens.last() {
+        Some(g) if keep_spare && files::numbered(dir, SPARE)?.is_empty() => Some(*g),
+        _ => None,
+    };
+    let mut changed = false;
+    for g in gens {
+        let path = dir.join(file_name(g));
+        let done = if Some(g) == spare {
+            std::fs::rename(&path, dir.join(spare_name(g)))
+        } else {
+            std::fs::remove_file(&path)
+        };
+        match done {
+            Ok(()) => changed = true,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("retire {}: {e}", path.display())),
+        }
+    }
+    if changed {
+        files::fsync_dir(dir).map_err(|e| format!("fsync {}: {e}", dir.display()))?;
+    }
+    Ok(())
+}
+
+fn spare_name(generation: u64) -> String {
+    format!("{generation:020}.{SPARE}")
+}
+
+/// The newest spare in `dir`, made the log file of `generation`, and its length (blocks its
+/// frames overwrite), or `None` if there is none to take.
+///
+/// Its first frame's header is zeroed and made durable before the rename, so the file holds no
+/// frame of its new generation until one is appended: a crash right after the rename leaves an
+/// empty newest file, and leftovers past the new frames never check under the new generation
+/// ([`frames`]). A spare the checkpointer deletes meanwhile (it keeps one) is simply not taken.
+pub(super) fn recycle(dir: &Path, generation: u64) -> Result<Option<(File, u64)>, String> {
+    let Some(g) = files::numbered(dir, SPARE)?.pop() else {
+        return Ok(None);
+    };
+    let from = dir.join(spare_name(g));
+    let file = match files::private().read(true).write(true).open(&from) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("open {}: {e}", from.display())),
+    };
+    let to = dir.join(file_name(generation));
+    let len = file
+        .write_all_at(&[0; HEADER], 0)
+        .and_then(|()| file.sync_data())
+        .and_then(|()| file.metadata())
+        .map_err(|e| format!("recycle {}: {e}", from.display()))?
+        .len();
+    match std::fs::rename(&from, &to) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            return Err(format!(
+                "rename {} to {}: {e}",
+                from.display(),
+                to.display()
+            ))
+        }
+    }
+    files::fsync_dir(dir).map_err(|e| format!("fsync {}: {e}", dir.display()))?;
+    Ok(Some((file, len)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{frame, put, replay};
+    use super::super::{encode, Change, Wal};
+    use super::*;
+
+    /// A frame as versions before recycling wrote it: the checksum over the payload alone.
+    fn legacy_frame(changes: &[Change]) -> Vec<u8> {
+        let mut out = Vec::new();
+        encode(changes, &mut out);
+        let len = (out.len() - HEADER) as u32;
+        let crc = crc32fast::hash(&out[HEADER..]);
+        out[..4].copy_from_slice(&len.to_le_bytes());
+        out[4..HEADER].copy_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    fn spares(dir: &Path) -> Vec<u64> {
+        files::numbered(dir, SPARE).expect("test step")
+    }
+
+    /// A log of generation 1 full of frames `old{n}` is let go with a spare kept, generation 2
+    /// gets `two`, and generation 3 starts in the spare.
+    fn recycled(dir: &Path) -> Wal {
+        let (mut wal, _) = replay(dir).expect("test step");
+        for n in 0..50 {
+            wal.append(&mut frame(&[put("k", &format!("old{n}"))]))
+                .expect("test step");
+        }
+        assert_eq!(wal.start_next().expect("test step"), 1);
+        let old_len = std::fs::metadata(dir.join(file_name(1)))
+            .expect("test step")
+            .len();
+        recycle_through(dir, 1).expect("test step");
+        assert_eq!(spares(dir), vec![1], "the file let go is kept as a spare");
+        assert_eq!(generations(dir).expect("test step"), vec![2]);
+        wal.append(&mut frame(&[put("k", "two")]))
+            .expect("test step");
+        wal.start_next().expect("test step");
+        assert!(spares(dir).is_empty(), "the spare was taken");
+        assert_eq!(generations(dir).expect("test step"), vec![2, 3]);
+        assert_eq!(wal.allocated, old_len, "its blocks are written already");
+        wal
+    }
+
+    #[test]
+    fn a_recycled_file_replays_its_own_frames_never_what_it_held_before() {
+        let tmp = tempfile::tempdir().expect("test step");
+        let dir = tmp.path().join("wal");
+        let mut wal = recycled(&dir);
+        wal.append(&mut frame(&[put("k", "three")]))
+            .expect("test step");
+        let (len, allocated) = (wal.len, wal.allocated);
+        drop(wal);
+        let on_disk = std::fs::metadata(dir.join(file_name(3))).expect("test step");
+        assert_eq!(on_disk.len(), allocated, "no zeros were written ahead");
+        assert!(len < allocated);
+        let (wal, seen) = replay(&dir).expect("test step");
+        assert_eq!(seen, vec![vec![put("k", "two")], vec![put("k", "three")]]);
+        drop(wal);
+        // The leftovers were cut off with the open: as an older file it ends cleanly.
+        let (_, seen) = replay(&dir).expect("test step");
+        assert_eq!(seen, vec![vec![put("k", "two")], vec![put("k", "three")]]);
+    }
+
+    #[test]
+    fn a_recycled_file_rotated_away_ends_at_its_last_frame() {
+        let tmp = tempfile::tempdir().expect("test step");
+        let dir = tmp.path().join("wal");
+        let mut wal = recycled(&dir);
+        wal.append(&mut frame(&[put("k", "three")]))
+            .expect("test step");
+        let len = wal.len;
+        wal.start_next().expect("test step");
+        drop(wal);
+        let on_disk = std::fs::metadata(dir.join(file_name(3))).expect("test step");
+        assert_eq!(on_disk.len(), len, "what it held before is cut off");
+        // An older file with anything but zeros after its frames would be refused as corrupt.
+        let (_, seen) = replay(&dir).expect("test step");
+        assert_eq!(seen, vec![vec![put("k", "two")], vec![put("k", "three")]]);
+    }
+
+    #[test]
+    fn a_crash_right_after_recycling_leaves_an_empty_newest_file() {
+        let tmp = tempfile::tempdir().expect("test step");
+        let dir = tmp.path().join("wal");
+        drop(recycled(&dir));
+        let (_, seen) = replay(&dir).expect("test step");
+        assert_eq!(seen, vec![vec![put("k", "two")]]);
+    }
+
+    /// A log file as versions before recycling wrote it (generation 1, frames `k=1`, `k=2`),
+    /// replayed, kept as the spare generation 3 starts in (after `k=two` in generation 2).
+    fn recycled_from_before(dir: &Path) -> Wal {
+        files::create_dir(dir).expect("test step");
+        let mut bytes = legacy_frame(&[put("k", "1")]);
+        bytes.extend(legacy_frame(&[put("k", "2")]));
+        std::fs::write(dir.join(file_name(1)), &bytes).expect("test step");
+        // Written before recycling: replayed as it is.
+        let (mut wal, seen) = replay(dir).expect("test step");
+        assert_eq!(seen, vec![vec![put("k", "1")], vec![put("k", "2")]]);
+        recycle_through(dir, 1).expect("test step");
+        wal.append(&mut frame(&[put("k", "two")]))
+            .expect("test step");
+        wal.start_next().expect("test step");
+        assert_eq!((wal.generation, wal.allocated), (3, bytes.len() as u64));
+        wal
+    }
+
+    #[test]
+    fn a_file_from_before_recycling_recycled_replays_nothing_it_held() {
+        let tmp = tempfile::tempdir().expect("test step");
+        let dir = tmp.path().join("wal");
+        // A crash before generation 3 has a frame: its old frames check as they were written,
+        // and are still not replayed.
+        drop(recycled_from_before(&dir));
+        let (_, seen) = replay(&dir).expect("test step");
+        assert_eq!(seen, vec![vec![put("k", "two")]]);
+    }
+
+    #[test]
+    fn files_from_before_recycling_replay_and_their_leftovers_never_do() {
+        let tmp = tempfile::tempdir().expect("test step");
+        let dir = tmp.path().join("wal");
+        let mut wal = recycled_from_before(&dir);
+        let a = put("k", "1");
+        // Generation 3 gets one frame the size of the first old one: the second old frame,
+        // intact and checking as it was written, follows it.
+        let nine = put("k", "9");
+        wal.append(&mut frame(std::slice::from_ref(&nine)))
+            .expect("test step");
+        assert_eq!(wal.len as usize, legacy_frame(&[a]).len());
+        drop(wal);
+        let (_, seen) = replay(&dir).expect("test step");
+        assert_eq!(seen, vec![vec![put("k", "two")], vec![nine]]);
+    }
+
+    #[test]
+    fn the_checkpointer_keeps_one_spare_and_deletes_the_rest() {
+        let tmp = tempfile::tempdir().expect("test step");
+        let dir = tmp.path().join("wal");
+        let (mut wal, _) = replay(&dir).expect("test step");
+        for _ in 0..3 {
+            wal.append(&mut frame(&[put("k", "v")])).expect("test step");
+            wal.start_next().expect("test step");
+        }
+        recycle_through(&dir, 3).expect("test step");
+        assert_eq!(spares(&dir), vec![3], "the newest let go is kept");
+        assert_eq!(generations(&dir).expect("test step"), vec![4]);
+        wal.append(&mut frame(&[put("k", "v")])).expect("test step");
+        wal.start_next().expect("test step");
+        assert_eq!(generations(&dir).expect("test step"), vec![4, 5]);
+        // One spare at most: with one kept, the next file let go is deleted.
+        std::fs::rename(dir.join(file_name(5)), dir.join(spare_name(5))).expect("test step");
+        recycle_through(&dir, 4).expect("test step");
+        assert_eq!(spares(&dir), vec![5]);
+        assert!(generations(&dir).expect("test step").is_empty());
+    }
+}
