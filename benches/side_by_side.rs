@@ -1297,6 +1297,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     // Where a write's time goes at 1 connection: oncegate's phase histograms over those rounds.
     let mut phases: Option<Vec<(String, f64, f64, f64)>> = None;
     let mut fsync: Option<fsync_probe::Probe> = None;
+    let mut layouts: Option<(fsync_probe::Probe, fsync_probe::Probe)> = None;
     for spec in specs {
         let mut per: HashMap<&str, Result_> = HashMap::new();
         let one_writer = spec.workload == Workload::Write && spec.conns == 1;
@@ -1370,6 +1371,15 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
                 probe.cpu_us_per_sync().map_or("-".into(), |c| format!("{c:.0}"))
             );
             fsync = Some(probe);
+            // What recycling the log's files buys: frames over written blocks against a new
+            // file extended with zeros as it fills.
+            let (ahead, growing) = fsync_probe::compare_layouts(&og_dir, 3000);
+            println!(
+                "a durable append: written ahead p99.9 {:.0} µs, in a growing file p99.9 {:.0} µs",
+                ahead.q(0.999),
+                growing.q(0.999)
+            );
+            layouts = Some((ahead, growing));
         }
         results.push((spec, per));
     }
@@ -1547,6 +1557,23 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     }
     if let Some(probe) = &fsync {
         fsync_targets(&mut md, probe, &results);
+    }
+    if let Some((ahead, growing)) = &layouts {
+        md.push_str(&format!("\nA durable append (a `pwrite` of 2 KiB and its `fdatasync`, timed together; {} each) in a file whose blocks are written already, as a recycled log file takes its frames, and in a new file extended with zeros a megabyte at a time as it fills, as a new log file does (`fsync_probe::compare_layouts`):\n\n| file | p50 (µs) | p99 (µs) | p99.9 (µs) | max (µs) | CPU per append (µs) |\n|---|---:|---:|---:|---:|---:|\n", ahead.len()));
+        for (name, p) in [
+            ("written already (recycled)", ahead),
+            ("growing (new)", growing),
+        ] {
+            md.push_str(&format!(
+                "| {name} | {:.0} | {:.0} | {:.0} | {:.0} | {} |\n",
+                p.q(0.5),
+                p.q(0.99),
+                p.q(0.999),
+                p.q(1.0),
+                p.cpu_us_per_sync()
+                    .map_or("-".into(), |c| format!("{c:.0}"))
+            ));
+        }
     }
     md.push_str("\n## Durability and storage\n\n");
     for (conns, (flushes, writes)) in &flushes_per_write {

@@ -13,6 +13,7 @@
 
 use std::fs::OpenOptions;
 use std::io::{Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt as _;
 use std::path::Path;
 use std::time::Instant;
 
@@ -38,8 +39,36 @@ impl Probe {
     }
 }
 
-/// `n` frames written and made durable one by one in a file of its own in `dir`.
+/// `n` frames written and made durable one by one in a file of its own in `dir`, written ahead:
+/// each `fdatasync` timed.
 pub fn measure(dir: &Path, n: usize) -> Probe {
+    run(dir, n, Layout::WrittenAhead, false)
+}
+
+/// How the write-ahead log's file holds the frames it is given.
+#[derive(Clone, Copy, PartialEq)]
+enum Layout {
+    /// Blocks written before (a recycled log file; the probe writes them ahead).
+    WrittenAhead,
+    /// A new file, extended with zeros a megabyte at a time as frames reach its end (a new log
+    /// file, `wal::EXTEND_BYTES`).
+    Growing,
+}
+
+/// A durable append (the `pwrite` and its `fdatasync`, timed together) in a file written ahead,
+/// as a recycled log file takes frames, and in a new file extended with zeros as it fills, as a
+/// new log file does: the same `n` frames each, one after the other.
+pub fn compare_layouts(dir: &Path, n: usize) -> (Probe, Probe) {
+    (
+        run(dir, n, Layout::WrittenAhead, true),
+        run(dir, n, Layout::Growing, true),
+    )
+}
+
+/// The probe's one loop: `n` frames of [`FRAME`] bytes, each made durable before the next;
+/// `whole` times the write with its `fdatasync`, else the `fdatasync` alone.
+fn run(dir: &Path, n: usize, layout: Layout, whole: bool) -> Probe {
+    const EXTEND: u64 = 1 << 20;
     let path = dir.join("fsync-probe");
     let mut f = OpenOptions::new()
         .create(true)
@@ -48,16 +77,29 @@ pub fn measure(dir: &Path, n: usize) -> Probe {
         .write(true)
         .open(&path)
         .expect("open the fsync probe's file");
-    f.write_all(&vec![0u8; FRAME * n])
-        .expect("write the probe's file ahead");
+    if layout == Layout::WrittenAhead {
+        f.write_all(&vec![0u8; FRAME * n])
+            .expect("write the probe's file ahead");
+    }
     f.sync_all().expect("sync the probe's file");
     f.seek(SeekFrom::Start(0)).unwrap();
     let frame = vec![0x5au8; FRAME];
+    let zeros = vec![0u8; 64 << 10];
+    let (mut len, mut allocated) = (0u64, 0u64);
     let mut lat = Vec::with_capacity(n);
     let cpu_before = thread_cpu_ns();
     for _ in 0..n {
-        f.write_all(&frame).unwrap();
         let t = Instant::now();
+        if layout == Layout::Growing && len + FRAME as u64 > allocated {
+            let stop = allocated + EXTEND;
+            while allocated < stop {
+                f.write_all_at(&zeros, allocated).unwrap();
+                allocated += zeros.len() as u64;
+            }
+        }
+        f.write_all_at(&frame, len).unwrap();
+        len += FRAME as u64;
+        let t = if whole { t } else { Instant::now() };
         f.sync_data().expect("fdatasync the probe's file");
         lat.push(t.elapsed().as_secs_f64() * 1e6);
     }

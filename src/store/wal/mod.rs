@@ -44,6 +44,9 @@ pub use spare::{recycle_through, remove_through};
 pub const CHECKPOINT_BYTES: u64 = 64 << 20;
 /// The log file is extended with zeros this much at a time.
 pub const EXTEND_BYTES: u64 = 1 << 20;
+/// A page of the page cache (x86-64, most arm64 kernels): writes end at a page's end
+/// ([`Wal::append`]), and a file is extended a whole number of them at a time.
+const PAGE: u64 = 4096;
 /// The zeros are written from a buffer of this size, written to once so that its pages are
 /// resident: from a fresh allocation (pages not yet touched) the kernel's copy faults on every
 /// page, falls short and zeroes the file's new blocks before trying again (measured: 3% of the
@@ -146,19 +149,29 @@ impl Wal {
     /// µs). A recycled file has them already; a new one, or a recycled one past its old end, is
     /// extended ahead with zeros, [`EXTEND_BYTES`] at a time (whose fdatasync, one in several
     /// hundred at one connection, carries the megabyte: 2–3 ms).
-    pub fn append(&mut self, frame: &mut [u8]) -> io::Result<()> {
+    ///
+    /// The write runs on with zeros to the end of the frame's last page ([`PAGE`]), so that no
+    /// write covers only part of a page the kernel does not hold: it would read the block from
+    /// the disk first, which a recycled file's pages, out of the page cache since their last
+    /// use, would otherwise cost. The zeros are what a file's end is anyway; the next frame
+    /// writes over them.
+    pub fn append(&mut self, frame: &mut Vec<u8>) -> io::Result<()> {
         seal(frame, self.generation);
-        let end = self.len + frame.len() as u64;
-        if end > self.allocated {
-            let grow = EXTEND_BYTES.max(end - self.allocated);
-            let stop = self.allocated + grow;
+        let n = frame.len();
+        let end = self.len + n as u64;
+        let padded = end.next_multiple_of(PAGE);
+        if padded > self.allocated {
+            let stop = (self.allocated + EXTEND_BYTES).max(padded);
             while self.allocated < stop {
                 let n = (stop - self.allocated).min(ZEROS as u64) as usize;
                 self.file.write_all_at(&self.zeros[..n], self.allocated)?;
                 self.allocated += n as u64;
             }
         }
-        self.file.write_all_at(frame, self.len)?;
+        frame.resize(n + (padded - end) as usize, 0);
+        let written = self.file.write_all_at(frame, self.len);
+        frame.truncate(n);
+        written?;
         self.len = end;
         Ok(())
     }

@@ -7,7 +7,7 @@ use std::os::unix::fs::FileExt as _;
 use std::path::Path;
 
 use super::frame::HEADER;
-use super::{file_name, files, generations};
+use super::{file_name, files, generations, PAGE};
 
 /// A kept spare's name ends so; log files end `.wal`.
 const SPARE: &str = "spare";
@@ -57,8 +57,8 @@ fn spare_name(generation: u64) -> String {
     format!("{generation:020}.{SPARE}")
 }
 
-/// The newest spare in `dir`, made the log file of `generation`, and its length (blocks its
-/// frames overwrite), or `None` if there is none to take.
+/// The newest spare in `dir`, made the log file of `generation`, and how much of it frames
+/// overwrite (its length in whole pages), or `None` if there is none to take.
 ///
 /// Its first frame's header is zeroed and made durable before the rename, so the file holds no
 /// frame of its new generation until one is appended: a crash right after the rename leaves an
@@ -80,7 +80,9 @@ pub(super) fn recycle(dir: &Path, generation: u64) -> Result<Option<(File, u64)>
         .and_then(|()| file.sync_data())
         .and_then(|()| file.metadata())
         .map_err(|e| format!("recycle {}: {e}", from.display()))?
-        .len();
+        .len()
+        / PAGE
+        * PAGE;
     match std::fs::rename(&from, &to) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
@@ -113,16 +115,25 @@ mod tests {
         out
     }
 
+    /// A change whose frame takes exactly one page: `k` set to `v` run on with dots. A frame
+    /// ending at a page's end is followed by no zeros ([`Wal::append`]), so what the file held
+    /// before starts right after it, where a replay looks for the next frame.
+    fn page(v: &str) -> Change {
+        let change = put("k", &format!("{v:.<4078}"));
+        assert_eq!(frame(std::slice::from_ref(&change)).len() as u64, PAGE);
+        change
+    }
+
     fn spares(dir: &Path) -> Vec<u64> {
         files::numbered(dir, SPARE).expect("test step")
     }
 
-    /// A log of generation 1 full of frames `old{n}` is let go with a spare kept, generation 2
-    /// gets `two`, and generation 3 starts in the spare.
+    /// A log of generation 1 full of page-sized frames `old{n}` is let go with a spare kept,
+    /// generation 2 gets `two`, and generation 3 starts in the spare.
     fn recycled(dir: &Path) -> Wal {
         let (mut wal, _) = replay(dir).expect("test step");
         for n in 0..50 {
-            wal.append(&mut frame(&[put("k", &format!("old{n}"))]))
+            wal.append(&mut frame(&[page(&format!("old{n}"))]))
                 .expect("test step");
         }
         assert_eq!(wal.start_next().expect("test step"), 1);
@@ -137,7 +148,11 @@ mod tests {
         wal.start_next().expect("test step");
         assert!(spares(dir).is_empty(), "the spare was taken");
         assert_eq!(generations(dir).expect("test step"), vec![2, 3]);
-        assert_eq!(wal.allocated, old_len, "its blocks are written already");
+        assert_eq!(
+            wal.allocated,
+            old_len / PAGE * PAGE,
+            "its blocks are written already"
+        );
         wal
     }
 
@@ -146,19 +161,18 @@ mod tests {
         let tmp = tempfile::tempdir().expect("test step");
         let dir = tmp.path().join("wal");
         let mut wal = recycled(&dir);
-        wal.append(&mut frame(&[put("k", "three")]))
-            .expect("test step");
+        wal.append(&mut frame(&[page("three")])).expect("test step");
         let (len, allocated) = (wal.len, wal.allocated);
         drop(wal);
         let on_disk = std::fs::metadata(dir.join(file_name(3))).expect("test step");
         assert_eq!(on_disk.len(), allocated, "no zeros were written ahead");
         assert!(len < allocated);
         let (wal, seen) = replay(&dir).expect("test step");
-        assert_eq!(seen, vec![vec![put("k", "two")], vec![put("k", "three")]]);
+        assert_eq!(seen, vec![vec![put("k", "two")], vec![page("three")]]);
         drop(wal);
         // The leftovers were cut off with the open: as an older file it ends cleanly.
         let (_, seen) = replay(&dir).expect("test step");
-        assert_eq!(seen, vec![vec![put("k", "two")], vec![put("k", "three")]]);
+        assert_eq!(seen, vec![vec![put("k", "two")], vec![page("three")]]);
     }
 
     #[test]
@@ -166,8 +180,7 @@ mod tests {
         let tmp = tempfile::tempdir().expect("test step");
         let dir = tmp.path().join("wal");
         let mut wal = recycled(&dir);
-        wal.append(&mut frame(&[put("k", "three")]))
-            .expect("test step");
+        wal.append(&mut frame(&[page("three")])).expect("test step");
         let len = wal.len;
         wal.start_next().expect("test step");
         drop(wal);
@@ -175,7 +188,7 @@ mod tests {
         assert_eq!(on_disk.len(), len, "what it held before is cut off");
         // An older file with anything but zeros after its frames would be refused as corrupt.
         let (_, seen) = replay(&dir).expect("test step");
-        assert_eq!(seen, vec![vec![put("k", "two")], vec![put("k", "three")]]);
+        assert_eq!(seen, vec![vec![put("k", "two")], vec![page("three")]]);
     }
 
     #[test]
@@ -187,21 +200,25 @@ mod tests {
         assert_eq!(seen, vec![vec![put("k", "two")]]);
     }
 
-    /// A log file as versions before recycling wrote it (generation 1, frames `k=1`, `k=2`),
+    /// A log file as versions before recycling wrote it (generation 1: a page-sized `k=1…`, then
+    /// `k=2`),
     /// replayed, kept as the spare generation 3 starts in (after `k=two` in generation 2).
     fn recycled_from_before(dir: &Path) -> Wal {
         files::create_dir(dir).expect("test step");
-        let mut bytes = legacy_frame(&[put("k", "1")]);
+        let mut bytes = legacy_frame(&[page("1")]);
         bytes.extend(legacy_frame(&[put("k", "2")]));
         std::fs::write(dir.join(file_name(1)), &bytes).expect("test step");
         // Written before recycling: replayed as it is.
         let (mut wal, seen) = replay(dir).expect("test step");
-        assert_eq!(seen, vec![vec![put("k", "1")], vec![put("k", "2")]]);
+        assert_eq!(seen, vec![vec![page("1")], vec![put("k", "2")]]);
         recycle_through(dir, 1).expect("test step");
         wal.append(&mut frame(&[put("k", "two")]))
             .expect("test step");
         wal.start_next().expect("test step");
-        assert_eq!((wal.generation, wal.allocated), (3, bytes.len() as u64));
+        assert_eq!(
+            (wal.generation, wal.allocated),
+            (3, bytes.len() as u64 / PAGE * PAGE)
+        );
         wal
     }
 
@@ -221,10 +238,10 @@ mod tests {
         let tmp = tempfile::tempdir().expect("test step");
         let dir = tmp.path().join("wal");
         let mut wal = recycled_from_before(&dir);
-        let a = put("k", "1");
+        let a = page("1");
         // Generation 3 gets one frame the size of the first old one: the second old frame,
         // intact and checking as it was written, follows it.
-        let nine = put("k", "9");
+        let nine = page("9");
         wal.append(&mut frame(std::slice::from_ref(&nine)))
             .expect("test step");
         assert_eq!(wal.len as usize, legacy_frame(&[a]).len());
