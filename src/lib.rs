@@ -130,7 +130,10 @@ pub fn store_options(config: &Config, metrics: &Metrics) -> Result<StoreOptions,
         chain: log::Chain::new(key),
         log_retention: config.log.retention,
         flush_latency: Some(metrics.flush_latency.clone()),
-        wal_checkpoint_bytes: None,
+        wal_checkpoint_bytes: match &config.store {
+            StoreConfig::Sled { wal_size, .. } => *wal_size,
+            StoreConfig::Postgres { .. } => None,
+        },
         log_segment_bytes: None,
         caller_clock: false,
     })
@@ -142,7 +145,7 @@ pub async fn open_store(
     options: StoreOptions,
 ) -> Result<Arc<dyn Store>, StoreError> {
     match &config.store {
-        StoreConfig::Sled { path } => {
+        StoreConfig::Sled { path, .. } => {
             let path = path.clone();
             let store =
                 tokio::task::spawn_blocking(move || store::sled::SledStore::open(&path, options))

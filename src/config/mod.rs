@@ -75,6 +75,7 @@ struct RawAdmin {
 struct RawStore {
     backend: Option<String>,
     path: Option<PathBuf>,
+    wal_size: Option<Size>,
     url_env: Option<String>,
     encrypt_key_env: Option<String>,
 }
@@ -126,8 +127,15 @@ pub struct AdminConfig {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum StoreConfig {
-    Sled { path: PathBuf },
-    Postgres { url_env: String },
+    /// `wal_size`: how large a write-ahead log file grows before a checkpoint lets it go
+    /// (`None`: the store's default, [`crate::store::wal::CHECKPOINT_BYTES`]).
+    Sled {
+        path: PathBuf,
+        wal_size: Option<u64>,
+    },
+    Postgres {
+        url_env: String,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -149,6 +157,11 @@ pub struct Config {
     pub log: LogConfig,
     pub upstreams: Vec<Arc<Upstream>>,
 }
+
+/// The bounds of `store.wal_size`: below, checkpoints (a flush and fsync of the database each)
+/// would come every few writes; above, a crash's replay grows long.
+const MIN_WAL_SIZE: u64 = 64 << 10;
+const MAX_WAL_SIZE: u64 = 1 << 30;
 
 pub const DEFAULT_REDACT_QUERY: &[&str] = &[
     "api_key",
@@ -270,17 +283,31 @@ impl RawConfig {
                         "only applies to backend = \"postgres\"",
                     ));
                 }
+                let wal_size = self.store.wal_size.map(|s| s.0);
+                if let Some(size) = wal_size.filter(|s| !(MIN_WAL_SIZE..=MAX_WAL_SIZE).contains(s))
+                {
+                    return Err(invalid(
+                        "store.wal_size",
+                        format!("{size} bytes: expected 64KiB to 1GiB"),
+                    ));
+                }
                 StoreConfig::Sled {
                     path: self
                         .store
                         .path
                         .clone()
                         .unwrap_or_else(|| PathBuf::from("oncegate-data")),
+                    wal_size,
                 }
             }
             "postgres" => {
-                if self.store.path.is_some() {
-                    return Err(invalid("store.path", "only applies to backend = \"sled\""));
+                for (key, set) in [
+                    ("store.path", self.store.path.is_some()),
+                    ("store.wal_size", self.store.wal_size.is_some()),
+                ] {
+                    if set {
+                        return Err(invalid(key, "only applies to backend = \"sled\""));
+                    }
                 }
                 StoreConfig::Postgres {
                     url_env: self
