@@ -413,8 +413,8 @@ fn proxy_config(
     let store = if postgres {
         "backend = \"postgres\"\nurl_env = \"ONCEGATE_TEST_DB\"".to_string()
     } else {
-        // Small log files: many checkpoints, and most files started in a recycled spare, all
-        // under the kills.
+        // Small log files: many checkpoints, and files started in a recycled spare, all under
+        // the kills.
         format!(
             "path = {:?}\nwal_size = \"256KiB\"",
             dir.join("store").display().to_string()

@@ -12,7 +12,7 @@
 //! work, which the CPU floor at 64 connections adds per flush.
 
 use std::fs::OpenOptions;
-use std::io::{Seek, SeekFrom, Write};
+use std::io::Write;
 use std::os::unix::fs::FileExt as _;
 use std::path::Path;
 use std::time::Instant;
@@ -68,7 +68,6 @@ pub fn compare_layouts(dir: &Path, n: usize) -> (Probe, Probe) {
 /// The probe's one loop: `n` frames of [`FRAME`] bytes, each made durable before the next;
 /// `whole` times the write with its `fdatasync`, else the `fdatasync` alone.
 fn run(dir: &Path, n: usize, layout: Layout, whole: bool) -> Probe {
-    const EXTEND: u64 = 1 << 20;
     let path = dir.join("fsync-probe");
     let mut f = OpenOptions::new()
         .create(true)
@@ -82,7 +81,6 @@ fn run(dir: &Path, n: usize, layout: Layout, whole: bool) -> Probe {
             .expect("write the probe's file ahead");
     }
     f.sync_all().expect("sync the probe's file");
-    f.seek(SeekFrom::Start(0)).unwrap();
     let frame = vec![0x5au8; FRAME];
     let zeros = vec![0u8; 64 << 10];
     let (mut len, mut allocated) = (0u64, 0u64);
@@ -91,7 +89,7 @@ fn run(dir: &Path, n: usize, layout: Layout, whole: bool) -> Probe {
     for _ in 0..n {
         let t = Instant::now();
         if layout == Layout::Growing && len + FRAME as u64 > allocated {
-            let stop = allocated + EXTEND;
+            let stop = allocated + oncegate::store::wal::EXTEND_BYTES;
             while allocated < stop {
                 f.write_all_at(&zeros, allocated).unwrap();
                 allocated += zeros.len() as u64;

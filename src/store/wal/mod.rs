@@ -187,8 +187,9 @@ impl Wal {
         self.len >= limit
     }
 
-    /// Starts a new file and returns the previous one's generation, which stays until someone
-    /// has made sled durable past its last frame and calls [`remove_through`].
+    /// Starts a new file (in the spare, if there is one) and returns the previous one's
+    /// generation, which stays until someone has made sled durable past its last frame and
+    /// calls [`recycle_through`] or [`remove_through`].
     pub fn start_next(&mut self) -> Result<u64, String> {
         // The file ends at its last frame (no zeros ahead, nor a recycled file's leftovers: an
         // older file must end cleanly), and frames the syncer has not made durable (notes and

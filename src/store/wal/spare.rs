@@ -63,17 +63,18 @@ fn spare_name(generation: u64) -> String {
 /// Its first frame's header is zeroed and made durable before the rename, so the file holds no
 /// frame of its new generation until one is appended: a crash right after the rename leaves an
 /// empty newest file, and leftovers past the new frames never check under the new generation
-/// ([`frames`]). A spare the checkpointer deletes meanwhile (it keeps one) is simply not taken.
+/// ([`frames`]). Only this (on the writer's thread) takes spares and nothing deletes them, so
+/// the one listed is there to open.
 pub(super) fn recycle(dir: &Path, generation: u64) -> Result<Option<(File, u64)>, String> {
     let Some(g) = files::numbered(dir, SPARE)?.pop() else {
         return Ok(None);
     };
     let from = dir.join(spare_name(g));
-    let file = match files::private().read(true).write(true).open(&from) {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("open {}: {e}", from.display())),
-    };
+    let file = files::private()
+        .read(true)
+        .write(true)
+        .open(&from)
+        .map_err(|e| format!("open {}: {e}", from.display()))?;
     let to = dir.join(file_name(generation));
     let len = file
         .write_all_at(&[0; HEADER], 0)
@@ -83,17 +84,8 @@ pub(super) fn recycle(dir: &Path, generation: u64) -> Result<Option<(File, u64)>
         .len()
         / PAGE
         * PAGE;
-    match std::fs::rename(&from, &to) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => {
-            return Err(format!(
-                "rename {} to {}: {e}",
-                from.display(),
-                to.display()
-            ))
-        }
-    }
+    std::fs::rename(&from, &to)
+        .map_err(|e| format!("rename {} to {}: {e}", from.display(), to.display()))?;
     files::fsync_dir(dir).map_err(|e| format!("fsync {}: {e}", dir.display()))?;
     Ok(Some((file, len)))
 }
