@@ -125,6 +125,58 @@ impl LogEvent {
     }
 }
 
+/// An event about an action that borrows the record instead of copying its fields into a
+/// [`LogEvent`]: what a store seals as it changes a record ([`Chain::seal_record_line`]), or
+/// turns into a `LogEvent` ([`From`]) where it keeps events for later.
+#[derive(Debug, Clone)]
+pub struct RecordEvent<'a> {
+    pub event: Event,
+    pub record: &'a Record,
+    pub actor: Actor,
+    pub status: Option<u16>,
+    pub outcome: Option<&'static str>,
+    pub detail: Option<String>,
+}
+
+impl<'a> RecordEvent<'a> {
+    pub fn new(event: Event, record: &'a Record, actor: Actor) -> Self {
+        RecordEvent {
+            event,
+            record,
+            actor,
+            status: None,
+            outcome: None,
+            detail: None,
+        }
+    }
+
+    pub fn status(mut self, s: Option<u16>) -> Self {
+        self.status = s;
+        self
+    }
+
+    pub fn outcome(mut self, o: &'static str) -> Self {
+        self.outcome = Some(o);
+        self
+    }
+
+    pub fn detail(mut self, d: impl Into<String>) -> Self {
+        self.detail = Some(d.into());
+        self
+    }
+}
+
+impl From<RecordEvent<'_>> for LogEvent {
+    fn from(ev: RecordEvent<'_>) -> LogEvent {
+        LogEvent {
+            status: ev.status,
+            outcome: ev.outcome.map(str::to_string),
+            detail: ev.detail,
+            ..LogEvent::for_record(ev.event, ev.record, ev.actor)
+        }
+    }
+}
+
 /// One chained entry, as stored and exported (one JSON object per line). A field outside this
 /// list is an edit: such a line is not an entry (SPEC §11).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -178,6 +230,45 @@ impl std::fmt::Debug for Chain {
     }
 }
 
+/// An entry without its hash, as the chain hashes it: every field, keys sorted, no white space.
+/// Serialized straight from borrowed fields declared in sorted order (no intermediate `Value`:
+/// this runs for every entry written and verified).
+#[derive(Serialize)]
+struct Canon<'a> {
+    action: Option<&'a str>,
+    actor: Actor,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    alg: Option<&'a str>,
+    attempt: Option<u32>,
+    detail: Option<&'a str>,
+    event: Event,
+    external_id: Option<&'a str>,
+    fingerprint: Option<&'a str>,
+    key: Option<&'a str>,
+    method: Option<&'a str>,
+    outcome: Option<&'a str>,
+    path: Option<&'a str>,
+    prev: &'a str,
+    principal: Option<&'a str>,
+    seq: u64,
+    status: Option<u16>,
+    step: Option<&'a str>,
+    task: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool: Option<&'a str>,
+    ts: &'a str,
+    upstream: Option<&'a str>,
+}
+
+impl Canon<'_> {
+    fn line(&self) -> Vec<u8> {
+        // Sized for an entry with its hash appended (about 600 bytes), so that neither grows it.
+        let mut line = Vec::with_capacity(1024);
+        serde_json::to_writer(&mut line, self).expect("entries always serialize");
+        line
+    }
+}
+
 impl Chain {
     pub fn new(hmac_key: Option<Vec<u8>>) -> Chain {
         Chain {
@@ -185,66 +276,32 @@ impl Chain {
         }
     }
 
-    /// The canonical JSON of an entry without its hash: every field, keys sorted, no white
-    /// space. Serialized straight from a borrowing struct whose fields are declared in sorted
-    /// order (no intermediate `Value`: this runs for every entry written and verified).
+    /// The canonical JSON of an entry without its hash ([`Canon`]).
     fn canonical(e: &Entry) -> Vec<u8> {
-        #[derive(Serialize)]
-        struct Canon<'a> {
-            action: &'a Option<String>,
-            actor: Actor,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            alg: &'a Option<String>,
-            attempt: Option<u32>,
-            detail: &'a Option<String>,
-            event: Event,
-            external_id: &'a Option<String>,
-            fingerprint: &'a Option<String>,
-            key: &'a Option<String>,
-            method: &'a Option<String>,
-            outcome: &'a Option<String>,
-            path: &'a Option<String>,
-            prev: &'a str,
-            principal: &'a Option<String>,
-            seq: u64,
-            status: Option<u16>,
-            step: &'a Option<String>,
-            task: &'a Option<String>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            tool: &'a Option<String>,
-            ts: &'a str,
-            upstream: &'a Option<String>,
+        Canon {
+            action: e.action.as_deref(),
+            actor: e.actor,
+            alg: e.alg.as_deref(),
+            attempt: e.attempt,
+            detail: e.detail.as_deref(),
+            event: e.event,
+            external_id: e.external_id.as_deref(),
+            fingerprint: e.fingerprint.as_deref(),
+            key: e.key.as_deref(),
+            method: e.method.as_deref(),
+            outcome: e.outcome.as_deref(),
+            path: e.path.as_deref(),
+            prev: &e.prev,
+            principal: e.principal.as_deref(),
+            seq: e.seq,
+            status: e.status,
+            step: e.step.as_deref(),
+            task: e.task.as_deref(),
+            tool: e.tool.as_deref(),
+            ts: &e.ts,
+            upstream: e.upstream.as_deref(),
         }
-        // Sized for an entry with its hash appended (about 600 bytes), so that neither grows it.
-        let mut line = Vec::with_capacity(1024);
-        serde_json::to_writer(
-            &mut line,
-            &Canon {
-                action: &e.action,
-                actor: e.actor,
-                alg: &e.alg,
-                attempt: e.attempt,
-                detail: &e.detail,
-                event: e.event,
-                external_id: &e.external_id,
-                fingerprint: &e.fingerprint,
-                key: &e.key,
-                method: &e.method,
-                outcome: &e.outcome,
-                path: &e.path,
-                prev: &e.prev,
-                principal: &e.principal,
-                seq: e.seq,
-                status: e.status,
-                step: &e.step,
-                task: &e.task,
-                tool: &e.tool,
-                ts: &e.ts,
-                upstream: &e.upstream,
-            },
-        )
-        .expect("entries always serialize");
-        line
+        .line()
     }
 
     /// The algorithm entries chained here carry.
@@ -288,6 +345,51 @@ impl Chain {
         line.extend_from_slice(e.hash.as_bytes());
         line.extend_from_slice(b"\"}");
         (e, line)
+    }
+
+    /// [`Chain::seal_line`] for an event about a record, read from the record where it is
+    /// (no [`LogEvent`] copied from it): the stores seal three of these a write. Returns the
+    /// entry's sequence number and hash with its stored form, byte for byte what `seal_line`
+    /// gives for the same event as a [`LogEvent`].
+    pub fn seal_record_line(
+        &self,
+        ev: &RecordEvent<'_>,
+        head: (u64, &str),
+        now: Millis,
+    ) -> (u64, String, Vec<u8>) {
+        let r = ev.record;
+        let seq = head.0 + 1;
+        let ts = rfc3339(now);
+        let mut line = Canon {
+            action: Some(&r.id),
+            actor: ev.actor,
+            alg: Some(self.alg()),
+            attempt: Some(r.attempts),
+            detail: ev.detail.as_deref(),
+            event: ev.event,
+            external_id: r.external_id.as_deref(),
+            fingerprint: Some(&r.fingerprint),
+            key: Some(&r.key),
+            method: Some(&r.method),
+            outcome: ev.outcome,
+            path: Some(&r.path),
+            prev: head.1,
+            principal: Some(principal_short(&r.principal)),
+            seq,
+            status: ev.status,
+            step: r.step.as_deref(),
+            task: r.task.as_deref(),
+            tool: r.tool.as_deref(),
+            ts: &ts,
+            upstream: Some(&r.upstream),
+        }
+        .line();
+        let hash = self.hash_canonical(head.1, &line);
+        line.pop(); // the closing brace
+        line.extend_from_slice(b",\"hash\":\"");
+        line.extend_from_slice(hash.as_bytes());
+        line.extend_from_slice(b"\"}");
+        (seq, hash, line)
     }
 
     /// Chains an event after `(seq, hash)` of the current head.
@@ -404,6 +506,48 @@ pub fn parse_export(text: &str) -> Vec<Result<Entry, u64>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A record event sealed from the record is, byte for byte, the same event copied into a
+    /// `LogEvent` and sealed: the two paths hash and store one form, so a log written by either
+    /// verifies the same way.
+    #[test]
+    fn a_record_event_seals_as_its_log_event_would() {
+        let mut r = Record::new("0123abcd", "fp\"1");
+        r.upstream = "pay".into();
+        r.principal = "token:secret-ish".into();
+        r.key = "k-1".into();
+        r.method = "POST".into();
+        r.path = "/v1/charges?x=\u{e9}".into();
+        r.attempts = 2;
+        let bare = r.clone();
+        r.task = Some("task 1".into());
+        r.step = Some("step\n2".into());
+        r.external_id = Some("ch_1".into());
+        r.tool = Some("create".into());
+        for chain in [Chain::new(None), Chain::new(Some(b"k".to_vec()))] {
+            for rec in [&bare, &r] {
+                let events = [
+                    RecordEvent::new(Event::Sent, rec, Actor::Proxy),
+                    RecordEvent::new(Event::Outcome, rec, Actor::Lookup)
+                        .status(Some(201))
+                        .outcome("applied")
+                        .detail("upstream said \"created\""),
+                ];
+                for ev in events {
+                    let head = (41, "ab".repeat(32));
+                    let (seq, hash, line) =
+                        chain.seal_record_line(&ev, (head.0, &head.1), 1_700_000_000_123);
+                    let (e, want) =
+                        chain.seal_line(ev.into(), (head.0, &head.1), 1_700_000_000_123);
+                    assert_eq!(
+                        String::from_utf8_lossy(&line),
+                        String::from_utf8_lossy(&want)
+                    );
+                    assert_eq!((seq, hash), (e.seq, e.hash));
+                }
+            }
+        }
+    }
 
     fn chain_of(c: &Chain, n: u64) -> Vec<Entry> {
         let mut out: Vec<Entry> = Vec::new();

@@ -18,7 +18,7 @@ use bytes::Bytes;
 use crate::action::{
     Claim, ClaimRequest, Millis, Record, Resolve, ResolveError, SettleError, Settlement, State,
 };
-use crate::log::{Actor, Chain, Entry, Event, LogEvent, Verification};
+use crate::log::{Actor, Chain, Entry, Event, LogEvent, RecordEvent, Verification};
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -51,14 +51,14 @@ pub struct SettleRequest {
 
 /// The log entries of a claim that changed a record: `intent` (a new action) and `sent` (its
 /// attempt goes out), or `unknown` (an in-flight attempt whose owner's lease expired).
-pub fn claim_events(claim: &Claim, written: &Record) -> Vec<LogEvent> {
+pub fn claim_events<'a>(claim: &Claim, written: &'a Record) -> Vec<RecordEvent<'a>> {
     match claim {
         Claim::Claimed(_) => {
             let mut v = Vec::with_capacity(2);
             if written.attempts == 1 {
-                v.push(LogEvent::for_record(Event::Intent, written, Actor::Proxy));
+                v.push(RecordEvent::new(Event::Intent, written, Actor::Proxy));
             }
-            v.push(LogEvent::for_record(Event::Sent, written, Actor::Proxy));
+            v.push(RecordEvent::new(Event::Sent, written, Actor::Proxy));
             v
         }
         _ => vec![recover_event(
@@ -74,7 +74,7 @@ pub fn claim_events(claim: &Claim, written: &Record) -> Vec<LogEvent> {
 }
 
 /// The log entry of an attempt's end.
-pub fn settle_event(r: &Record) -> LogEvent {
+pub fn settle_event(r: &Record) -> RecordEvent<'_> {
     let last = r.evidence.last().and_then(|a| a.tries.last());
     let status = last.and_then(|t| t.status);
     let (event, outcome) = match r.state {
@@ -82,7 +82,7 @@ pub fn settle_event(r: &Record) -> LogEvent {
         State::Failed => (Event::Outcome, "not-applied"),
         _ => (Event::Unknown, "unknown"),
     };
-    let ev = LogEvent::for_record(event, r, Actor::Proxy)
+    let ev = RecordEvent::new(event, r, Actor::Proxy)
         .status(status)
         .outcome(outcome);
     match last.and_then(|t| t.error.clone()) {
@@ -92,21 +92,21 @@ pub fn settle_event(r: &Record) -> LogEvent {
 }
 
 /// The log entry of a settled unknown action.
-pub fn resolve_event(event: Event, r: &Record, actor: Actor, reason: String) -> LogEvent {
+pub fn resolve_event(event: Event, r: &Record, actor: Actor, reason: String) -> RecordEvent<'_> {
     let outcome = if r.state == State::Succeeded {
         "applied"
     } else {
         "not-applied"
     };
-    LogEvent::for_record(event, r, actor)
+    RecordEvent::new(event, r, actor)
         .status(r.response.as_ref().map(|s| s.status))
         .outcome(outcome)
         .detail(reason)
 }
 
 /// The log entry of an in-flight attempt turned unknown (restart, drain deadline, lease).
-pub fn recover_event(r: &Record, reason: &str) -> LogEvent {
-    LogEvent::for_record(Event::Unknown, r, Actor::Proxy)
+pub fn recover_event<'a>(r: &'a Record, reason: &str) -> RecordEvent<'a> {
+    RecordEvent::new(Event::Unknown, r, Actor::Proxy)
         .outcome("unknown")
         .detail(reason)
 }

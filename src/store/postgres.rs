@@ -426,7 +426,15 @@ impl Store for PostgresStore {
                     .await
                     .map_err(db)?;
                 if inserted == 1 {
-                    append(tx, &chain, claim_events(&fresh_claim, &fresh)).await?;
+                    append(
+                        tx,
+                        &chain,
+                        claim_events(&fresh_claim, &fresh)
+                            .into_iter()
+                            .map(LogEvent::from)
+                            .collect(),
+                    )
+                    .await?;
                     return Ok(fresh_claim);
                 }
                 let current = lock(tx, &req.fresh.id, sealer.as_deref()).await?;
@@ -442,7 +450,7 @@ impl Store for PostgresStore {
                         events.push(LogEvent::for_record(Event::Expired, &o, Actor::Proxy));
                     }
                     write(tx, w, None, sealer.as_deref()).await?;
-                    events.extend(claim_events(&claim, w));
+                    events.extend(claim_events(&claim, w).into_iter().map(LogEvent::from));
                     append(tx, &chain, events).await?;
                 }
                 Ok(claim)
@@ -473,7 +481,7 @@ impl Store for PostgresStore {
                 let current = lock(tx, &id, sealer.as_deref()).await?;
                 let new = apply_settle(current, &id, attempt, settlement)?;
                 write(tx, &new, body.as_ref(), sealer.as_deref()).await?;
-                append(tx, &chain, vec![settle_event(&new)]).await?;
+                append(tx, &chain, vec![settle_event(&new).into()]).await?;
                 Ok(Arc::new(new))
             })
         }))
@@ -504,7 +512,12 @@ impl Store for PostgresStore {
                 let current = lock(tx, &id, sealer.as_deref()).await?;
                 let new = apply_resolve(current, &id, res)?;
                 write(tx, &new, body.as_ref(), sealer.as_deref()).await?;
-                append(tx, &chain, vec![resolve_event(event, &new, actor, reason)]).await?;
+                append(
+                    tx,
+                    &chain,
+                    vec![resolve_event(event, &new, actor, reason).into()],
+                )
+                .await?;
                 Ok(new)
             })
         }))
@@ -774,7 +787,7 @@ impl Store for PostgresStore {
                             };
                             let Some(u) = recover_in_flight(r, &reason, now) else { return Ok(false) };
                             write(tx, &u, None, sealer.as_deref()).await?;
-                            append(tx, &chain, vec![recover_event(&u, &reason)]).await?;
+                            append(tx, &chain, vec![recover_event(&u, &reason).into()]).await?;
                             Ok(true)
                         })
                     })

@@ -133,7 +133,7 @@ impl Writer {
                             pending.new_keys.insert(state_key(w.state, &w.id));
                         }
                         for ev in claim_events(&claim, &w) {
-                            self.append(pending, ev);
+                            self.append_record(pending, &ev);
                         }
                         claim = claim.with_record(w);
                     }
@@ -224,7 +224,7 @@ impl Writer {
                                     Err(e) => return Answer::failed(tx, e),
                                 };
                                 let new = self.stage(pending, Some(&old), Arc::new(new), kept);
-                                self.append(pending, recover_event(&new, reason));
+                                self.append_record(pending, &recover_event(&new, reason));
                                 n += 1;
                             }
                         }
@@ -302,14 +302,14 @@ impl Writer {
         pending: &mut Pending,
         change: Staging,
         body: Option<Bytes>,
-        event: impl FnOnce(&Record) -> LogEvent,
+        event: impl FnOnce(&Record) -> RecordEvent<'_>,
     ) -> Arc<Record> {
         let Staging { old, new, stored } = change;
         if let Some(body) = body {
             pending.bodies.insert(new.id.clone(), body);
         }
         let new = self.stage(pending, old.as_deref(), Arc::new(new), stored);
-        self.append(pending, event(&new));
+        self.append_record(pending, &event(&new));
         new
     }
 }

@@ -70,7 +70,7 @@ use crate::action::{
     apply_resolve, apply_settle, decide_claim_owned, now_millis, recover_in_flight, BodyRef, Claim,
     ClaimRequest, Millis, Record, Resolve, State,
 };
-use crate::log::{self, Actor, Chain, Entry, Event, LogEvent, Verification, GENESIS};
+use crate::log::{self, Actor, Chain, Entry, Event, LogEvent, RecordEvent, Verification, GENESIS};
 
 mod bodies;
 mod cache;

@@ -299,6 +299,18 @@ impl Writer {
         let (e, line) = self
             .chain
             .seal_line(ev, (self.head.0, &self.head.1), now_millis());
+        self.add_line(pending, e.seq, e.hash, &line);
+    }
+
+    /// [`Writer::append`] for an event about a record, sealed from the record itself.
+    pub(super) fn append_record(&mut self, pending: &mut Pending, ev: &RecordEvent<'_>) {
+        let (seq, hash, line) =
+            self.chain
+                .seal_record_line(ev, (self.head.0, &self.head.1), now_millis());
+        self.add_line(pending, seq, hash, &line);
+    }
+
+    fn add_line(&mut self, pending: &mut Pending, seq: u64, hash: String, line: &[u8]) {
         // The batch's entries go into blocks (one sled value each, at most LOG_BLOCK_MAX): one
         // insert per block, not per entry.
         if pending.log_block.len() + line.len() > LOG_BLOCK_MAX {
@@ -307,10 +319,10 @@ impl Writer {
                 pending.put(log_key(first), block);
             }
         }
-        pending.log_first.get_or_insert(e.seq);
-        pending.log_block.extend_from_slice(&line);
+        pending.log_first.get_or_insert(seq);
+        pending.log_block.extend_from_slice(line);
         pending.log_block.push(b'\n');
-        self.head = (e.seq, e.hash);
+        self.head = (seq, hash);
         pending.writes += 1;
     }
 
