@@ -1479,6 +1479,17 @@ async fn sled_decides_a_lone_call_on_the_callers_thread_and_queues_the_rest() {
         assert_eq!((ok.len(), refused), (40, false));
     }
     assert!(sled.flush_count() > flushes);
+    // Once the crowd has its answers, a lone call runs on its own thread again: the writer
+    // thread answers only after letting go of the writer, so a woken caller never finds it held.
+    let before = sled.caller_batches();
+    for i in 0..5 {
+        let id = format!("again{i}");
+        s.claim(claim_req(record(&id, "f", None), T0, 10_000))
+            .await
+            .unwrap();
+        settle(&s, &id, 1, State::Succeeded, T0 + 1, Some("{}")).await;
+    }
+    assert_eq!(sled.caller_batches() - before, 10, "after the crowd");
     // Racing the close: each task stops at its first refusal.
     let tasks: Vec<_> = ["w", "x", "y", "z"]
         .into_iter()
@@ -1498,6 +1509,47 @@ async fn sled_decides_a_lone_call_on_the_callers_thread_and_queues_the_rest() {
     for id in durable.iter().chain(&["a0".to_string(), "h39".to_string()]) {
         assert_held(&s, id, T0 + 2, State::InFlight).await;
     }
+    s.close().await.unwrap();
+}
+
+/// A store with nothing to do does nothing: once its buffered notes are written it makes no
+/// more batches and no more fdatasyncs. (It used to re-arm its notes timer with every notes
+/// batch, so after the first replay, conflict or rejection it woke every 20 ms for good, made
+/// an empty batch each time and fdatasynced the log ten times a second; an empty batch, such as
+/// an expiry sweep with nothing due, cost an fdatasync of its own.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sled_at_rest_makes_no_batches_and_no_fdatasyncs() {
+    use oncegate::log::{Actor, LogEvent};
+    let tmp = tempfile::tempdir().unwrap();
+    let sled = Arc::new(
+        oncegate::store::sled::SledStore::open(&tmp.path().join("s"), Default::default()).unwrap(),
+    );
+    let s: S = sled.clone();
+    s.claim(claim_req(record("k1", "f", None), T0, 10_000))
+        .await
+        .unwrap();
+    let quiet = || async {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    };
+    // A note, written on its own after its wait (no reader asks for it).
+    s.note(LogEvent::bare(Event::Rejected, Actor::Proxy));
+    quiet().await;
+    let at_rest = (sled.batch_count(), sled.idle_sync_count());
+    assert!(at_rest.0 >= 2, "the claim and the note: {at_rest:?}");
+    quiet().await;
+    assert_eq!(
+        (sled.batch_count(), sled.idle_sync_count()),
+        at_rest,
+        "batches and idle fdatasyncs while nothing happened"
+    );
+    let log = s.log(0, 100).await.unwrap();
+    assert!(log.iter().any(|e| e.event == Event::Rejected), "{log:?}");
+    // A batch that changes nothing (an expiry sweep with nothing due) syncs nothing.
+    quiet().await;
+    let before = sled.idle_sync_count();
+    assert_eq!(s.expire(T0).await.unwrap(), 0);
+    quiet().await;
+    assert_eq!(sled.idle_sync_count(), before, "an empty batch's fdatasync");
     s.close().await.unwrap();
 }
 

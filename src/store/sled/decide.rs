@@ -177,9 +177,13 @@ impl Writer {
                 }
             }
             Op::Notes => {
-                // Notes wait a little for company (see `batch`).
-                self.notes_due
-                    .get_or_insert_with(|| Instant::now() + NOTES_WAIT);
+                // Notes wait a little for company (see `batch`). The batch the timer makes
+                // for them took them all: nothing waits then, and nothing is armed (else every
+                // notes batch armed the next, and the writer woke for good).
+                if self.notes_waiting() > 0 {
+                    self.notes_due
+                        .get_or_insert_with(|| Instant::now() + NOTES_WAIT);
+                }
                 Answer::None
             }
             Op::Recover(owner, now, tx) => {

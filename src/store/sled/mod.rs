@@ -201,11 +201,21 @@ fn log_head(files: &LogFiles) -> Result<(u64, String), StoreError> {
 }
 
 impl SledStore {
-    /// How many times the store has made batches durable (one fdatasync of the write-ahead log each).
     /// How often the writer waited for the drainer to apply everything to sled (checkpoints,
     /// recovery, expiry): never for a reader.
     pub fn forced_drain_count(&self) -> u64 {
         self.shared.forced_drains.load(Ordering::Relaxed)
+    }
+
+    /// How many batches the writer has made (on its thread or a caller's).
+    pub fn batch_count(&self) -> u64 {
+        self.shared.batches.load(Ordering::Relaxed)
+    }
+
+    /// How many fdatasyncs of the write-ahead log no caller waited for: what notes and lease
+    /// renewals written on their own cost, within [`LAZY_FLUSH`].
+    pub fn idle_sync_count(&self) -> u64 {
+        self.shared.idle_syncs.load(Ordering::Relaxed)
     }
 
     /// Writes the audit entries still buffered (a reader of the log sees every event so far): a
@@ -223,6 +233,8 @@ impl SledStore {
         self.slot.inline.load(Ordering::Relaxed)
     }
 
+    /// How many times the store has made batches durable for their callers (one fdatasync of the
+    /// write-ahead log each).
     pub fn flush_count(&self) -> u64 {
         self.flushes.load(Ordering::Relaxed)
     }

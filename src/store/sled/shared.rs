@@ -25,6 +25,11 @@ pub(super) struct Shared {
     /// How often the writer waited for the drainer to apply everything to sled (checkpoints,
     /// recovery, expiry). Readers never make it wait.
     pub(super) forced_drains: AtomicU64,
+    /// Batches the writer made, on its thread or a caller's.
+    pub(super) batches: AtomicU64,
+    /// fdatasyncs of the write-ahead log that no caller waited for (notes and lease renewals
+    /// made durable within [`LAZY_FLUSH`]).
+    pub(super) idle_syncs: AtomicU64,
 }
 
 /// Actions per state, indexed by [`slot`].
@@ -134,6 +139,8 @@ impl Shared {
         Shared {
             head: Mutex::new(head),
             forced_drains: AtomicU64::new(0),
+            batches: AtomicU64::new(0),
+            idle_syncs: AtomicU64::new(0),
             counts: Mutex::new(counts),
             broken: Mutex::new(None),
             applied: Mutex::new(0),

@@ -67,25 +67,31 @@ impl Slot {
         // Idle: nothing queued could share the batch (a call queued meanwhile waits for the
         // lock in the writer thread, and goes in the next batch).
         self.inline.fetch_add(1, Ordering::Relaxed);
-        if !writer.batch(vec![op], false, true) {
+        match writer.batch(vec![op], false, true) {
+            Ok(delivery) => {
+                drop(guard);
+                delivery.into_iter().for_each(Delivery::send);
+            }
             // The syncer is gone, and with it the answer: the caller hears the writer stopped.
-            tracing::error!("store syncer stopped");
+            Err(SyncerGone) => tracing::error!("store syncer stopped"),
         }
         None
     }
 
     /// The writer thread: batches of what the queue holds, until every sender is gone; then
     /// the store closes (see [`Writer::close`]).
+    ///
+    /// The thread holds the writer only while it makes a batch, and answers the batch's callers
+    /// after letting go of it: a caller it wakes finds the writer free, and its next call, with
+    /// nothing else in flight, runs on its own thread ([`Slot::inline`]). (When the thread
+    /// answered first, a woken caller often called again before the thread let go, was queued,
+    /// and woke to the same race: one queued call made the next ones queue too.)
     pub(super) fn run(&self, rx: mpsc::Receiver<Op>) {
+        // When buffered notes are due, as of this thread's last batch: only its batches arm
+        // the timer (a caller's batch may only write the notes earlier, and the timer then
+        // finds nothing due).
+        let mut due: Option<Instant> = None;
         loop {
-            // When buffered notes are due (an inline batch only ever writes them earlier).
-            let due = match self.writer.lock() {
-                Ok(w) => match w.as_ref() {
-                    Some(w) => w.notes_due,
-                    None => return,
-                },
-                Err(_) => return,
-            };
             let first = match due {
                 Some(due) => match rx.recv_timeout(due.saturating_duration_since(Instant::now())) {
                     Ok(op) => op,
@@ -115,10 +121,17 @@ impl Slot {
                     }
                 }
             }
-            if !writer.batch(ops, false, idle) {
-                // The syncer is gone: so is the writer (dropping it lets the drainer end).
-                guard.take();
-                return;
+            match writer.batch(ops, false, idle) {
+                Ok(delivery) => {
+                    due = writer.notes_due;
+                    drop(guard);
+                    delivery.into_iter().for_each(Delivery::send);
+                }
+                Err(SyncerGone) => {
+                    // The syncer is gone: so is the writer (dropping it lets the drainer end).
+                    guard.take();
+                    return;
+                }
             }
         }
         let writer = self.writer.lock().ok().and_then(|mut g| g.take());

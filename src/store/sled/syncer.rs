@@ -24,6 +24,23 @@ pub(super) struct Sealed {
     pub(super) new_keys: HashSet<Vec<u8>>,
 }
 
+/// The answers of a group of batches made durable (or not), for whoever synced it to send once
+/// it lets go of its locks: a writer that synced its own batch sends them after releasing the
+/// writer, so the caller it wakes finds the writer free for its next call.
+#[must_use = "the callers wait for these answers"]
+pub(super) struct Delivery {
+    answers: Vec<Answer>,
+    result: Result<(), String>,
+}
+
+impl Delivery {
+    pub(super) fn send(self) {
+        for a in self.answers {
+            a.send(&self.result);
+        }
+    }
+}
+
 /// What makes batches durable, so that the writer decides the next batch while this one's
 /// fdatasync runs. In order, per group of batches waiting: one fdatasync for all of them, then
 /// their changes join [`Mem`] (where point reads see them), the cache is updated and the callers
@@ -76,6 +93,7 @@ impl Syncer {
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     if let Ok(mut st) = self.state.lock() {
                         if let Some(f) = st.lazy.take() {
+                            self.shared.idle_syncs.fetch_add(1, Ordering::Relaxed);
                             if let Err(e) = f.sync_data() {
                                 self.shared.fail(&format!("write-ahead log fdatasync: {e}"));
                             }
@@ -93,7 +111,13 @@ impl Syncer {
             }
             let n = group.len() as u64;
             if let Ok(mut st) = self.state.lock() {
-                self.process(&mut st, group);
+                let (delivery, force) = self.process(&mut st, group);
+                let ok = delivery.result.is_ok();
+                delivery.send();
+                if ok {
+                    let visible = st.visible;
+                    self.maybe_drain(&st, visible, force);
+                }
             }
             self.queued.fetch_sub(n, Ordering::SeqCst);
         }
@@ -106,20 +130,32 @@ impl Syncer {
         }
     }
 
-    /// Syncs `batch` on the caller's thread if nothing is on its way to the syncer thread;
-    /// otherwise gives it back, to be handed over.
-    pub(super) fn inline(&self, batch: Sealed) -> Option<Sealed> {
-        if self.queued.load(Ordering::SeqCst) != 0 {
-            return Some(batch);
-        }
-        // Only the writer hands batches over, and it is here: none can arrive meanwhile, and
-        // the syncer thread is at most in its timer branch (which the lock waits out).
+    /// Whether the writer may sync a batch itself ([`Syncer::inline`]): nothing is on its way
+    /// to the syncer thread (which it would overtake). Only the writer hands batches over, so
+    /// what this says holds until the writer hands over another.
+    pub(super) fn free(&self) -> bool {
+        self.queued.load(Ordering::SeqCst) == 0
+    }
+
+    /// Syncs `batch` on the caller's thread (the writer's, when [`Syncer::free`]) and gives back
+    /// its answers to send. The syncer thread is at most in its timer branch, which the lock
+    /// waits out.
+    pub(super) fn inline(&self, mut batch: Sealed) -> Delivery {
         match self.state.lock() {
             Ok(mut st) => {
-                self.process(&mut st, vec![batch]);
-                None
+                let (delivery, force) = self.process(&mut st, vec![batch]);
+                if delivery.result.is_ok() {
+                    let visible = st.visible;
+                    self.maybe_drain(&st, visible, force);
+                }
+                delivery
             }
-            Err(_) => Some(batch),
+            // A sync panicked: nothing more is made durable (the syncer thread skips its
+            // groups the same way).
+            Err(_) => Delivery {
+                answers: std::mem::take(&mut batch.answers),
+                result: Err("store syncer lock poisoned".to_string()),
+            },
         }
     }
 
@@ -128,8 +164,9 @@ impl Syncer {
         self.queued.fetch_add(1, Ordering::SeqCst);
     }
 
-    /// One group of batches: one fdatasync, then visible, cached and answered, in order.
-    fn process(&self, st: &mut SyncState, mut group: Vec<Sealed>) {
+    /// One group of batches: one fdatasync, then visible and cached, in order; its answers
+    /// to send, and whether it asks for a drain ([`Sealed::drain`]).
+    fn process(&self, st: &mut SyncState, mut group: Vec<Sealed>) -> (Delivery, bool) {
         let mut result = self.shared.check();
         if let Some(e) = group.iter().find_map(|b| b.failed.clone()) {
             result = Err(e);
@@ -155,7 +192,11 @@ impl Syncer {
                 }
             }
         } else if result.is_ok() {
-            st.lazy = group.last().map(|b| b.file.clone());
+            // What the group wrote, if anything: a batch that changed nothing (an expiry step
+            // with nothing due) leaves nothing to sync.
+            if let Some(b) = group.iter().rev().find(|b| !b.changes.is_empty()) {
+                st.lazy = Some(b.file.clone());
+            }
         }
         if let Err(e) = &result {
             self.shared.fail(e);
@@ -209,13 +250,7 @@ impl Syncer {
         for b in group {
             answers.extend(b.answers);
         }
-        for a in answers {
-            a.send(&result);
-        }
-        if result.is_ok() {
-            let visible = st.visible;
-            self.maybe_drain(st, visible, force);
-        }
+        (Delivery { answers, result }, force)
     }
 
     /// Hands the changes waiting in [`Mem`] to the drainer when they are old or many enough, or

@@ -44,6 +44,10 @@ pub(super) struct Writer {
     pub(super) saved_counts: Option<Counts>,
 }
 
+/// The syncer thread has stopped: so has the writer (dropping it lets the drainer end).
+#[derive(Debug)]
+pub(super) struct SyncerGone;
+
 /// A record as the last batch sled lacks left it: that batch, the record (`None`: removed) and
 /// the stored body its value carries (see [`Pending::framed`]).
 pub(super) type Unapplied = (u64, Option<Arc<Record>>, Option<Bytes>);
@@ -85,8 +89,9 @@ impl Writer {
     /// done, and sled checkpointed so the next start replays nothing. Dropping the writer then
     /// lets the syncer end.
     pub(super) fn close(mut self) {
-        if !self.batch(Vec::new(), true, false) {
-            return;
+        match self.batch(Vec::new(), true, false) {
+            Ok(delivery) => delivery.into_iter().for_each(Delivery::send),
+            Err(SyncerGone) => return,
         }
         if self.settle_down().is_ok() {
             if let Some((tx, handle)) = self.checkpointer.take() {
@@ -99,11 +104,18 @@ impl Writer {
         }
     }
 
-    /// Applies, writes and hands to the syncer one batch of operations; `false` once the syncer
-    /// is gone. Buffered notes ride along when the batch is durable anyway, when they have
-    /// waited [`NOTES_WAIT`] or number [`NOTES_BATCH`], or when `all_notes`. `idle`: nothing
-    /// else waits for the writer, which may then sync the batch itself ([`Syncer::inline`]).
-    pub(super) fn batch(&mut self, ops: Vec<Op>, all_notes: bool, idle: bool) -> bool {
+    /// Applies, writes and hands to the syncer one batch of operations; [`SyncerGone`] once the
+    /// syncer is gone. Buffered notes ride along when the batch is durable anyway, when they
+    /// have waited [`NOTES_WAIT`] or number [`NOTES_BATCH`], or when `all_notes`. `idle`:
+    /// nothing else waits for the writer, which may then sync the batch itself
+    /// ([`Syncer::inline`]) and gives back its answers, to send once the writer is released.
+    pub(super) fn batch(
+        &mut self,
+        ops: Vec<Op>,
+        all_notes: bool,
+        idle: bool,
+    ) -> Result<Option<Delivery>, SyncerGone> {
+        self.shared.batches.fetch_add(1, Ordering::Relaxed);
         let mut pending = Pending::default();
         // Notes first: they happened before these operations, and an operation that reads
         // the log (`Op::Sync` before a log read) must find them.
@@ -189,15 +201,13 @@ impl Writer {
             head: Some(self.head.clone()),
             new_keys: pending.new_keys,
         };
-        let sealed = if idle {
-            self.syncer.inline(sealed)
+        let mut delivery = None;
+        if idle && self.syncer.free() {
+            delivery = Some(self.syncer.inline(sealed));
         } else {
-            Some(sealed)
-        };
-        if let Some(sealed) = sealed {
             self.syncer.handing_over();
             if self.sync.send(sealed).is_err() {
-                return false;
+                return Err(SyncerGone);
             }
         }
         if self.unapplied.len() > MAX_BATCH {
@@ -218,7 +228,7 @@ impl Writer {
                     .fail(&format!("start a write-ahead log file: {e}")),
             }
         }
-        true
+        Ok(delivery)
     }
 
     pub(super) fn notes_waiting(&self) -> usize {
