@@ -1512,6 +1512,49 @@ async fn sled_decides_a_lone_call_on_the_callers_thread_and_queues_the_rest() {
     s.close().await.unwrap();
 }
 
+/// A lone call that follows a queued one runs on its own thread, even when the writer thread
+/// had more to do after making the queued one durable (here: starting a new log file, every
+/// 16 KiB). The writer thread answers only once it has let go of the writer; when it answered
+/// first, the woken caller's next call found the writer still held and was queued too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sled_a_lone_call_after_a_queued_one_runs_on_its_callers_thread() {
+    let tmp = tempfile::tempdir().unwrap();
+    let options = oncegate::store::StoreOptions {
+        wal_checkpoint_bytes: Some(16 * 1024),
+        ..Default::default()
+    };
+    let sled =
+        Arc::new(oncegate::store::sled::SledStore::open(&tmp.path().join("s"), options).unwrap());
+    let s: S = sled.clone();
+    let claim = |id: String| {
+        let s = s.clone();
+        tokio::spawn(async move {
+            s.claim(claim_req(record(&id, "f", None), T0, 10_000))
+                .await
+                .unwrap()
+        })
+    };
+    let mut queued_lone = Vec::new();
+    for i in 0..200 {
+        // Two at once, on both workers: often one of them goes to the writer thread.
+        let (a, b) = tokio::join!(claim(format!("a{i}")), claim(format!("b{i}")));
+        for c in [a.unwrap(), b.unwrap()] {
+            assert!(matches!(c, Claim::Claimed(_)), "{c:?}");
+        }
+        let before = sled.caller_batches();
+        claim(format!("c{i}")).await.unwrap();
+        if sled.caller_batches() == before {
+            queued_lone.push(i);
+        }
+    }
+    assert_eq!(
+        queued_lone,
+        Vec::<usize>::new(),
+        "lone claims that were queued"
+    );
+    s.close().await.unwrap();
+}
+
 /// A store with nothing to do does nothing: once its buffered notes are written it makes no
 /// more batches and no more fdatasyncs. (It used to re-arm its notes timer with every notes
 /// batch, so after the first replay, conflict or rejection it woke every 20 ms for good, made

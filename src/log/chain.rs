@@ -108,7 +108,7 @@ impl Chain {
 
     /// The algorithm entries chained here carry.
     pub fn alg(&self) -> &'static str {
-        if self.key.is_some() {
+        if self.keyed() {
             ALG_HMAC
         } else {
             ALG_SHA256
@@ -142,10 +142,7 @@ impl Chain {
         let mut e = self.unsealed(ev, head, now);
         let mut line = Self::canonical(&e);
         e.hash = self.hash_canonical(&e.prev, &line);
-        line.pop(); // the closing brace
-        line.extend_from_slice(b",\"hash\":\"");
-        line.extend_from_slice(e.hash.as_bytes());
-        line.extend_from_slice(b"\"}");
+        append_hash(&mut line, &e.hash);
         (e, line)
     }
 
@@ -187,10 +184,7 @@ impl Chain {
         }
         .line();
         let hash = self.hash_canonical(head.1, &line);
-        line.pop(); // the closing brace
-        line.extend_from_slice(b",\"hash\":\"");
-        line.extend_from_slice(hash.as_bytes());
-        line.extend_from_slice(b"\"}");
+        append_hash(&mut line, &hash);
         (seq, hash, line)
     }
 
@@ -227,6 +221,14 @@ impl Chain {
             hash: String::new(),
         }
     }
+}
+
+/// The stored form of an entry from its canonical JSON: `hash` appended as its last field.
+fn append_hash(line: &mut Vec<u8>, hash: &str) {
+    line.pop(); // the closing brace
+    line.extend_from_slice(b",\"hash\":\"");
+    line.extend_from_slice(hash.as_bytes());
+    line.extend_from_slice(b"\"}");
 }
 
 #[cfg(test)]

@@ -213,7 +213,7 @@ impl SledStore {
     }
 
     /// How many fdatasyncs of the write-ahead log no caller waited for: what notes and lease
-    /// renewals written on their own cost, within [`LAZY_FLUSH`].
+    /// renewals written on their own cost (each made durable within 100 ms).
     pub fn idle_sync_count(&self) -> u64 {
         self.shared.idle_syncs.load(Ordering::Relaxed)
     }

@@ -98,8 +98,7 @@ impl Syncer {
                                 self.shared.fail(&format!("write-ahead log fdatasync: {e}"));
                             }
                         }
-                        let visible = st.visible;
-                        self.maybe_drain(&st, visible, false);
+                        self.maybe_drain(&st, false);
                     }
                     continue;
                 }
@@ -112,12 +111,8 @@ impl Syncer {
             let n = group.len() as u64;
             if let Ok(mut st) = self.state.lock() {
                 let (delivery, force) = self.process(&mut st, group);
-                let ok = delivery.result.is_ok();
                 delivery.send();
-                if ok {
-                    let visible = st.visible;
-                    self.maybe_drain(&st, visible, force);
-                }
+                self.maybe_drain(&st, force);
             }
             self.queued.fetch_sub(n, Ordering::SeqCst);
         }
@@ -144,10 +139,7 @@ impl Syncer {
         match self.state.lock() {
             Ok(mut st) => {
                 let (delivery, force) = self.process(&mut st, vec![batch]);
-                if delivery.result.is_ok() {
-                    let visible = st.visible;
-                    self.maybe_drain(&st, visible, force);
-                }
+                self.maybe_drain(&st, force);
                 delivery
             }
             // A sync panicked: nothing more is made durable (the syncer thread skips its
@@ -254,8 +246,9 @@ impl Syncer {
     }
 
     /// Hands the changes waiting in [`Mem`] to the drainer when they are old or many enough, or
-    /// when asked (`force`: the writer waits for everything up to `visible` to be in sled).
-    fn maybe_drain(&self, st: &SyncState, visible: u64, force: bool) {
+    /// when asked (`force`: the writer waits for everything visible to be in sled). Nothing
+    /// once the store is broken (a group that failed broke it).
+    fn maybe_drain(&self, st: &SyncState, force: bool) {
         let Some(tx) = st.drain.as_ref() else {
             return;
         };
@@ -300,7 +293,7 @@ impl Syncer {
         m.since = None;
         m.bytes = 0;
         drop(m);
-        if tx.send((frozen, visible)).is_err() {
+        if tx.send((frozen, st.visible)).is_err() {
             self.shared.fail("the drainer thread stopped");
         }
     }
