@@ -84,6 +84,16 @@ async fn settle(
 
 const T0: Millis = 1_800_000_000_000;
 
+/// A write that succeeds: `id` claimed (a new action) and settled `succeeded` with `{}`.
+async fn write_succeeded(s: &S, id: &str) {
+    let c = s
+        .claim(claim_req(record(id, "f", None), T0, 10_000))
+        .await
+        .unwrap();
+    assert!(matches!(c, Claim::Claimed(_)), "{id}: {c:?}");
+    settle(s, id, 1, State::Succeeded, T0 + 1, Some("{}")).await;
+}
+
 async fn claims_settles_and_replays(s: S) {
     let c = s
         .claim(claim_req(record("a1", "f", None), T0, 10_000))
@@ -634,10 +644,7 @@ async fn sled_rotates_its_write_ahead_log_and_removes_checkpointed_files() {
             tokio::spawn(async move {
                 for i in 0..40 {
                     let id = format!("r{t}-{i}");
-                    s.claim(claim_req(record(&id, "f", None), T0, 10_000))
-                        .await
-                        .unwrap();
-                    settle(&s, &id, 1, State::Succeeded, T0 + 1, Some("{}")).await;
+                    write_succeeded(&s, &id).await;
                 }
             })
         })
@@ -749,10 +756,7 @@ async fn sled_prunes_whole_log_files_past_retention_and_still_verifies() {
     let s = open_sled(&dir, options());
     for i in 0..40 {
         let id = format!("p{i}");
-        s.claim(claim_req(record(&id, "f", None), T0, 10_000))
-            .await
-            .unwrap();
-        settle(&s, &id, 1, State::Succeeded, T0 + 1, Some("{}")).await;
+        write_succeeded(&s, &id).await;
     }
     assert_eq!(s.log(0, 1000).await.unwrap().len(), 120);
     // Closed, the store has handed every entry to the files (a reader never waits for that).
@@ -1441,12 +1445,7 @@ async fn sled_decides_a_lone_call_on_the_callers_thread_and_queues_the_rest() {
     let before = sled.caller_batches();
     for i in 0..5 {
         let id = format!("lone{i}");
-        let c = s
-            .claim(claim_req(record(&id, "f", None), T0, 10_000))
-            .await
-            .unwrap();
-        assert!(matches!(c, Claim::Claimed(_)), "{c:?}");
-        settle(&s, &id, 1, State::Succeeded, T0 + 1, Some("{}")).await;
+        write_succeeded(&s, &id).await;
     }
     assert_eq!(
         sled.caller_batches() - before,
@@ -1484,10 +1483,7 @@ async fn sled_decides_a_lone_call_on_the_callers_thread_and_queues_the_rest() {
     let before = sled.caller_batches();
     for i in 0..5 {
         let id = format!("again{i}");
-        s.claim(claim_req(record(&id, "f", None), T0, 10_000))
-            .await
-            .unwrap();
-        settle(&s, &id, 1, State::Succeeded, T0 + 1, Some("{}")).await;
+        write_succeeded(&s, &id).await;
     }
     assert_eq!(sled.caller_batches() - before, 10, "after the crowd");
     // Racing the close: each task stops at its first refusal.
