@@ -252,7 +252,7 @@ fn write(v: &Json<'_>, out: &mut Vec<u8>) {
 
 fn write_str(s: &str, out: &mut Vec<u8>) {
     // serde_json's escaping: the same form the fingerprint has always used for strings.
-    serde_json::to_writer(&mut *out, s).expect("writing to a Vec does not fail");
+    crate::jsontext::write_str(out, s);
 }
 
 /// The canonical form of a JSON body, or `None` when it has none (it does not parse, is nested

@@ -41,6 +41,35 @@ pub enum Actor {
     Admin,
 }
 
+impl Event {
+    /// The name an entry carries (its serde name).
+    pub fn name(self) -> &'static str {
+        match self {
+            Event::Intent => "intent",
+            Event::Sent => "sent",
+            Event::Outcome => "outcome",
+            Event::Replayed => "replayed",
+            Event::Conflict => "conflict",
+            Event::Rejected => "rejected",
+            Event::Unknown => "unknown",
+            Event::Lookup => "lookup",
+            Event::Resolved => "resolved",
+            Event::Expired => "expired",
+        }
+    }
+}
+
+impl Actor {
+    /// The name an entry carries (its serde name).
+    pub fn name(self) -> &'static str {
+        match self {
+            Actor::Proxy => "proxy",
+            Actor::Lookup => "lookup",
+            Actor::Admin => "admin",
+        }
+    }
+}
+
 /// An event before it is chained: everything but `seq`, `ts`, `prev` and `hash`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LogEvent {
