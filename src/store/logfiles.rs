@@ -42,6 +42,48 @@ fn parse(line: &[u8]) -> Option<Entry> {
     serde_json::from_slice(line).ok()
 }
 
+/// Where the chain stands after a block: its last line's `seq` and `hash`, read where they are
+/// without parsing the line ([`head_at`]) or, for a line of another shape, by parsing it
+/// ([`head_of`]). Measured in docs/decisions.md, "The drainer's appends".
+fn last_head(block: &[u8]) -> Option<(u64, String)> {
+    let line = block
+        .strip_suffix(b"\n")
+        .unwrap_or(block)
+        .rsplit(|b| *b == b'\n')
+        .next()?;
+    head_at(line).or_else(|| head_of(line))
+}
+
+/// `seq` and `hash` of a stored line, read in place: the line ends in its hash (the chain appends
+/// it as the last member, 64 hex digits for either algorithm), and `"seq":` is followed by the
+/// number. Outside a string those bytes can only be the `seq` member (a key that ends in `seq`);
+/// inside one they cannot occur at all, since a string's `"` is always escaped. `None` for a
+/// line of another shape.
+fn head_at(line: &[u8]) -> Option<(u64, String)> {
+    let (before, hash) = line
+        .strip_suffix(b"\"}")
+        .and_then(|b| b.len().checked_sub(64).map(|at| b.split_at(at)))?;
+    if !before.ends_with(b",\"hash\":\"") || !hash.iter().all(u8::is_ascii_hexdigit) {
+        return None;
+    }
+    // The last `:` that ends `"seq":`, looking back from the hash.
+    let mut end = before.len();
+    let at = loop {
+        let colon = before[..end].iter().rposition(|&b| b == b':')?;
+        if before[..=colon].ends_with(b"\"seq\":") {
+            break colon;
+        }
+        end = colon;
+    };
+    let digits = &before[at + 1..];
+    let len = digits.iter().take_while(|b| b.is_ascii_digit()).count();
+    if len == 0 || !matches!(digits.get(len), Some(b',' | b'}')) {
+        return None;
+    }
+    let seq = std::str::from_utf8(&digits[..len]).ok()?.parse().ok()?;
+    Some((seq, std::str::from_utf8(hash).ok()?.to_string()))
+}
+
 /// Where the chain stands after `line`: its `seq` and `hash`, all an append needs (parsing the
 /// whole entry allocated every member of it, for every block the drainer appends).
 fn head_of(line: &[u8]) -> Option<(u64, String)> {
@@ -153,13 +195,7 @@ impl LogFiles {
         if rest.is_empty() {
             return Ok(());
         }
-        let last_line = rest
-            .strip_suffix(b"\n")
-            .unwrap_or(rest)
-            .rsplit(|b| *b == b'\n')
-            .next()
-            .and_then(head_of)
-            .ok_or("a write log block does not end in an entry")?;
+        let last_line = last_head(rest).ok_or("a write log block does not end in an entry")?;
         if self
             .current
             .as_ref()
@@ -326,6 +362,40 @@ mod tests {
             out.push(b'\n');
         }
         out
+    }
+
+    /// A block's head read in place is the one its last line states, with and without a key,
+    /// for blocks of one and of several entries, with strings that hold `"seq":` and a last
+    /// entry whose number has one digit or twenty; a line of another shape is parsed.
+    #[test]
+    fn a_blocks_head_is_read_in_place() {
+        for key in [None, Some(b"k".to_vec())] {
+            let chain = Chain::new(key);
+            let mut prev = crate::log::GENESIS.to_string();
+            for (from, n) in [(1, 1), (2, 2), (4, 5), (u64::MAX - 3, 3)] {
+                let mut b = Vec::new();
+                for seq in from..from + n {
+                    let mut ev = LogEvent::bare(Event::Replayed, Actor::Proxy)
+                        .detail("\"seq\":7, \\\"seq\\\":8}");
+                    ev.path = Some("/\"seq\":9".into());
+                    let (e, line) = chain.seal_line(ev, (seq - 1, &prev), 7);
+                    prev = e.hash;
+                    b.extend_from_slice(&line);
+                    b.push(b'\n');
+                }
+                let last = b[..b.len() - 1].rsplit(|c| *c == b'\n').next().unwrap();
+                let stated = head_of(last).unwrap();
+                assert_eq!(stated, (from + n - 1, prev.clone()));
+                assert_eq!(head_at(last), Some(stated.clone()));
+                assert_eq!(last_head(&b), Some(stated.clone()));
+                assert_eq!(last_head(&b[..b.len() - 1]), Some(stated));
+            }
+        }
+        // Hash not last (another shape): the line says.
+        let odd = b"{\"seq\":3}\n{\"hash\":\"ab\",\"seq\":9}\n";
+        assert_eq!(head_at(b"{\"hash\":\"ab\",\"seq\":9}"), None);
+        assert_eq!(last_head(odd), Some((9, "ab".to_string())));
+        assert_eq!(last_head(b"not json\n"), None);
     }
 
     #[test]
