@@ -32,6 +32,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 mod attempt;
+mod detach;
 mod mcp;
 mod own;
 mod protocol;

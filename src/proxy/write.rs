@@ -3,6 +3,7 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use super::detach::{panic_message, CatchUnwind, Detached};
 use super::*;
 
 impl Proxy {
@@ -109,9 +110,11 @@ impl Proxy {
     /// Phase `claim`: decides what this request gets (SPEC §5 step 2), then acts on it.
     ///
     /// From the claim on, the work belongs to the action, not to the client's connection (SPEC
-    /// §5 step 4): it runs in a task of its own, so a client that goes away while its claim is
-    /// being made durable (or its attempt runs) cancels nothing, and the action never stays
-    /// `in_flight` with no attempt behind it.
+    /// §5 step 4): it runs in this request's task but is handed to a task of its own if the
+    /// request's future is dropped ([`Detached`]; an action whose answer streams runs in its own
+    /// task from the start), so a client that goes away while its claim is being made durable
+    /// (or its attempt runs) cancels nothing, and the action never stays `in_flight` with no
+    /// attempt behind it.
     pub(super) async fn claim(
         self: &Arc<Self>,
         mut job: WriteJob,
@@ -123,6 +126,15 @@ impl Proxy {
                 return self.replay(&rec, body, &job.call).await;
             }
         }
+        if !job.call.relays() {
+            // Its whole answer comes when the action ends: the action runs in this request's
+            // task, and is handed to a task of its own only if the request goes away first.
+            let span = tracing::Span::current();
+            let action = Box::pin(self.clone().guarded(job).instrument(span));
+            return Detached::new(action, self.attempts.clone()).await;
+        }
+        // An answer that streams from the action (MCP): the action runs in a task of its own,
+        // and the request waits for the first of its answer and its end.
         let me = self.clone();
         let id = job.identity.action_id.clone();
         // The attempt this task owns, once it owns one (0: none yet).
@@ -138,7 +150,7 @@ impl Proxy {
             r = &mut task => return match r {
                 Ok(r) => r,
                 Err(e) => {
-                    self.after_panic(e, &id, claimed.load(Ordering::SeqCst))
+                    self.after_panic(&e.to_string(), &id, claimed.load(Ordering::SeqCst))
                         .await
                 }
             },
@@ -149,14 +161,32 @@ impl Proxy {
         let me = self.clone();
         self.attempts.spawn(async move {
             if let Err(e) = task.await {
-                let _ = me.after_panic(e, &id, claimed.load(Ordering::SeqCst)).await;
+                let _ = me
+                    .after_panic(&e.to_string(), &id, claimed.load(Ordering::SeqCst))
+                    .await;
             }
         });
         Ok(early)
     }
 
-    /// The claim and what follows it, in the action's own task. `claimed` receives the number of
-    /// the attempt this task owns, once it owns one, for [`Proxy::after_panic`].
+    /// [`Proxy::claim_and_act`], with a panic in it recorded and answered as
+    /// [`Proxy::after_panic`] does (a panic must not end an action without its record).
+    async fn guarded(self: Arc<Self>, job: WriteJob) -> Result<Response<ProxyBody>, ProxyError> {
+        let id = job.identity.action_id.clone();
+        let claimed = Arc::new(AtomicU32::new(0));
+        let acted = CatchUnwind(Box::pin(self.clone().claim_and_act(job, claimed.clone()))).await;
+        match acted {
+            Ok(r) => r,
+            Err(panic) => {
+                let attempt = claimed.load(Ordering::SeqCst);
+                self.after_panic(&panic_message(&*panic), &id, attempt)
+                    .await
+            }
+        }
+    }
+
+    /// The claim and what follows it, for the action. `claimed` receives the number of the
+    /// attempt the action owns, once it owns one, for [`Proxy::after_panic`].
     async fn claim_and_act(
         self: Arc<Self>,
         job: WriteJob,
@@ -177,12 +207,12 @@ impl Proxy {
         }
     }
 
-    /// The action's task ended in a panic (a bug). If it had claimed an attempt, the request may
-    /// have left: the action is recorded `unknown` and the client told so (SPEC §6), never
-    /// "nothing was sent".
+    /// The action ended in a panic (a bug; `e` says what it said). If it had claimed an attempt,
+    /// the request may have left: the action is recorded `unknown` and the client told so (SPEC
+    /// §6), never "nothing was sent".
     async fn after_panic(
         &self,
-        e: tokio::task::JoinError,
+        e: &str,
         id: &str,
         attempt: u32,
     ) -> Result<Response<ProxyBody>, ProxyError> {
