@@ -4,8 +4,8 @@
 //!
 //! Spawning the action's task for every write and waiting for it cost a hand-off between the
 //! runtime's workers and back at one connection (tokio runs only a few woken tasks in a row
-//! before it wakes another worker to take the next): about 1.3 of the 8.8 context switches of a
-//! write (docs/decisions.md, "At one connection, the workers hand the write back and forth").
+//! before it wakes another worker to take the next): about 1.2 of the 8.7 context switches of a
+//! write (docs/decisions.md, "At one connection, the workers handed the write back and forth").
 //! A dropped [`Detached`] moves the future, pinned in its box, to a new task; nothing the
 //! future holds moves, and it goes on from the point it had reached.
 
