@@ -593,8 +593,7 @@ impl Admin {
             .iter()
             .any(Option::is_some);
         let keep = |e: &crate::log::Entry| {
-            let ev = serde_json::to_value(e.event).ok();
-            event.is_none_or(|want| ev.as_ref().and_then(Value::as_str) == Some(want))
+            event.is_none_or(|want| e.event.as_str() == want)
                 && action.is_none_or(|a| e.action.as_deref() == Some(a))
                 && principal.is_none_or(|p| e.principal.as_deref() == Some(p))
                 && since.is_none_or(|t| e.ts.as_str() >= t)

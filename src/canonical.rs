@@ -11,6 +11,9 @@
 
 use std::collections::BTreeMap;
 
+// serde_json's escaping: the same form the fingerprint has always used for strings.
+use crate::jsontext::write_str;
+
 /// Deeper JSON is hashed as bytes rather than parsed (no stack is at risk).
 const MAX_DEPTH: usize = 128;
 
@@ -224,7 +227,7 @@ fn write(v: &Json<'_>, out: &mut Vec<u8>) {
         Json::Null => out.extend_from_slice(b"null"),
         Json::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
         Json::Num(n) => out.extend_from_slice(n.as_bytes()),
-        Json::Str(s) => write_str(s, out),
+        Json::Str(s) => write_str(out, s),
         Json::Arr(items) => {
             out.push(b'[');
             for (i, item) in items.iter().enumerate() {
@@ -241,18 +244,13 @@ fn write(v: &Json<'_>, out: &mut Vec<u8>) {
                 if i > 0 {
                     out.push(b',');
                 }
-                write_str(k, out);
+                write_str(out, k);
                 out.push(b':');
                 write(item, out);
             }
             out.push(b'}');
         }
     }
-}
-
-fn write_str(s: &str, out: &mut Vec<u8>) {
-    // serde_json's escaping: the same form the fingerprint has always used for strings.
-    crate::jsontext::write_str(out, s);
 }
 
 /// The canonical form of a JSON body, or `None` when it has none (it does not parse, is nested

@@ -67,13 +67,13 @@ impl Canon<'_> {
         let mut line = Vec::with_capacity(1024);
         let mut o = Object::new(&mut line);
         o.opt_str("action", self.action)
-            .str("actor", self.actor.name());
+            .str("actor", self.actor.as_str());
         if let Some(alg) = self.alg {
             o.str("alg", alg);
         }
         o.opt_num("attempt", self.attempt.map(u64::from))
             .opt_str("detail", self.detail)
-            .str("event", self.event.name())
+            .str("event", self.event.as_str())
             .opt_str("external_id", self.external_id)
             .opt_str("fingerprint", self.fingerprint)
             .opt_str("key", self.key)
@@ -302,12 +302,12 @@ mod tests {
         for (i, event) in events.into_iter().enumerate() {
             assert_eq!(
                 serde_json::to_string(&event).expect("serializes"),
-                format!("\"{}\"", event.name())
+                format!("\"{}\"", event.as_str())
             );
             let actor = actors[i % actors.len()];
             assert_eq!(
                 serde_json::to_string(&actor).expect("serializes"),
-                format!("\"{}\"", actor.name())
+                format!("\"{}\"", actor.as_str())
             );
             for full in [false, true] {
                 let some = |v: &'static str| full.then_some(v);

@@ -43,7 +43,7 @@ pub enum Actor {
 
 impl Event {
     /// The name an entry carries (its serde name).
-    pub fn name(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             Event::Intent => "intent",
             Event::Sent => "sent",
@@ -61,7 +61,7 @@ impl Event {
 
 impl Actor {
     /// The name an entry carries (its serde name).
-    pub fn name(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             Actor::Proxy => "proxy",
             Actor::Lookup => "lookup",

@@ -353,10 +353,23 @@ mod tests {
     use crate::log::{Actor, Chain, Event, LogEvent};
 
     fn block(chain: &Chain, from: u64, n: u64, prev: &mut String, ts: u64) -> Vec<u8> {
+        block_of(chain, from, n, prev, ts, || {
+            LogEvent::bare(Event::Replayed, Actor::Proxy)
+        })
+    }
+
+    /// `n` entries chained after `prev` from `from` on, each of `event()`.
+    fn block_of(
+        chain: &Chain,
+        from: u64,
+        n: u64,
+        prev: &mut String,
+        ts: u64,
+        event: impl Fn() -> LogEvent,
+    ) -> Vec<u8> {
         let mut out = Vec::new();
         for seq in from..from + n {
-            let ev = LogEvent::bare(Event::Replayed, Actor::Proxy);
-            let (e, line) = chain.seal_line(ev, (seq - 1, prev), ts);
+            let (e, line) = chain.seal_line(event(), (seq - 1, prev), ts);
             *prev = e.hash;
             out.extend_from_slice(&line);
             out.push(b'\n');
@@ -373,16 +386,12 @@ mod tests {
             let chain = Chain::new(key);
             let mut prev = crate::log::GENESIS.to_string();
             for (from, n) in [(1, 1), (2, 2), (4, 5), (u64::MAX - 3, 3)] {
-                let mut b = Vec::new();
-                for seq in from..from + n {
+                let b = block_of(&chain, from, n, &mut prev, 7, || {
                     let mut ev = LogEvent::bare(Event::Replayed, Actor::Proxy)
                         .detail("\"seq\":7, \\\"seq\\\":8}");
                     ev.path = Some("/\"seq\":9".into());
-                    let (e, line) = chain.seal_line(ev, (seq - 1, &prev), 7);
-                    prev = e.hash;
-                    b.extend_from_slice(&line);
-                    b.push(b'\n');
-                }
+                    ev
+                });
                 let last = b[..b.len() - 1].rsplit(|c| *c == b'\n').next().unwrap();
                 let stated = head_of(last).unwrap();
                 assert_eq!(stated, (from + n - 1, prev.clone()));
