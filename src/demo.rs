@@ -370,6 +370,28 @@ protocol = "mcp"
             let _ = stop_rx.await;
         },
     ));
+    // The admin API, as an operator or a reviewer reads it.
+    let admin_client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    let admin_get = |path: &str| {
+        let req = http::Request::get(format!("http://{admin}{path}"))
+            .header("authorization", format!("Bearer {token}"))
+            .body(Full::new(Bytes::new()));
+        let client = admin_client.clone();
+        async move {
+            let resp = client
+                .request(req.map_err(|e| e.to_string())?)
+                .await
+                .map_err(|e| e.to_string())?;
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| e.to_string())?
+                .to_bytes();
+            Ok::<Value, String>(serde_json::from_slice(&body).unwrap_or(Value::Null))
+        }
+    };
     let agent = Agent {
         client: hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build_http(),
         proxy,
@@ -539,7 +561,18 @@ protocol = "mcp"
         mail.sent.load(Ordering::SeqCst) == 1,
         "the resend is not sent while the outcome is unknown",
     );
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // The answer comes 1.5 s after the call; oncegate, still listening, records it. Waited for
+    // (the admin API's count of unknown actions back to none) rather than for a fixed time,
+    // which a slow moment of the machine could outlast.
+    let recorded = tokio::time::Instant::now() + Duration::from_secs(10);
+    while admin_get("/v1/overview").await?["actions"]["unknown"]
+        .as_u64()
+        .unwrap_or(0)
+        > 0
+        && tokio::time::Instant::now() < recorded
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     say.agent("the late answer has come in; resends again (id 3)");
     let a = agent.tool_call(3).await?;
     say.proxy(&format!(
@@ -558,23 +591,7 @@ protocol = "mcp"
     say.expect(mail.sent.load(Ordering::SeqCst) == 1, "one email");
 
     say.step(6, "A security reviewer verifies the write log");
-    let verify = http::Request::get(format!("http://{admin}/v1/log/verify"))
-        .header("authorization", format!("Bearer {token}"))
-        .body(Full::new(Bytes::new()))
-        .map_err(|e| e.to_string())?;
-    let v = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-        .build_http::<Full<Bytes>>()
-        .request(verify)
-        .await
-        .map_err(|e| e.to_string())?;
-    let v: Value = serde_json::from_slice(
-        &v.into_body()
-            .collect()
-            .await
-            .map_err(|e| e.to_string())?
-            .to_bytes(),
-    )
-    .unwrap_or(Value::Null);
+    let v = admin_get("/v1/log/verify").await?;
     say.proxy(&format!(
         "ok: {} · entries: {} · head: {}…",
         v["ok"],
