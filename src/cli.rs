@@ -60,7 +60,12 @@ impl AdminClient {
     }
 
     /// Calls and parses JSON; a non-2xx answer becomes an error with the problem's detail.
-    async fn json(&self, method: Method, path: &str, body: Option<Value>) -> Result<Value, String> {
+    pub(crate) async fn json(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<Value, String> {
         let (status, bytes) = self.call(method, path, body).await?;
         let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
         if status == StatusCode::UNAUTHORIZED {

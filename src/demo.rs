@@ -370,28 +370,13 @@ protocol = "mcp"
             let _ = stop_rx.await;
         },
     ));
-    // The admin API, as an operator or a reviewer reads it.
-    let admin_client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-        .build_http::<Full<Bytes>>();
-    let admin_get = |path: &str| {
-        let req = http::Request::get(format!("http://{admin}{path}"))
-            .header("authorization", format!("Bearer {token}"))
-            .body(Full::new(Bytes::new()));
-        let client = admin_client.clone();
-        async move {
-            let resp = client
-                .request(req.map_err(|e| e.to_string())?)
-                .await
-                .map_err(|e| e.to_string())?;
-            let body = resp
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| e.to_string())?
-                .to_bytes();
-            Ok::<Value, String>(serde_json::from_slice(&body).unwrap_or(Value::Null))
-        }
+    // The admin API, as an operator or a reviewer reads it (the operator commands' client).
+    let admin_api = crate::cli::AdminClient {
+        base: format!("http://{admin}"),
+        token: Some(token.clone()),
+        token_env: "the demo's admin token".into(),
     };
+    let admin_get = |path: &'static str| admin_api.json(http::Method::GET, path, None);
     let agent = Agent {
         client: hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build_http(),
         proxy,
