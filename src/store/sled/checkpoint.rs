@@ -19,7 +19,7 @@ pub(super) fn sled_durable(
     release_sealed_buffers();
     let blobs = dir.join("blobs");
     if let Ok(entries) = std::fs::read_dir(&blobs) {
-        let mut present = HashSet::new();
+        let mut present = HashSet::default();
         let mut new = false;
         for e in entries {
             let e = e.map_err(|e| format!("list sled blobs: {e}"))?;
@@ -67,7 +67,7 @@ pub(super) fn checkpoint_loop(
     rx: mpsc::Receiver<(u64, u64)>,
 ) -> Result<(), String> {
     let log = File::open(dir.join("db")).map_err(|e| format!("open sled log file: {e}"))?;
-    let mut blobs = HashSet::new();
+    let mut blobs = HashSet::default();
     while let Ok((seq, generation)) = rx.recv() {
         shared.wait_applied(seq)?;
         sled_durable(db, dir, &mut blobs, &log)?;

@@ -69,7 +69,7 @@ pub(super) fn drain_loop(db: &sled::Db, shared: &Shared, rx: mpsc::Receiver<(Arc
         if let Ok(mut m) = shared.mem.write() {
             // What sled could not take stays readable here (the store takes no more changes).
             if applied {
-                m.frozen = Arc::new(Changes::new());
+                m.frozen = Arc::new(Changes::default());
             }
             m.draining = false;
         }

@@ -44,7 +44,6 @@
 //! log files instead of sled. Stores from before kept those keys (and `m/log_anchor`) in sled;
 //! opening one moves them to the files.
 
-use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -56,6 +55,13 @@ use std::time::Instant;
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
+
+/// The store's maps and sets (a batch's records and keys, the changes on their way into sled,
+/// the cache), hashed with foldhash instead of std's SipHash: a write hashed an id or a key
+/// about 120 times, and SipHash was 6% of the instructions a write took (docs/decisions.md).
+/// Keyed per process like std's (keys carry task names clients choose).
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
 use super::files::{self, fsync_dir};
 use super::history;

@@ -184,7 +184,7 @@ impl SledStore {
             StoreError::Unavailable(format!("cannot open the store at {}: {e}", dir.display()))
         })?;
         migrate_indexes(&db).map_err(|e| fail("build the expiry index", &e))?;
-        let mut blobs = HashSet::new();
+        let mut blobs = HashSet::default();
         sled_durable(&db, dir, &mut blobs, &log)
             .and_then(|()| logfiles.sync())
             .and_then(|()| wal.remove_older())
@@ -197,7 +197,7 @@ impl SledStore {
         let flushes = Arc::new(AtomicU64::new(0));
         let notes = Arc::new(Mutex::new(Vec::new()));
         let cache = Arc::new(Mutex::new(Cache::default()));
-        let placing = Arc::new(Mutex::new(HashMap::new()));
+        let placing = Arc::new(Mutex::new(HashMap::default()));
         let (counts, kept) = open_counts(&db);
         // Every pointer sled holds, now that the log is replayed and older layouts moved.
         let stored = counts.iter().sum::<u64>() as usize;
@@ -253,7 +253,7 @@ impl SledStore {
             frame: Vec::new(),
             shared,
             seq: 0,
-            unapplied: HashMap::new(),
+            unapplied: HashMap::default(),
             ids,
             sync: sealed_tx,
             syncer: sync,

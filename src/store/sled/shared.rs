@@ -216,7 +216,7 @@ impl Overlay {
             .map_err(|_| unavailable("store lock poisoned"))?;
         let mut o = Overlay {
             puts: Default::default(),
-            dels: HashSet::new(),
+            dels: HashSet::default(),
         };
         for changes in [&*m.frozen, &m.active] {
             for (k, v) in changes.iter().filter(|(k, _)| wanted(k)) {

@@ -246,12 +246,12 @@ impl Writer {
             changes: Vec::new(),
             durable: false,
             answers: Vec::new(),
-            records: HashMap::new(),
-            bodies: HashMap::new(),
+            records: HashMap::default(),
+            bodies: HashMap::default(),
             failed: None,
             drain: true,
             head: None,
-            new_keys: HashSet::new(),
+            new_keys: HashSet::default(),
         };
         self.syncer.handing_over();
         self.sync
