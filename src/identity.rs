@@ -46,14 +46,30 @@ pub(crate) fn hex32(d: &[u8; 32]) -> String {
     hex(&d[..16])
 }
 
-/// Lower-case hex, filled in one pass: every hex the proxy writes goes through here
-/// (`hex::encode` pushes a char at a time; every write makes about eight: its id, fingerprint,
-/// principal, body digest and its log entries' hashes).
+/// Lower-case hex, two digits a byte from a table: every hex the proxy writes goes through here,
+/// seven a write (its id, fingerprint, principal, body digest and its log entries' hashes).
+/// `hex::encode` pushes a char at a time and `hex::encode_to_slice` walks the input and output
+/// in step with checks on both: about 700 instructions for a 32-byte digest (callgrind), this
+/// about a third of that.
 pub(crate) fn hex(bytes: &[u8]) -> String {
     let mut out = vec![0; bytes.len() * 2];
-    hex::encode_to_slice(bytes, &mut out).expect("the buffer holds two digits per byte");
+    for (pair, &b) in out.chunks_exact_mut(2).zip(bytes) {
+        pair.copy_from_slice(&HEX_PAIRS[usize::from(b)]);
+    }
     String::from_utf8(out).expect("hex digits are ASCII")
 }
+
+/// The two lower-case hex digits of every byte value.
+const HEX_PAIRS: [[u8; 2]; 256] = {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut t = [[0u8; 2]; 256];
+    let mut i = 0;
+    while i < 256 {
+        t[i] = [DIGITS[i >> 4], DIGITS[i & 15]];
+        i += 1;
+    }
+    t
+};
 
 /// 1 to `max` visible ASCII characters.
 pub(crate) fn visible(s: &str, max: usize) -> bool {
@@ -315,6 +331,16 @@ mod tests {
             .policy
             .as_ref()
             .clone()
+    }
+
+    #[test]
+    fn hex_is_the_hex_crates_lower_case_form_for_every_byte_and_length() {
+        let all: Vec<u8> = (0..=255).collect();
+        for n in [0, 1, 2, 16, 32, 255, 256] {
+            let bytes = &all[all.len() - n..];
+            assert_eq!(hex(bytes), hex::encode(bytes), "{n} bytes");
+        }
+        assert_eq!(hex(&[0x00, 0x0f, 0xa5, 0xff]), "000fa5ff");
     }
 
     fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
