@@ -56,13 +56,6 @@ use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 
-/// The store's maps and sets (a batch's records and keys, the changes on their way into sled,
-/// the cache), hashed with foldhash instead of std's SipHash: a write hashed an id or a key
-/// about 120 times, and SipHash was 6% of the instructions a write took (docs/decisions.md).
-/// Keyed per process like std's (keys carry task names clients choose).
-type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
-type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
-
 use super::files::{self, fsync_dir};
 use super::history;
 use super::logfiles::LogFiles;
@@ -109,6 +102,13 @@ use shared::*;
 use slot::*;
 use syncer::*;
 use writer::*;
+
+/// The store's maps and sets (a batch's records and keys, the changes on their way into sled,
+/// the cache), hashed with foldhash instead of std's SipHash: a write hashed an id or a key
+/// about 120 times, and SipHash was 7% of the instructions a write took (docs/decisions.md).
+/// Keyed per process like std's (keys carry task names clients choose).
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
 /// Bodies larger than this are kept as files, not in sled.
 pub const INLINE_BODY_MAX: usize = 64 * 1024;
