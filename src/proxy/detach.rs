@@ -79,6 +79,16 @@ impl<F: Future> Future for CatchUnwind<F> {
     }
 }
 
+/// What ended an action's own task early (an action whose answer streams runs in one): its panic,
+/// said as [`panic_message`] says it for an action run in the request's task, or its
+/// cancellation.
+pub(super) fn join_message(e: tokio::task::JoinError) -> String {
+    match e.try_into_panic() {
+        Ok(panic) => panic_message(&*panic),
+        Err(e) => e.to_string(),
+    }
+}
+
 /// What a panic said, for the log and the problem's detail.
 pub(super) fn panic_message(panic: &(dyn Any + Send)) -> String {
     let msg = panic
@@ -146,6 +156,19 @@ mod tests {
         );
         let r = CatchUnwind(Box::pin(async { 7 })).await;
         assert_eq!(r.ok(), Some(7));
+    }
+
+    /// A spawned task's panic is said as a caught one is.
+    #[tokio::test]
+    async fn a_tasks_panic_says_what_it_said_as_a_caught_one_does() {
+        let e = tokio::spawn(async {
+            if std::hint::black_box(true) {
+                panic!("boom");
+            }
+        })
+        .await
+        .expect_err("it panicked");
+        assert_eq!(join_message(e), "panicked: boom");
     }
 
     fn futures_poll_once<F: Future + Unpin>(f: &mut F) -> Poll<F::Output> {

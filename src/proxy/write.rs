@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use super::detach::{panic_message, CatchUnwind, Detached};
+use super::detach::{join_message, panic_message, CatchUnwind, Detached};
 use super::*;
 
 impl Proxy {
@@ -150,7 +150,7 @@ impl Proxy {
             r = &mut task => return match r {
                 Ok(r) => r,
                 Err(e) => {
-                    self.after_panic(&e.to_string(), &id, claimed.load(Ordering::SeqCst))
+                    self.after_panic(&join_message(e), &id, claimed.load(Ordering::SeqCst))
                         .await
                 }
             },
@@ -162,7 +162,7 @@ impl Proxy {
         self.attempts.spawn(async move {
             if let Err(e) = task.await {
                 let _ = me
-                    .after_panic(&e.to_string(), &id, claimed.load(Ordering::SeqCst))
+                    .after_panic(&join_message(e), &id, claimed.load(Ordering::SeqCst))
                     .await;
             }
         });
