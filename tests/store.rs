@@ -1170,6 +1170,73 @@ async fn sled_finds_every_action_it_holds_after_a_reopen() {
     s.close().await.unwrap();
 }
 
+/// A clean close leaves the filter of the ids the store holds in its folder, and the next open
+/// loads it instead of reading every pointer in sled (which holds a page of sled's for every
+/// leaf it reads), removing the file first. A filter that is not of the store as it is now (one
+/// saved before later writes and put back, one damaged) is never loaded: it would say "certainly
+/// not held" of actions the store holds, and a retry of one would be sent as new.
+#[tokio::test]
+async fn sled_loads_the_ids_filter_its_clean_close_saved_and_never_a_stale_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let file = dir.join("ids.filter");
+    let open = |dir: &std::path::Path| {
+        oncegate::store::sled::SledStore::open(dir, Default::default()).unwrap()
+    };
+    let write = |s: S, ids: Vec<String>| async move {
+        for id in &ids {
+            let c = claim_at(&s, id, T0).await;
+            assert!(matches!(c, Claim::Claimed(_)), "{id} is new: {c:?}");
+            settle(&s, id, 1, State::Succeeded, T0 + 1, Some("{}")).await;
+        }
+        s.close().await.unwrap();
+    };
+    let named = |p: &str| (0..50).map(|i| format!("{p}{i}")).collect::<Vec<_>>();
+    let held = |s: S, ids: Vec<String>| async move {
+        for id in &ids {
+            assert_held(&s, id, T0 + 2, State::Succeeded).await;
+        }
+        s.close().await.unwrap();
+    };
+
+    let s = open(&dir);
+    assert!(!s.ids_loaded(), "a new store has no saved filter");
+    write(Arc::new(s), named("first")).await;
+    assert!(file.exists(), "a clean close saves the filter");
+    let stale = tmp.path().join("stale.filter");
+    std::fs::copy(&file, &stale).unwrap();
+
+    let s = open(&dir);
+    assert!(s.ids_loaded(), "the filter the close saved is loaded");
+    assert!(!file.exists(), "and removed as the store opens");
+    let s: S = Arc::new(s);
+    held(s.clone(), named("first")).await;
+    let s = open(&dir);
+    assert!(s.ids_loaded());
+    write(Arc::new(s), named("second")).await;
+
+    // The filter from before the second actions, put back: it lacks them.
+    std::fs::copy(&stale, &file).unwrap();
+    let s = open(&dir);
+    assert!(
+        !s.ids_loaded(),
+        "a filter saved before later writes is not loaded"
+    );
+    held(Arc::new(s), [named("first"), named("second")].concat()).await;
+
+    // A damaged filter: one bit of it changed.
+    let mut bytes = std::fs::read(&file).unwrap();
+    let n = bytes.len() / 2;
+    bytes[n] ^= 1;
+    std::fs::write(&file, &bytes).unwrap();
+    let s = open(&dir);
+    assert!(!s.ids_loaded(), "a damaged filter is not loaded");
+    held(Arc::new(s), [named("first"), named("second")].concat()).await;
+    let s = open(&dir);
+    assert!(s.ids_loaded(), "the close after it saved a good one");
+    s.close().await.unwrap();
+}
+
 /// A small stored body is kept after its record in the record's own value (one sled insert for
 /// both); one that would take that value past the store's bound (`RECORD_MAX`) under a key of its
 /// own. Both read back after a reopen; and a new attempt of a failed action, decided after a

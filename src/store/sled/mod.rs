@@ -218,6 +218,12 @@ impl SledStore {
         self.shared.batches.load(Ordering::Relaxed)
     }
 
+    /// Whether this open loaded the filter of held ids its last clean close saved, rather than
+    /// reading every pointer in sled.
+    pub fn ids_loaded(&self) -> bool {
+        self.shared.ids_made == ids::Made::Loaded
+    }
+
     /// How many fdatasyncs of the write-ahead log no caller waited for: what notes and lease
     /// renewals written on their own cost (each made durable within 100 ms).
     pub fn idle_sync_count(&self) -> u64 {

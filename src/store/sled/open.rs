@@ -199,10 +199,23 @@ impl SledStore {
         let cache = Arc::new(Mutex::new(Cache::default()));
         let placing = Arc::new(Mutex::new(HashMap::default()));
         let (counts, kept) = open_counts(&db);
-        // Every pointer sled holds, now that the log is replayed and older layouts moved.
+        // Every pointer sled holds, now that the log is replayed and older layouts moved: as
+        // the last clean close saved them, or read from sled.
         let stored = counts.iter().sum::<u64>() as usize;
-        let ids = Ids::of(&db, stored).map_err(|e| fail("read the action ids", &e))?;
-        let shared = Arc::new(Shared::new(logfiles, counts, head.clone()));
+        let binding = ids::Binding {
+            store: db
+                .get(history::ID_KEY)
+                .map_err(|e| fail("read the store id", &e))?
+                .map(|v| v.to_vec())
+                .unwrap_or_default(),
+            head: head.clone(),
+            counts,
+        };
+        let (ids, ids_made) = ids::at_open(&db, dir, &binding, stored)
+            .map_err(|e| fail("read the action ids", &e))?;
+        let mut shared = Shared::new(logfiles, counts, head.clone());
+        shared.ids_made = ids_made;
+        let shared = Arc::new(shared);
         let reader_view = shared.clone();
         let (drain_tx, drain_rx) = mpsc::channel::<(Arc<Changes>, u64)>();
         let drainer = {

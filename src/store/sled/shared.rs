@@ -30,6 +30,9 @@ pub(super) struct Shared {
     /// fdatasyncs of the write-ahead log that no caller waited for (notes and lease renewals
     /// made durable within [`LAZY_FLUSH`]).
     pub(super) idle_syncs: AtomicU64,
+    /// How the filter of held ids was made at open (saved by the last clean close, or read
+    /// from sled).
+    pub(super) ids_made: super::ids::Made,
 }
 
 /// Actions per state, indexed by [`slot`].
@@ -147,6 +150,7 @@ impl Shared {
             progress: std::sync::Condvar::new(),
             mem: RwLock::new(Mem::default()),
             logfiles: Mutex::new(logfiles),
+            ids_made: super::ids::Made::Scanned,
         }
     }
 

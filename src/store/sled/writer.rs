@@ -98,9 +98,35 @@ impl Writer {
                 drop(tx);
                 let _ = handle.join();
             }
-            if let Err(e) = self.checkpoint() {
-                tracing::error!(error = %e, "store checkpoint at close failed");
+            match self.checkpoint() {
+                Ok(()) => self.save_ids(),
+                Err(e) => tracing::error!(error = %e, "store checkpoint at close failed"),
             }
+        }
+    }
+
+    /// Leaves the filter of held ids for the next open, bound to the store as this close leaves
+    /// it (everything in sled, the write-ahead log empty). Without it, the next open reads
+    /// every pointer in sled, as after a crash.
+    fn save_ids(&self) {
+        if self.shared.check().is_err() {
+            // A store that stopped taking changes replays its write-ahead log at the next open.
+            return;
+        }
+        let binding = || -> Result<ids::Binding, String> {
+            Ok(ids::Binding {
+                store: self
+                    .db
+                    .get(history::ID_KEY)
+                    .map_err(|e| e.to_string())?
+                    .map(|v| v.to_vec())
+                    .unwrap_or_default(),
+                head: self.head.clone(),
+                counts: *self.shared.counts.lock().map_err(|e| e.to_string())?,
+            })
+        };
+        if let Err(e) = binding().and_then(|b| self.ids.save(&self.dir, &b)) {
+            tracing::warn!(error = %e, "store: could not save the filter of action ids; the next start reads them from sled");
         }
     }
 
