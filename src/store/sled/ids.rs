@@ -113,7 +113,16 @@ pub(super) fn at_open(
             ),
         }
     }
-    Ok((Ids::of(db, stored)?, Made::Scanned))
+    let started = std::time::Instant::now();
+    let ids = Ids::of(db, stored)?;
+    if ids.set > 0 {
+        tracing::info!(
+            ids = ids.set,
+            seconds = started.elapsed().as_secs_f64(),
+            "store: read the action ids from sled (a clean stop saves them for the next start)"
+        );
+    }
+    Ok((ids, Made::Scanned))
 }
 
 impl Ids {
