@@ -233,6 +233,8 @@ struct Report {
     /// Restarts after a clean stop (SIGTERM) instead of a kill: the store saves its filter of
     /// held ids, which the next start loads.
     stops: usize,
+    /// Starts after a clean stop that read the ids from sled instead of loading them.
+    stop_rescans: usize,
     writes: usize,
     completed: usize,
     unknown: usize,
@@ -512,7 +514,8 @@ async fn harness(opts: Options) -> Report {
         let slot = rand::rng().random_range(0..children.len());
         proxy_addr.write().unwrap()[slot] = None;
         let child = children.remove(slot);
-        if k % 4 == 1 {
+        let stopped = k % 4 == 1;
+        if stopped {
             // A clean stop under load, now and then: what the next start loads must be exactly
             // what this one leaves.
             tokio::task::spawn_blocking(move || child.terminate())
@@ -544,6 +547,15 @@ async fn harness(opts: Options) -> Report {
             report.kills += 1;
         }
         let child = spawn(cfg.clone(), envs.clone()).await;
+        if stopped
+            && child
+                .stderr
+                .lock()
+                .unwrap()
+                .contains("read the action ids from sled")
+        {
+            report.stop_rescans += 1;
+        }
         report.log_checks += 1;
         if !verify_log(&child).await {
             report.log_failures += 1;
@@ -712,6 +724,10 @@ async fn sigkills_under_load_never_duplicate_lose_or_resend_a_write() {
     assert!(
         report.stops > 0,
         "no clean stop among the restarts: {report:?}"
+    );
+    assert_eq!(
+        report.stop_rescans, 0,
+        "a start after a clean stop did not load the ids it saved: {report:?}"
     );
     assert!(report.completed > 0 && report.unknown > 0, "{report:?}");
     assert_eq!(report.duplicates, 0, "{report:?}");
