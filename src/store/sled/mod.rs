@@ -25,7 +25,9 @@
 //! durable and visible, `drainer.rs` applies them to sled, `checkpoint.rs` lets log files go;
 //! `shared.rs` is what they share (the durable changes not yet in sled, counts, health); `ops.rs`
 //! what callers send; `cache.rs`, `codec.rs` (with `packed.rs`, a record's binary form),
-//! `index.rs`, `ids.rs` (which ids the store may hold), `bodies.rs` and `open.rs` the rest.
+//! `index.rs`, `ids.rs` (which ids the store may hold: a filter a clean close saves in
+//! `ids.filter` and the next open loads, bound to the store as the close left it), `bodies.rs`
+//! and `open.rs` the rest.
 //!
 //! Keys (one tree): `c/{created_at:be64}{id}` the record (packed: [`packed`]; then its small
 //! stored body), which is also the creation index
