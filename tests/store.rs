@@ -1201,6 +1201,13 @@ async fn sled_loads_the_ids_filter_its_clean_close_saved_and_never_a_stale_one()
 
     let s = open(&dir);
     assert!(!s.ids_loaded(), "a new store has no saved filter");
+    s.close().await.unwrap();
+    drop(s);
+    assert!(
+        !file.exists(),
+        "a store that never held an action saves none"
+    );
+    let s = open(&dir);
     write(Arc::new(s), named("first")).await;
     assert!(file.exists(), "a clean close saves the filter");
     let stale = tmp.path().join("stale.filter");

@@ -257,6 +257,11 @@ impl Ids {
         self.set += 1;
     }
 
+    /// Whether no id was ever put in.
+    pub(super) fn is_empty(&self) -> bool {
+        self.set == 0
+    }
+
     /// Whether the store may hold `id`; `false` only when it certainly does not.
     pub(super) fn may_hold(&self, id: &[u8]) -> bool {
         if self.set.saturating_mul(MAX_LOAD) > self.bits.len() * 64 {

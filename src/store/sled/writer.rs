@@ -109,8 +109,9 @@ impl Writer {
     /// it (everything in sled, the write-ahead log empty). Without it, the next open reads
     /// every pointer in sled, as after a crash.
     fn save_ids(&self) {
-        if self.shared.check().is_err() {
-            // A store that stopped taking changes replays its write-ahead log at the next open.
+        if self.shared.check().is_err() || self.ids.is_empty() {
+            // A store that stopped taking changes replays its write-ahead log at the next open;
+            // a store that never held an action has nothing to read at the next open.
             return;
         }
         let binding = || -> Result<ids::Binding, String> {
