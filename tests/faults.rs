@@ -435,6 +435,67 @@ async fn an_attempt_that_panics_is_unknown_and_says_it_may_have_been_applied() {
     assert_eq!(up.count(), 1);
 }
 
+/// The evidence a panic leaves: what the panic said, in the same words whether the action ran in
+/// the request's task (an HTTP write) or in a task of its own (an MCP call, whose answer may
+/// stream): `panicked: …`, not the runtime's `task 12 panicked with message …`.
+#[tokio::test]
+async fn a_panic_is_recorded_in_the_same_words_whichever_task_the_action_ran_in() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let faulty = Arc::new(FaultyStore::new(sled(&tmp.path().join("s"))));
+    let mcp = r#"
+[[upstreams]]
+name = "tools"
+prefix = "/mcp"
+url = "{up}/mcp"
+protocol = "mcp"
+"#
+    .replace("{up}", &up.url());
+    let proxy = TestProxy::start_with_store(
+        &format!("{}{mcp}", config(&up.url(), "")),
+        faulty.clone(),
+        tmp.path(),
+    )
+    .await;
+    let c = TestClient::default();
+    let call = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"send_email","arguments":{"to":"a"}}}"#;
+    let mcp_headers = [
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+    ];
+    let mut errors = Vec::new();
+    for (path, headers, body, answer) in [
+        ("/pay/v1/c", &[(KEY, "panic")][..], "a", r#"{"id":"ch_p"}"#),
+        (
+            "/mcp",
+            &mcp_headers[..],
+            call,
+            r#"{"jsonrpc":"2.0","id":1,"result":{"content":[]}}"#,
+        ),
+    ] {
+        up.push(Behavior::json(200, answer));
+        faulty.panic_settles.store(true, Ordering::SeqCst);
+        let r = c.post(&proxy.url(path), headers, body).await;
+        let id = r
+            .header("oncegate-action")
+            .expect("the action's id")
+            .to_string();
+        let action = proxy
+            .admin("GET", &format!("/v1/actions/{id}"), "")
+            .await
+            .json();
+        assert_eq!(action["state"], "unknown", "{path}: {action}");
+        errors.push(action["evidence"][0]["tries"][0]["error"].to_string());
+    }
+    for e in &errors {
+        assert!(
+            e.contains("(panicked: a bug while settling"),
+            "the panic in its own words: {errors:?}"
+        );
+    }
+    assert_eq!(up.count(), 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_go_away_right_after_sending_leave_no_action_without_its_attempt() {
     use tokio::io::AsyncWriteExt;
