@@ -68,45 +68,57 @@ pub(super) struct Binding {
     pub(super) counts: Counts,
 }
 
-/// How the filter of an open store was made.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Made {
-    /// Loaded from the file the last clean close saved.
-    Loaded,
-    /// Read from every pointer in sled.
-    Scanned,
+impl Binding {
+    /// The binding of the store in `db` whose write log ends at `head`, with these counts.
+    pub(super) fn of(
+        db: &sled::Db,
+        head: (u64, String),
+        counts: Counts,
+    ) -> Result<Binding, String> {
+        let store = db
+            .get(super::history::ID_KEY)
+            .map_err(|e| format!("read the store id: {e}"))?
+            .map(|v| v.to_vec())
+            .unwrap_or_default();
+        Ok(Binding {
+            store,
+            head,
+            counts,
+        })
+    }
 }
 
 /// The filter of the store at open, before the writer starts: the one its last clean close saved
 /// when that is bound to this very state of the store ([`Binding`]), else made from every pointer
-/// in sled ([`Ids::of`]). The saved file is removed before anything else: from here on the store
-/// changes, and no later open may find the file (one that cannot be removed is not used).
+/// in sled ([`Ids::of`]); `true` when loaded. The saved file is removed before anything else:
+/// from here on the store changes, and no later open may find the file (one that cannot be
+/// removed is not used).
 pub(super) fn at_open(
     db: &sled::Db,
     dir: &Path,
     binding: &Binding,
     stored: usize,
-) -> Result<(Ids, Made), String> {
+) -> Result<(Ids, bool), String> {
     let path = dir.join(FILE);
     // What a close that stopped while saving left: never a filter, only in the way.
     let _ = std::fs::remove_file(dir.join(format!("{FILE}.tmp")));
-    let mut saved = match std::fs::read(&path) {
-        Ok(bytes) => Some(bytes),
+    let saved = match std::fs::read(&path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => {
-            tracing::warn!(path = %path.display(), error = %e, "store: cannot read the saved ids filter; reading the ids from sled");
-            None
-        }
+        read => match read.and_then(|bytes| {
+            std::fs::remove_file(&path)
+                .and_then(|()| files::fsync_dir(dir))
+                .map(|()| bytes)
+        }) {
+            Ok(bytes) => Some(bytes),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "store: cannot read and remove the saved ids filter; reading the ids from sled");
+                None
+            }
+        },
     };
-    if path.exists() || saved.is_some() {
-        if let Err(e) = std::fs::remove_file(&path).and_then(|()| files::fsync_dir(dir)) {
-            tracing::warn!(path = %path.display(), error = %e, "store: cannot remove the saved ids filter; reading the ids from sled");
-            saved = None;
-        }
-    }
     if let Some(bytes) = saved {
         match Ids::parse(&bytes, binding) {
-            Ok(ids) => return Ok((ids, Made::Loaded)),
+            Ok(ids) => return Ok((ids, true)),
             Err(why) => tracing::info!(
                 reason = why,
                 "store: the saved ids filter is not of this store as it is; reading the ids from sled"
@@ -122,7 +134,7 @@ pub(super) fn at_open(
             "store: read the action ids from sled (a clean stop saves them for the next start)"
         );
     }
-    Ok((ids, Made::Scanned))
+    Ok((ids, false))
 }
 
 impl Ids {
@@ -132,7 +144,7 @@ impl Ids {
             .saturating_mul(BITS_PER_ID)
             .max(MIN_BITS)
             .next_power_of_two();
-        let seed = std::collections::hash_map::RandomState::new().hash_one(0u64);
+        let seed = rand::random();
         Ids {
             bits: vec![0; bits / 64],
             mask: bits as u64 - 1,

@@ -223,7 +223,7 @@ impl SledStore {
     /// Whether this open loaded the filter of held ids its last clean close saved, rather than
     /// reading every pointer in sled.
     pub fn ids_loaded(&self) -> bool {
-        self.shared.ids_made == ids::Made::Loaded
+        self.shared.ids_loaded
     }
 
     /// How many fdatasyncs of the write-ahead log no caller waited for: what notes and lease

@@ -202,20 +202,10 @@ impl SledStore {
         // Every pointer sled holds, now that the log is replayed and older layouts moved: as
         // the last clean close saved them, or read from sled.
         let stored = counts.iter().sum::<u64>() as usize;
-        let binding = ids::Binding {
-            store: db
-                .get(history::ID_KEY)
-                .map_err(|e| fail("read the store id", &e))?
-                .map(|v| v.to_vec())
-                .unwrap_or_default(),
-            head: head.clone(),
-            counts,
-        };
-        let (ids, ids_made) = ids::at_open(&db, dir, &binding, stored)
+        let (ids, ids_loaded) = ids::Binding::of(&db, head.clone(), counts)
+            .and_then(|binding| ids::at_open(&db, dir, &binding, stored))
             .map_err(|e| fail("read the action ids", &e))?;
-        let mut shared = Shared::new(logfiles, counts, head.clone());
-        shared.ids_made = ids_made;
-        let shared = Arc::new(shared);
+        let shared = Arc::new(Shared::new(logfiles, counts, head.clone(), ids_loaded));
         let reader_view = shared.clone();
         let (drain_tx, drain_rx) = mpsc::channel::<(Arc<Changes>, u64)>();
         let drainer = {

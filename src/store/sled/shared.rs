@@ -30,9 +30,9 @@ pub(super) struct Shared {
     /// fdatasyncs of the write-ahead log that no caller waited for (notes and lease renewals
     /// made durable within [`LAZY_FLUSH`]).
     pub(super) idle_syncs: AtomicU64,
-    /// How the filter of held ids was made at open (saved by the last clean close, or read
+    /// The filter of held ids was loaded at open from what the last clean close saved (not read
     /// from sled).
-    pub(super) ids_made: super::ids::Made,
+    pub(super) ids_loaded: bool,
 }
 
 /// Actions per state, indexed by [`slot`].
@@ -138,7 +138,12 @@ pub(super) fn read_key(
 }
 
 impl Shared {
-    pub(super) fn new(logfiles: LogFiles, counts: Counts, head: (u64, String)) -> Shared {
+    pub(super) fn new(
+        logfiles: LogFiles,
+        counts: Counts,
+        head: (u64, String),
+        ids_loaded: bool,
+    ) -> Shared {
         Shared {
             head: Mutex::new(head),
             forced_drains: AtomicU64::new(0),
@@ -150,7 +155,7 @@ impl Shared {
             progress: std::sync::Condvar::new(),
             mem: RwLock::new(Mem::default()),
             logfiles: Mutex::new(logfiles),
-            ids_made: super::ids::Made::Scanned,
+            ids_loaded,
         }
     }
 

@@ -114,19 +114,15 @@ impl Writer {
             // a store that never held an action has nothing to read at the next open.
             return;
         }
-        let binding = || -> Result<ids::Binding, String> {
-            Ok(ids::Binding {
-                store: self
-                    .db
-                    .get(history::ID_KEY)
-                    .map_err(|e| e.to_string())?
-                    .map(|v| v.to_vec())
-                    .unwrap_or_default(),
-                head: self.head.clone(),
-                counts: *self.shared.counts.lock().map_err(|e| e.to_string())?,
-            })
-        };
-        if let Err(e) = binding().and_then(|b| self.ids.save(&self.dir, &b)) {
+        let saved = self
+            .shared
+            .counts
+            .lock()
+            .map(|c| *c)
+            .map_err(|e| e.to_string())
+            .and_then(|counts| ids::Binding::of(&self.db, self.head.clone(), counts))
+            .and_then(|b| self.ids.save(&self.dir, &b));
+        if let Err(e) = saved {
             tracing::warn!(error = %e, "store: could not save the filter of action ids; the next start reads them from sled");
         }
     }
