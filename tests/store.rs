@@ -1170,6 +1170,47 @@ async fn sled_finds_every_action_it_holds_after_a_reopen() {
     s.close().await.unwrap();
 }
 
+/// The drainer appends the write-log entries of every batch it drains in one write, not one per
+/// batch, and they read back whole and in order, across the reopen that replays what the
+/// write-ahead log still held too.
+#[tokio::test]
+async fn sled_appends_a_drains_log_entries_in_one_write() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let sled = Arc::new(oncegate::store::sled::SledStore::open(&dir, Default::default()).unwrap());
+    let s: S = sled.clone();
+    let batches = 60;
+    for i in 0..batches {
+        // Each claim is a batch of its own (a lone call), its entries a block of the log.
+        s.claim(claim_req(record(&format!("w{i}"), "f", None), T0, 10_000))
+            .await
+            .unwrap();
+    }
+    // A sweep waits until sled (and the log files) hold every change.
+    assert_eq!(s.expire(T0).await.unwrap(), 0);
+    let writes = sled.log_writes();
+    assert!(
+        (1..=5).contains(&writes),
+        "{batches} batches' entries took {writes} writes"
+    );
+    let log = s.log(0, 1_000).await.unwrap();
+    // Each new claim logs its intent and its send.
+    assert_eq!(log.len(), 2 * batches);
+    assert!(log.iter().zip(1..).all(|(e, n)| e.seq == n), "{log:?}");
+    // More batches, then a crash: the reopen replays them once into the files.
+    for i in 0..10 {
+        s.claim(claim_req(record(&format!("x{i}"), "f", None), T0, 10_000))
+            .await
+            .unwrap();
+    }
+    drop((s, sled));
+    let s = open_sled(&dir, Default::default());
+    let log = s.log(0, 1_000).await.unwrap();
+    assert_eq!(log.len(), 2 * (batches + 10));
+    assert!(log.iter().zip(1..).all(|(e, n)| e.seq == n), "{log:?}");
+    s.close().await.unwrap();
+}
+
 /// A clean close leaves the filter of the ids the store holds in its folder, and the next open
 /// loads it instead of reading every pointer in sled (which holds a page of sled's for every
 /// leaf it reads), removing the file first. A filter that is not of the store as it is now (one

@@ -220,6 +220,12 @@ impl SledStore {
         self.shared.batches.load(Ordering::Relaxed)
     }
 
+    /// How many writes appended to the write log's files since the open: the drainer makes one
+    /// for all the entries of a drain.
+    pub fn log_writes(&self) -> u64 {
+        self.shared.logfiles.lock().map_or(0, |f| f.writes())
+    }
+
     /// Whether this open loaded the filter of held ids its last clean close saved, rather than
     /// reading every pointer in sled.
     pub fn ids_loaded(&self) -> bool {
