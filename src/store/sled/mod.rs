@@ -27,7 +27,7 @@
 //! what callers send; `cache.rs`, `codec.rs` (with `packed.rs`, a record's binary form),
 //! `index.rs`, `ids.rs` (which ids the store may hold: a filter a clean close saves in
 //! `ids.filter` and the next open loads, bound to the store as the close left it), `bodies.rs`
-//! and `open.rs` the rest.
+//! and `open.rs` the rest; `stats.rs` counts what the store has done, for tests and the bench.
 //!
 //! Keys (one tree): `c/{created_at:be64}{id}` the record (packed: [`packed`]; then its small
 //! stored body), which is also the creation index
@@ -86,6 +86,7 @@ mod ops;
 mod packed;
 mod shared;
 mod slot;
+mod stats;
 mod syncer;
 mod writer;
 
@@ -209,35 +210,6 @@ fn log_head(files: &LogFiles) -> Result<(u64, String), StoreError> {
 }
 
 impl SledStore {
-    /// How often the writer waited for the drainer to apply everything to sled (checkpoints,
-    /// recovery, expiry): never for a reader.
-    pub fn forced_drain_count(&self) -> u64 {
-        self.shared.forced_drains.load(Ordering::Relaxed)
-    }
-
-    /// How many batches the writer has made (on its thread or a caller's).
-    pub fn batch_count(&self) -> u64 {
-        self.shared.batches.load(Ordering::Relaxed)
-    }
-
-    /// How many writes appended to the write log's files since the open: the drainer makes one
-    /// for all the entries of a drain.
-    pub fn log_writes(&self) -> u64 {
-        self.shared.logfiles.lock().map_or(0, |f| f.writes())
-    }
-
-    /// Whether this open loaded the filter of held ids its last clean close saved, rather than
-    /// reading every pointer in sled.
-    pub fn ids_loaded(&self) -> bool {
-        self.shared.ids_loaded
-    }
-
-    /// How many fdatasyncs of the write-ahead log no caller waited for: what notes and lease
-    /// renewals written on their own cost (each made durable within 100 ms).
-    pub fn idle_sync_count(&self) -> u64 {
-        self.shared.idle_syncs.load(Ordering::Relaxed)
-    }
-
     /// Writes the audit entries still buffered (a reader of the log sees every event so far): a
     /// batch like any other, not a wait for the drainer.
     async fn write_notes(&self) -> Result<(), StoreError> {
@@ -245,18 +217,6 @@ impl SledStore {
             self.call(Op::Sync).await?;
         }
         Ok(())
-    }
-
-    /// How many batches a caller decided and made durable on its own thread, with nothing else
-    /// in flight ([`Slot::inline`]); the writer thread made the rest.
-    pub fn caller_batches(&self) -> u64 {
-        self.slot.inline.load(Ordering::Relaxed)
-    }
-
-    /// How many times the store has made batches durable for their callers (one fdatasync of the
-    /// write-ahead log each).
-    pub fn flush_count(&self) -> u64 {
-        self.flushes.load(Ordering::Relaxed)
     }
 
     /// The fast path of a claim: a record that exists, is durable, and cannot be claimed
