@@ -1180,6 +1180,7 @@ async fn sled_appends_a_drains_log_entries_in_one_write() {
     let sled = Arc::new(oncegate::store::sled::SledStore::open(&dir, Default::default()).unwrap());
     let s: S = sled.clone();
     let batches = 60;
+    let started = std::time::Instant::now();
     for i in 0..batches {
         // Each claim is a batch of its own (a lone call), its entries a block of the log.
         s.claim(claim_req(record(&format!("w{i}"), "f", None), T0, 10_000))
@@ -1188,10 +1189,12 @@ async fn sled_appends_a_drains_log_entries_in_one_write() {
     }
     // A sweep waits until sled (and the log files) hold every change.
     assert_eq!(s.expire(T0).await.unwrap(), 0);
+    // A drain every 250 ms at most while the claims ran, and the sweep's: one write each.
+    let drains = 2 + started.elapsed().as_millis() as u64 / 250;
     let writes = sled.log_writes();
     assert!(
-        (1..=5).contains(&writes),
-        "{batches} batches' entries took {writes} writes"
+        writes >= 1 && writes <= drains.min(batches as u64 / 2),
+        "{batches} batches' entries took {writes} writes ({drains} drains at most)"
     );
     let log = s.log(0, 1_000).await.unwrap();
     // Each new claim logs its intent and its send.
