@@ -2,7 +2,7 @@
 //! the write log ([`super::logfiles`]) are both folders of numbered, append-only files.
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, Read as _};
+use std::io::{self, Read as _, Write as _};
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::Path;
 
@@ -53,6 +53,19 @@ pub fn restrict(dir: &Path) -> io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Writes `bytes` to `path` whole or not at all, across a crash too: into `tmp` (readable by its
+/// owner only, in the same folder), fsynced, renamed over `path`, then the folder fsynced.
+pub fn write_whole(tmp: &Path, path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let mut f = create_private(tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(tmp, path)?;
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => fsync_dir(dir),
+        _ => fsync_dir(Path::new(".")),
+    }
 }
 
 /// Makes a folder's entries (files created, renamed or removed in it) durable.

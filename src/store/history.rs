@@ -12,8 +12,6 @@
 
 use std::path::Path;
 
-use super::files::fsync_dir;
-
 /// The store's id, beside its database.
 pub const ID_FILE: &str = "store.id";
 /// The store's id, in the database.
@@ -168,17 +166,10 @@ fn adopt(dir: &Path, db: &sled::Db, id: &str, seen: &Seen, file: bool) -> Result
 
 /// Writes the id file: write, fsync, rename, fsync the folder.
 fn write_id(dir: &Path, id: &str) -> Result<(), String> {
-    use std::io::Write as _;
     let tmp = dir.join(format!(".{ID_FILE}.tmp"));
     let path = dir.join(ID_FILE);
-    let write = || -> std::io::Result<()> {
-        let mut f = super::files::create_private(&tmp)?;
-        f.write_all(format!("{id}\n").as_bytes())?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &path)?;
-        fsync_dir(dir)
-    };
-    write().map_err(|e| format!("write {}: {e}", path.display()))
+    super::files::write_whole(&tmp, &path, format!("{id}\n").as_bytes())
+        .map_err(|e| format!("write {}: {e}", path.display()))
 }
 
 /// Whether the store's folder is still there (its id file): a folder removed under a running

@@ -112,12 +112,8 @@ pub fn anchor(dir: &Path) -> Result<Option<(u64, String)>, String> {
 
 /// Writes the anchor atomically (temporary file, fsync, rename, fsync folder).
 fn write_anchor(dir: &Path, seq: u64, prev: &str) -> std::io::Result<()> {
-    let tmp = dir.join("anchor.tmp");
-    let mut f = files::create_private(&tmp)?;
-    f.write_all(&serde_json::to_vec(&(seq, prev)).expect("tuples serialize"))?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, dir.join(ANCHOR))?;
-    files::fsync_dir(dir)
+    let anchor = serde_json::to_vec(&(seq, prev)).expect("tuples serialize");
+    files::write_whole(&dir.join("anchor.tmp"), &dir.join(ANCHOR), &anchor)
 }
 
 impl LogFiles {

@@ -36,11 +36,7 @@ impl SledStore {
             return Ok(sha);
         }
         let tmp = bodies.join(format!(".{sha}.{}.tmp", std::process::id()));
-        let mut f = files::create_private(&tmp)?;
-        f.write_all(&body)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &path)?;
-        fsync_dir(&bodies)?;
+        files::write_whole(&tmp, &path, &body)?;
         Ok(sha)
     }
 

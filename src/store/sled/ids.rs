@@ -16,7 +16,6 @@
 //! million actions (docs/decisions.md).
 
 use std::hash::BuildHasher;
-use std::io::Write as _;
 use std::path::Path;
 
 use foldhash::quality::FixedState;
@@ -190,13 +189,9 @@ impl Ids {
         }
         let sum = Sha256::digest(&out);
         out.extend_from_slice(&sum);
-        let tmp = dir.join(format!("{FILE}.tmp"));
-        let io = |e: std::io::Error| format!("{}: {e}", tmp.display());
-        let mut f = files::create_private(&tmp).map_err(io)?;
-        f.write_all(&out).map_err(io)?;
-        f.sync_all().map_err(io)?;
-        std::fs::rename(&tmp, dir.join(FILE)).map_err(io)?;
-        files::fsync_dir(dir).map_err(io)
+        let path = dir.join(FILE);
+        files::write_whole(&dir.join(format!("{FILE}.tmp")), &path, &out)
+            .map_err(|e| format!("write {}: {e}", path.display()))
     }
 
     /// A saved filter, if it is whole, bound to `binding` and hashes as this build does.
