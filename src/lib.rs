@@ -35,6 +35,7 @@ pub mod demo;
 pub mod error;
 pub mod framing;
 pub mod identity;
+pub mod inplace;
 pub mod jsontext;
 pub mod log;
 pub mod lookup;

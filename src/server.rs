@@ -108,7 +108,8 @@ where
         let handler = handler.clone();
         let watcher = graceful.watcher();
         let opts = opts.clone();
-        tokio::spawn(async move {
+        // In place: the connection's own wakes do not wake the runtime's other worker.
+        tokio::spawn(crate::inplace::in_place(async move {
             let _permit = permit;
             let svc = service_fn(move |req| {
                 let h = handler.clone();
@@ -153,7 +154,7 @@ where
             if let Err(e) = result {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
-        });
+        }));
     }
     drop(listener);
     tracing::info!(
