@@ -25,6 +25,7 @@
 //! - [`error`]: the one error type and its mapping to problem responses.
 //! - [`framing`]: the request-smuggling guard under HTTP/1 connections.
 //! - [`server`]: accept loop, HTTP/1 + HTTP/2, TLS, header timeout, graceful drain.
+//! - [`inplace`]: a connection's own wakes polled again in place, not through the runtime.
 
 pub mod action;
 pub mod admin;
