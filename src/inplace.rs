@@ -125,76 +125,95 @@ mod tests {
         }
     }
 
-    fn wakes(self_wakes: usize) -> (Wakes, Arc<AtomicUsize>, Arc<Mutex<Option<Waker>>>) {
-        let polls = Arc::new(AtomicUsize::new(0));
-        let seen = Arc::new(Mutex::new(None));
-        let f = Wakes {
-            self_wakes,
-            polls: polls.clone(),
-            seen: seen.clone(),
-        };
-        (f, polls, seen)
+    /// `in_place` around a [`Wakes`], polled by hand with a counting waker as the runtime's.
+    struct Fixture {
+        fut: std::pin::Pin<Box<dyn Future<Output = ()>>>,
+        polls: Arc<AtomicUsize>,
+        seen: Arc<Mutex<Option<Waker>>>,
+        runtime: Arc<Count>,
+        waker: Waker,
+    }
+
+    impl Fixture {
+        fn new(self_wakes: usize) -> Fixture {
+            let polls = Arc::new(AtomicUsize::new(0));
+            let seen = Arc::new(Mutex::new(None));
+            let inner = Wakes {
+                self_wakes,
+                polls: polls.clone(),
+                seen: seen.clone(),
+            };
+            let (runtime, waker) = runtime_waker();
+            Fixture {
+                fut: Box::pin(in_place(inner)),
+                polls,
+                seen,
+                runtime,
+                waker,
+            }
+        }
+
+        /// Polls once: whether it is still pending.
+        fn poll(&mut self) -> bool {
+            self.fut
+                .as_mut()
+                .poll(&mut Context::from_waker(&self.waker))
+                .is_pending()
+        }
+
+        /// The task moved: the runtime's waker is a new one from now on.
+        fn new_runtime_waker(&mut self) {
+            (self.runtime, self.waker) = runtime_waker();
+        }
+
+        fn polls(&self) -> usize {
+            self.polls.load(Ordering::SeqCst)
+        }
+
+        fn runtime_wakes(&self) -> usize {
+            self.runtime.0.load(Ordering::SeqCst)
+        }
+
+        /// The waker the inner future saw last.
+        fn inner_waker(&self) -> Waker {
+            self.seen.lock().unwrap().clone().unwrap()
+        }
     }
 
     #[test]
     fn a_wake_during_the_poll_is_polled_again_without_the_runtime() {
-        let (f, polls, _) = wakes(1);
-        let (count, waker) = runtime_waker();
-        let mut fut = Box::pin(in_place(f));
-        assert!(fut
-            .as_mut()
-            .poll(&mut Context::from_waker(&waker))
-            .is_pending());
-        assert_eq!(polls.load(Ordering::SeqCst), 2, "polled again in place");
-        assert_eq!(
-            count.0.load(Ordering::SeqCst),
-            0,
-            "the runtime was not woken"
-        );
+        let mut f = Fixture::new(1);
+        assert!(f.poll());
+        assert_eq!(f.polls(), 2, "polled again in place");
+        assert_eq!(f.runtime_wakes(), 0, "the runtime was not woken");
     }
 
     #[test]
     fn a_future_that_keeps_waking_itself_goes_back_to_the_runtime() {
-        let (f, polls, _) = wakes(usize::MAX);
-        let (count, waker) = runtime_waker();
-        let mut fut = Box::pin(in_place(f));
+        let mut f = Fixture::new(usize::MAX);
         for round in 1..=3 {
-            assert!(fut
-                .as_mut()
-                .poll(&mut Context::from_waker(&waker))
-                .is_pending());
-            assert_eq!(polls.load(Ordering::SeqCst), 2 * round, "two polls at most");
-            assert_eq!(
-                count.0.load(Ordering::SeqCst),
-                round,
-                "then the runtime's turn"
-            );
+            assert!(f.poll());
+            assert_eq!(f.polls(), 2 * round, "two polls at most");
+            assert_eq!(f.runtime_wakes(), round, "then the runtime's turn");
         }
     }
 
     #[test]
     fn a_wake_between_polls_reaches_the_runtime_from_any_thread() {
-        let (f, polls, seen) = wakes(0);
-        let (count, waker) = runtime_waker();
-        let mut fut = Box::pin(in_place(f));
-        assert!(fut
-            .as_mut()
-            .poll(&mut Context::from_waker(&waker))
-            .is_pending());
-        assert_eq!(polls.load(Ordering::SeqCst), 1);
-        let inner = seen.lock().unwrap().clone().unwrap();
+        let mut f = Fixture::new(0);
+        assert!(f.poll());
+        assert_eq!(f.polls(), 1);
+        let inner = f.inner_waker();
         std::thread::spawn(move || inner.wake()).join().unwrap();
-        assert_eq!(count.0.load(Ordering::SeqCst), 1);
+        assert_eq!(f.runtime_wakes(), 1);
 
-        // A new runtime waker (the task moved): later wakes go to it.
-        let (count2, waker2) = runtime_waker();
-        assert!(fut
-            .as_mut()
-            .poll(&mut Context::from_waker(&waker2))
-            .is_pending());
-        seen.lock().unwrap().clone().unwrap().wake_by_ref();
-        assert_eq!(count2.0.load(Ordering::SeqCst), 1);
-        assert_eq!(count.0.load(Ordering::SeqCst), 1);
+        // The task moved to a new waker: later wakes go to it, not the old one.
+        let old = f.runtime.clone();
+        f.new_runtime_waker();
+        assert!(f.poll());
+        f.inner_waker().wake_by_ref();
+        assert_eq!(f.runtime_wakes(), 1);
+        assert_eq!(old.0.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
