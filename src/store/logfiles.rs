@@ -193,24 +193,18 @@ impl LogFiles {
         // Where the chain stands once the pending slices are written.
         let mut head = self.last.clone();
         let mut result = Ok(());
-        for &(first, block) in blocks {
+        'blocks: for &(first, block) in blocks {
             let have = head.as_ref().map_or(0, |(s, _)| *s);
             let mut lines = block.split_inclusive(|b| *b == b'\n');
             let mut seq = first;
             let mut start = 0;
-            let mut held = false;
             while seq <= have {
                 match lines.next() {
                     Some(l) => start += l.len(),
-                    None => {
-                        held = true;
-                        break;
-                    }
+                    // The files hold the whole block already.
+                    None => continue 'blocks,
                 }
                 seq += 1;
-            }
-            if held {
-                continue;
             }
             if head.is_some() && seq != have + 1 {
                 result = Err(format!(
