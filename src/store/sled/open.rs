@@ -257,6 +257,7 @@ impl SledStore {
             shared,
             seq: 0,
             unapplied: HashMap::default(),
+            pruned: 0,
             ids,
             sync: sealed_tx,
             syncer: sync,

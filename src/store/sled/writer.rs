@@ -24,6 +24,8 @@ pub(super) struct Writer {
     /// the batch that last changed them), which the writer reads instead of sled.
     pub(super) seq: u64,
     pub(super) unapplied: HashMap<String, Unapplied>,
+    /// The last batch sled had applied when `unapplied` was last pruned.
+    pub(super) pruned: u64,
     /// Every id the store has held since open, and some it has not: a claim of a new action asks
     /// it instead of sled.
     pub(super) ids: Ids,
@@ -233,9 +235,13 @@ impl Writer {
                 return Err(SyncerGone);
             }
         }
-        if self.unapplied.len() > MAX_BATCH {
-            let applied = self.shared.applied();
+        // Records sled holds now leave the map once a drain has applied more batches since the
+        // last look: once a drain, not once a batch (at 64 connections the map holds a drain's
+        // worth of records, thousands, and a batch a few of them).
+        let applied = self.shared.applied();
+        if applied > self.pruned {
             self.unapplied.retain(|_, (seq, ..)| *seq > applied);
+            self.pruned = applied;
         }
         if self.wal.wants_checkpoint(self.checkpoint_bytes) {
             // A new log file at once; the old one goes once sled holds its frames durably,
