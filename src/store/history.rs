@@ -21,7 +21,8 @@ pub const HEAD_KEY: &[u8] = b"m/head";
 
 /// The value of [`HEAD_KEY`] for a log whose newest entry is `seq`.
 pub fn head_value(seq: u64, hash: &str) -> Vec<u8> {
-    let mut v = seq.to_be_bytes().to_vec();
+    let mut v = Vec::with_capacity(8 + hash.len());
+    v.extend_from_slice(&seq.to_be_bytes());
     v.extend_from_slice(hash.as_bytes());
     v
 }

@@ -297,9 +297,7 @@ fn move_bodies(db: &sled::Db) -> Result<usize, String> {
 }
 
 pub(super) fn log_key(seq: u64) -> Vec<u8> {
-    let mut k = b"l/".to_vec();
-    k.extend_from_slice(&seq.to_be_bytes());
-    k
+    joined(&[b"l/", &seq.to_be_bytes()])
 }
 
 /// Records matching `filter`, from sled merged with `overlay` (the durable changes not yet in

@@ -254,6 +254,7 @@ impl SledStore {
             log,
             wal,
             frame: Vec::new(),
+            block: Vec::new(),
             shared,
             seq: 0,
             unapplied: HashMap::default(),

@@ -19,6 +19,9 @@ pub(super) struct Writer {
     pub(super) wal: Wal,
     /// The frame being written (reused).
     pub(super) frame: Vec<u8>,
+    /// The log block being filled (NDJSON, reused): a closed block leaves it as a copy of its
+    /// size, so that it is not grown from empty, reallocation by reallocation, in every batch.
+    pub(super) block: Vec<u8>,
     pub(super) shared: Arc<Shared>,
     /// Batches written, numbered; and records changed by batches not yet applied to sled (with
     /// the batch that last changed them), which the writer reads instead of sled.
@@ -67,8 +70,8 @@ pub(super) struct Pending {
     /// value carries after the record ([`split_value`]), which a later version that brings no
     /// body of its own carries on ([`Writer::kept_body`]).
     pub(super) framed: HashMap<String, Option<Bytes>>,
-    /// The log entries of this batch (NDJSON) and the first one's sequence number.
-    pub(super) log_block: Vec<u8>,
+    /// The first sequence number of the log block this batch is filling (its entries are in
+    /// [`Writer::block`]).
     pub(super) log_first: Option<u64>,
     pub(super) writes: usize,
     /// Someone waits for this batch to be durable.
@@ -142,6 +145,11 @@ impl Writer {
     ) -> Result<Option<Delivery>, SyncerGone> {
         self.shared.batches.fetch_add(1, Ordering::Relaxed);
         let mut pending = Pending::default();
+        // About four keys an operation (a claim: its record, pointer and index entries), and
+        // the batch's log block, head and counts: reserved once instead of grown.
+        pending.changes.reserve(4 * ops.len() + 3);
+        // Nothing of an earlier batch is left in the log block (one that unwound midway).
+        self.block.clear();
         // Notes first: they happened before these operations, and an operation that reads
         // the log (`Op::Sync` before a log read) must find them.
         let durable = ops.iter().any(Op::needs_flush);
@@ -165,9 +173,8 @@ impl Writer {
             }
             answers.push(self.apply(op, &mut pending));
         }
-        if let Some(first) = pending.log_first {
-            let block = std::mem::take(&mut pending.log_block);
-            pending.put(log_key(first), block);
+        if let Some(first) = pending.log_first.take() {
+            self.close_block(&mut pending, first);
             // The database learns the log's head with the entries (`history`): at open, a log
             // that ends before it was cut.
             pending.put(
@@ -352,17 +359,23 @@ impl Writer {
     fn add_line(&mut self, pending: &mut Pending, seq: u64, hash: String, line: &[u8]) {
         // The batch's entries go into blocks (one sled value each, at most LOG_BLOCK_MAX): one
         // insert per block, not per entry.
-        if pending.log_block.len() + line.len() > LOG_BLOCK_MAX {
+        if self.block.len() + line.len() > LOG_BLOCK_MAX {
             if let Some(first) = pending.log_first.take() {
-                let block = std::mem::take(&mut pending.log_block);
-                pending.put(log_key(first), block);
+                self.close_block(pending, first);
             }
         }
         pending.log_first.get_or_insert(seq);
-        pending.log_block.extend_from_slice(line);
-        pending.log_block.push(b'\n');
+        self.block.extend_from_slice(line);
+        self.block.push(b'\n');
         self.head = (seq, hash);
         pending.writes += 1;
+    }
+
+    /// Puts the log block being filled, whose first entry is `first`, in the batch, and empties
+    /// the buffer for the next.
+    fn close_block(&mut self, pending: &mut Pending, first: u64) {
+        pending.put(log_key(first), self.block.as_slice());
+        self.block.clear();
     }
 
     /// The stored body `old`'s value carries, which `new` (a later version of the same record
