@@ -239,28 +239,32 @@ fn inspect_line(head: &mut Head, line: &mut [u8]) {
     let Some(colon) = line.iter().position(|c| *c == b':') else {
         return;
     };
+    let name = &line[..colon];
+    let content_length = name.eq_ignore_ascii_case(b"content-length");
+    if !content_length && !name.eq_ignore_ascii_case(b"transfer-encoding") {
+        // Every other header line: nothing to read in its value.
+        return;
+    }
     let value = String::from_utf8_lossy(&line[colon + 1..])
         .trim()
         .to_string();
-    let name = &line[..colon];
-    if name.eq_ignore_ascii_case(b"content-length") {
+    if content_length {
         if head.content_length.is_some() || head.te_chunked.is_some() {
             line[..MARK.len()].copy_from_slice(MARK.as_bytes());
         } else {
             head.content_length = Some(value.parse().ok());
         }
-    } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
-        if head.content_length.is_some() {
-            line[..MARK_TE.len()].copy_from_slice(MARK_TE.as_bytes());
-        } else {
-            let last = value
-                .rsplit(',')
-                .next()
-                .unwrap_or("")
-                .trim()
-                .to_ascii_lowercase();
-            head.te_chunked = Some(last == "chunked");
-        }
+    } else if head.content_length.is_some() {
+        // A `Transfer-Encoding` after a `Content-Length`.
+        line[..MARK_TE.len()].copy_from_slice(MARK_TE.as_bytes());
+    } else {
+        let last = value
+            .rsplit(',')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
+        head.te_chunked = Some(last == "chunked");
     }
 }
 
