@@ -148,8 +148,6 @@ impl Writer {
         // About four keys an operation (a claim: its record, pointer and index entries), and
         // the batch's log block, head and counts: reserved once instead of grown.
         pending.changes.reserve(4 * ops.len() + 3);
-        // Nothing of an earlier batch is left in the log block (one that unwound midway).
-        self.block.clear();
         // Notes first: they happened before these operations, and an operation that reads
         // the log (`Op::Sync` before a log read) must find them.
         let durable = ops.iter().any(Op::needs_flush);
