@@ -110,11 +110,7 @@ pub(super) fn expiry_key(expires_at: Millis, id: &str) -> Vec<u8> {
 /// `{prefix}{at:be64}{id}`: the shape of the keys ordered by a time (records and their bodies by
 /// creation, the expiry index by expiry), so that new ones go where the newest leaves are.
 fn timed_key(prefix: &[u8], at: Millis, id: &str) -> Vec<u8> {
-    let mut k = Vec::with_capacity(prefix.len() + 8 + id.len());
-    k.extend_from_slice(prefix);
-    k.extend_from_slice(&at.to_be_bytes());
-    k.extend_from_slice(id.as_bytes());
-    k
+    joined(&[prefix, &at.to_be_bytes(), id.as_bytes()])
 }
 
 /// The action id of a key made by [`timed_key`] (`{prefix}{be64}{id}`).
