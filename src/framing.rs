@@ -155,7 +155,7 @@ fn scan(state: &mut State, bytes: &mut [u8], heads: &mut u64) -> usize {
             State::Head(head) => {
                 // Each complete line is inspected, and handed over at once: only a partial
                 // line is held back, so hyper's header timeout keeps running.
-                let Some(i) = rest.iter().position(|b| *b == b'\n') else {
+                let Some(i) = memchr::memchr(b'\n', rest) else {
                     if rest.len() > MAX_LINE {
                         *state = State::Off;
                         continue;
@@ -185,7 +185,7 @@ fn scan(state: &mut State, bytes: &mut [u8], heads: &mut u64) -> usize {
                 }
             }
             State::ChunkSize(line) | State::Trailers(line) => {
-                let (take, done) = match rest.iter().position(|b| *b == b'\n') {
+                let (take, done) = match memchr::memchr(b'\n', rest) {
                     Some(i) => (i + 1, true),
                     None => (rest.len(), false),
                 };
