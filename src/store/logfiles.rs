@@ -48,10 +48,15 @@ fn parse(line: &[u8]) -> Option<Entry> {
 /// without parsing the line ([`head_at`]) or, for a line of another shape, by parsing it
 /// ([`head_of`]). Measured in docs/decisions.md, "The drainer's appends".
 fn last_head(block: &[u8]) -> Option<(u64, String)> {
-    let body = block.strip_suffix(b"\n").unwrap_or(block);
-    // memrchr, not a closure over bytes: a line is one to two KiB, and this runs once a block.
-    let line = &body[memchr::memrchr(b'\n', body).map_or(0, |i| i + 1)..];
+    let line = last_line(block);
     head_at(line).or_else(|| head_of(line))
+}
+
+/// The last line of `bytes`, a final newline left out; empty for nothing. Found with `memrchr`:
+/// a line is one to two KiB, and the drainer asks once a block.
+fn last_line(bytes: &[u8]) -> &[u8] {
+    let body = bytes.strip_suffix(b"\n").unwrap_or(bytes);
+    &body[memchr::memrchr(b'\n', body).map_or(0, |i| i + 1)..]
 }
 
 /// `seq` and `hash` of a stored line, read in place: the line ends in its hash (the chain appends
@@ -132,15 +137,12 @@ impl LogFiles {
         for &first in files.segments.iter().rev() {
             let path = dir.join(segment_name(first));
             let bytes = files::read(&path)?;
-            let whole = bytes.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+            let whole = memchr::memrchr(b'\n', &bytes).map_or(0, |i| i + 1);
             if whole < bytes.len() {
                 tracing::warn!(file = %path.display(), "cutting a torn write log line");
                 files::cut(&path, whole as u64)?;
             }
-            let line = bytes[..whole.saturating_sub(1)]
-                .rsplit(|b| *b == b'\n')
-                .next()
-                .filter(|l| !l.is_empty());
+            let line = Some(last_line(&bytes[..whole])).filter(|l| !l.is_empty());
             if let Some(line) = line {
                 let e = parse(line).ok_or_else(|| {
                     format!(
