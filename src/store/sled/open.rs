@@ -187,7 +187,7 @@ impl SledStore {
         let mut blobs = HashSet::default();
         sled_durable(&db, dir, &mut blobs, &log)
             .and_then(|()| logfiles.sync())
-            .and_then(|()| wal.remove_older())
+            .and_then(|()| wal.retire_older())
             .map_err(|e| fail("checkpoint", &e))?;
         if replayed > 0 {
             tracing::info!(frames = replayed, "store: replayed the write-ahead log");

@@ -297,14 +297,14 @@ impl Writer {
     }
 
     /// Makes sled durable on its own (flush, fsync its blob files, fdatasync its log file), so
-    /// the write-ahead log can start afresh.
-    pub(super) fn checkpoint(&mut self) -> Result<(), String> {
+    /// that the write-ahead log holds nothing the next open must replay, and lets every log file
+    /// go: the current one stays as the spare the next open starts in (its blocks written, so
+    /// that the open's first file needs no zeros ahead), unless one is kept already.
+    fn checkpoint(&mut self) -> Result<(), String> {
         self.settle_down()?;
         sled_durable(&self.db, &self.dir, &mut self.blobs, &self.log)?;
         self.shared.logfiles().map_err(|e| e.to_string())?.sync()?;
-        self.wal.start_next()?;
-        // Every file before the new one, including any the checkpointer had not removed yet.
-        self.wal.remove_older()
+        self.wal.retire()
     }
 
     pub(super) fn read(

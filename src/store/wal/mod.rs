@@ -38,7 +38,7 @@ mod spare;
 use frame::seal;
 pub use frame::{encode, frames, Change};
 use spare::recycle;
-pub use spare::{recycle_through, remove_through};
+pub use spare::recycle_through;
 
 /// The log starts a new file (after sled is flushed and fsynced) once it is this large.
 pub const CHECKPOINT_BYTES: u64 = 64 << 20;
@@ -86,7 +86,8 @@ pub struct Wal {
 
 impl Wal {
     /// Replays every log file in `dir` (created if missing) through `apply`, oldest first, and
-    /// opens a new file after them. The replayed files stay until [`Wal::remove_older`]: the
+    /// opens a new file after them, in the spare if there is one (a clean close leaves the last
+    /// file as one: [`Wal::retire`]). The replayed files stay until [`Wal::retire_older`]: the
     /// caller makes sled durable first.
     pub fn open(
         dir: &Path,
@@ -116,15 +117,21 @@ impl Wal {
                 replayed += 1;
             }
         }
-        let generation = gens.last().map_or(1, |g| g + 1);
-        let file = Self::create(dir, generation)?;
+        // Above every file's generation, a spare's included: what a spare held must never check
+        // under the generation it is taken for, and after a clean close a spare is all there is.
+        let newest = gens.last().copied().max(spare::newest(dir)?);
+        let generation = newest.map_or(1, |g| g + 1);
+        let (file, allocated) = match recycle(dir, generation)? {
+            Some(spare) => spare,
+            None => (Self::create(dir, generation)?, 0),
+        };
         Ok((
             Wal {
                 dir: dir.to_owned(),
                 generation,
                 file: Arc::new(file),
                 len: 0,
-                allocated: 0,
+                allocated,
                 zeros: resident_zeros(),
             },
             replayed,
@@ -189,7 +196,7 @@ impl Wal {
 
     /// Starts a new file (in the spare, if there is one) and returns the previous one's
     /// generation, which stays until someone has made sled durable past its last frame and
-    /// calls [`recycle_through`] or [`remove_through`].
+    /// calls [`recycle_through`].
     pub fn start_next(&mut self) -> Result<u64, String> {
         // The file ends at its last frame (no zeros ahead, nor a recycled file's leftovers: an
         // older file must end cleanly), and frames the syncer has not made durable (notes and
@@ -213,10 +220,19 @@ impl Wal {
         Ok(previous)
     }
 
-    /// Deletes every file before the current one: called once sled holds their frames durably
-    /// (after sled's flush and fsync).
-    pub fn remove_older(&self) -> Result<(), String> {
-        remove_through(&self.dir, self.generation.saturating_sub(1))
+    /// Lets every file before the current one go: called once sled holds their frames durably
+    /// (after sled's flush and fsync). The newest of them stays as the spare a later file starts
+    /// in, if there is none ([`recycle_through`]).
+    pub fn retire_older(&self) -> Result<(), String> {
+        recycle_through(&self.dir, self.generation.saturating_sub(1))
+    }
+
+    /// Lets every file go, the current one too: called at a clean close, once sled holds every
+    /// frame durably. The current file stays as the spare the next open starts in, if there is
+    /// none, with its blocks written as far as its zeros reached; a spare kept already is kept
+    /// instead. No frame may be appended after this.
+    pub fn retire(&self) -> Result<(), String> {
+        recycle_through(&self.dir, self.generation)
     }
 }
 
@@ -254,7 +270,7 @@ mod tests {
         assert!(seen.is_empty());
         wal.append(&mut frame(&[put("k", "1")])).expect("test step");
         wal.start_next().expect("test step");
-        wal.remove_older().expect("test step");
+        wal.retire_older().expect("test step");
         wal.append(&mut frame(&[put("k", "2")])).expect("test step");
         wal.file().sync_data().expect("test step");
         drop(wal);
@@ -266,7 +282,7 @@ mod tests {
         drop(wal);
         let (wal, seen) = replay(&dir).expect("test step");
         assert_eq!(seen, vec![vec![put("k", "2")], vec![put("k", "3")]]);
-        wal.remove_older().expect("test step");
+        wal.retire_older().expect("test step");
         drop(wal);
         assert!(replay(&dir).expect("test step").1.is_empty());
     }

@@ -1,5 +1,5 @@
-//! Log files let go and taken again: the checkpointer keeps the newest file it is done with as a
-//! spare, and the next file starts in it ([`recycle`]).
+//! Log files let go and taken again: the checkpointer (and the open, and a clean close) keeps the
+//! newest file it is done with as a spare, and the next file starts in it ([`recycle`]).
 
 use std::fs::File;
 use std::io;
@@ -12,25 +12,16 @@ use super::{file_name, files, generations, PAGE};
 /// A kept spare's name ends so; log files end `.wal`.
 const SPARE: &str = "spare";
 
-/// Deletes every log file up to and including `generation` (sled holds their frames durably).
-pub fn remove_through(dir: &Path, generation: u64) -> Result<(), String> {
-    retire_through(dir, generation, false)
-}
-
 /// Lets every log file up to and including `generation` go (sled holds their frames durably):
 /// the newest of them stays as the spare the next file starts in, if there is none yet
 /// ([`recycle`]); the rest are deleted.
 pub fn recycle_through(dir: &Path, generation: u64) -> Result<(), String> {
-    retire_through(dir, generation, true)
-}
-
-fn retire_through(dir: &Path, generation: u64, keep_spare: bool) -> Result<(), String> {
     let gens: Vec<u64> = generations(dir)?
         .into_iter()
         .filter(|g| *g <= generation)
         .collect();
     let spare = match gens.last() {
-        Some(g) if keep_spare && files::numbered(dir, SPARE)?.is_empty() => Some(*g),
+        Some(g) if newest(dir)?.is_none() => Some(*g),
         _ => None,
     };
     let mut changed = false;
@@ -53,6 +44,11 @@ fn retire_through(dir: &Path, generation: u64, keep_spare: bool) -> Result<(), S
     Ok(())
 }
 
+/// The generation of the newest spare in `dir`, if any.
+pub(super) fn newest(dir: &Path) -> Result<Option<u64>, String> {
+    Ok(files::numbered(dir, SPARE)?.pop())
+}
+
 fn spare_name(generation: u64) -> String {
     format!("{generation:020}.{SPARE}")
 }
@@ -63,10 +59,10 @@ fn spare_name(generation: u64) -> String {
 /// Its first frame's header is zeroed and made durable before the rename, so the file holds no
 /// frame of its new generation until one is appended: a crash right after the rename leaves an
 /// empty newest file, and leftovers past the new frames never check under the new generation
-/// ([`frames`]). Only this (on the writer's thread) takes spares and nothing deletes them, so
-/// the one listed is there to open.
+/// ([`frames`]). Only this takes spares (on the writer's thread, or at open before the writer
+/// starts) and nothing deletes them, so the one listed is there to open.
 pub(super) fn recycle(dir: &Path, generation: u64) -> Result<Option<(File, u64)>, String> {
-    let Some(g) = files::numbered(dir, SPARE)?.pop() else {
+    let Some(g) = newest(dir)? else {
         return Ok(None);
     };
     let from = dir.join(spare_name(g));
@@ -266,5 +262,67 @@ mod tests {
         recycle_through(&dir, 4).expect("test step");
         assert_eq!(spares(&dir), vec![5]);
         assert!(generations(&dir).expect("test step").is_empty());
+    }
+
+    #[test]
+    fn a_clean_close_leaves_its_file_as_the_spare_the_next_open_starts_in() {
+        let tmp = tempfile::tempdir().expect("test step");
+        let dir = tmp.path().join("wal");
+        let (mut wal, _) = replay(&dir).expect("test step");
+        for n in 0..5 {
+            wal.append(&mut frame(&[page(&format!("old{n}"))]))
+                .expect("test step");
+        }
+        let allocated = wal.allocated;
+        wal.retire().expect("test step");
+        drop(wal);
+        assert!(generations(&dir).expect("test step").is_empty());
+        assert_eq!(
+            spares(&dir),
+            vec![1],
+            "the closed file is kept as the spare"
+        );
+        // Reopened: a generation above the spare's, in the spare, its blocks written already.
+        let (mut wal, seen) = replay(&dir).expect("test step");
+        assert!(seen.is_empty(), "a spare is never replayed");
+        assert_eq!(wal.generation, 2, "above the spare's generation");
+        assert_eq!(wal.allocated, allocated, "its blocks are written already");
+        assert!(spares(&dir).is_empty(), "the spare was taken");
+        // A page-sized frame, so that what the file held before starts right after it.
+        wal.append(&mut frame(&[page("new")])).expect("test step");
+        drop(wal);
+        // A crash now: the new frame replays, and nothing the file held before (under a
+        // generation the spare's own, its frames would check again).
+        assert_eq!(replayed(&dir), vec![vec![page("new")]]);
+    }
+
+    #[test]
+    fn an_open_after_a_crash_starts_in_the_spare_and_keeps_the_last_file_replayed() {
+        let tmp = tempfile::tempdir().expect("test step");
+        let dir = tmp.path().join("wal");
+        let (mut wal, _) = replay(&dir).expect("test step");
+        for n in 0..5 {
+            wal.append(&mut frame(&[page(&format!("old{n}"))]))
+                .expect("test step");
+        }
+        wal.start_next().expect("test step");
+        recycle_through(&dir, 1).expect("test step");
+        let spare_len = std::fs::metadata(dir.join(spare_name(1)))
+            .expect("test step")
+            .len();
+        wal.append(&mut frame(&[put("k", "two")]))
+            .expect("test step");
+        drop(wal);
+        // The crash: generation 2 is replayed, and the new file starts in the spare.
+        let (wal, seen) = replay(&dir).expect("test step");
+        assert_eq!(seen, vec![vec![put("k", "two")]]);
+        assert_eq!(wal.generation, 3);
+        assert_eq!(wal.allocated, spare_len / PAGE * PAGE);
+        // Once sled holds what was replayed, its file is the next spare.
+        wal.retire_older().expect("test step");
+        assert_eq!(spares(&dir), vec![2]);
+        assert_eq!(generations(&dir).expect("test step"), vec![3]);
+        drop(wal);
+        assert!(replayed(&dir).is_empty());
     }
 }
