@@ -10,8 +10,8 @@
 //! durable changes to sled in bulk. sled's own `flush()` (which ends in `sync_file_range`, not
 //! enough for a power loss; SPEC §13) runs only at checkpoints, on a thread of their own, followed
 //! by an fsync of sled's files; only then are the log files it covers let go (deleted, the newest
-//! kept as the spare a later log file starts in; a clean close lets the current one go too, and
-//! the next open starts in it). So:
+//! kept as the spare a later log file starts in; a clean close lets the current one go too,
+//! keeping up to two spares, and the next open starts in one). So:
 //! - a claim is durable before its request leaves, an outcome before its client is answered;
 //! - a state change and its log entry are in one atomic batch: neither exists without the other;
 //! - claims are atomic (one writer decides at a time), and the log has one chain;

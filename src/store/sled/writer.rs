@@ -298,8 +298,8 @@ impl Writer {
 
     /// Makes sled durable on its own (flush, fsync its blob files, fdatasync its log file), so
     /// that the write-ahead log holds nothing the next open must replay, and lets every log file
-    /// go: the current one stays as the spare the next open starts in (its blocks written, so
-    /// that the open's first file needs no zeros ahead), unless one is kept already.
+    /// go: the current one stays as a spare beside the checkpointer's ([`Wal::retire`]), so that
+    /// the next open's first file and its first rotation need no zeros written ahead.
     fn checkpoint(&mut self) -> Result<(), String> {
         self.settle_down()?;
         sled_durable(&self.db, &self.dir, &mut self.blobs, &self.log)?;

@@ -228,11 +228,12 @@ impl Wal {
     }
 
     /// Lets every file go, the current one too: called at a clean close, once sled holds every
-    /// frame durably. The current file stays as the spare the next open starts in, if there is
-    /// none, with its blocks written as far as its zeros reached; a spare kept already is kept
-    /// instead. No frame may be appended after this.
+    /// frame durably. Up to two stay as spares (the current file, its blocks written as far as
+    /// its zeros reached, beside the one the checkpointer kept): the next open's file starts in
+    /// one and its first rotation in the other, so a restart writes no zeros ahead until the
+    /// checkpointer keeps spares again. No frame may be appended after this.
     pub fn retire(&self) -> Result<(), String> {
-        recycle_through(&self.dir, self.generation)
+        spare::let_go(&self.dir, self.generation, 2)
     }
 }
 

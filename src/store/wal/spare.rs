@@ -1,5 +1,5 @@
-//! Log files let go and taken again: the checkpointer (and the open, and a clean close) keeps the
-//! newest file it is done with as a spare, and the next file starts in it ([`recycle`]).
+//! Log files let go and taken again: the checkpointer (and the open) keeps the newest file it is
+//! done with as a spare, a clean close up to two, and the next file starts in one ([`recycle`]).
 
 use std::fs::File;
 use std::io;
@@ -16,18 +16,21 @@ const SPARE: &str = "spare";
 /// the newest of them stays as the spare the next file starts in, if there is none yet
 /// ([`recycle`]); the rest are deleted.
 pub fn recycle_through(dir: &Path, generation: u64) -> Result<(), String> {
+    let_go(dir, generation, 1)
+}
+
+/// [`recycle_through`], keeping the newest files let go as spares until there are `spares`.
+pub(super) fn let_go(dir: &Path, generation: u64, spares: usize) -> Result<(), String> {
     let gens: Vec<u64> = generations(dir)?
         .into_iter()
         .filter(|g| *g <= generation)
         .collect();
-    let spare = match gens.last() {
-        Some(g) if newest(dir)?.is_none() => Some(*g),
-        _ => None,
-    };
+    let room = spares.saturating_sub(files::numbered(dir, SPARE)?.len());
+    let kept = &gens[gens.len().saturating_sub(room)..];
     let mut changed = false;
-    for g in gens {
+    for &g in &gens {
         let path = dir.join(file_name(g));
-        let done = if Some(g) == spare {
+        let done = if kept.contains(&g) {
             std::fs::rename(&path, dir.join(spare_name(g)))
         } else {
             std::fs::remove_file(&path)
@@ -324,5 +327,45 @@ mod tests {
         assert_eq!(generations(&dir).expect("test step"), vec![3]);
         drop(wal);
         assert!(replayed(&dir).is_empty());
+    }
+
+    #[test]
+    fn a_clean_close_beside_a_kept_spare_leaves_one_for_the_open_and_one_for_its_rotation() {
+        let tmp = tempfile::tempdir().expect("test step");
+        let dir = tmp.path().join("wal");
+        let (mut wal, _) = replay(&dir).expect("test step");
+        for n in 0..5 {
+            wal.append(&mut frame(&[page(&format!("old{n}"))]))
+                .expect("test step");
+        }
+        wal.start_next().expect("test step");
+        recycle_through(&dir, 1).expect("test step");
+        wal.append(&mut frame(&[page("two")])).expect("test step");
+        let allocated = wal.allocated;
+        wal.retire().expect("test step");
+        drop(wal);
+        assert_eq!(
+            spares(&dir),
+            vec![1, 2],
+            "the closed file is kept beside the spare"
+        );
+        let (mut wal, seen) = replay(&dir).expect("test step");
+        assert!(seen.is_empty());
+        assert_eq!(wal.generation, 3);
+        assert_eq!(
+            wal.allocated, allocated,
+            "the open started in the newest spare"
+        );
+        assert_eq!(spares(&dir), vec![1]);
+        wal.append(&mut frame(&[page("three")])).expect("test step");
+        wal.start_next().expect("test step");
+        assert!(spares(&dir).is_empty(), "the first rotation took the other");
+        assert_eq!(wal.allocated, 5 * PAGE, "its blocks are written already");
+        wal.append(&mut frame(&[page("four")])).expect("test step");
+        drop(wal);
+        assert_eq!(
+            replayed(&dir),
+            vec![vec![page("three")], vec![page("four")]]
+        );
     }
 }
