@@ -4,6 +4,9 @@
 //! Then the cost of encryption at rest (`store.encrypt_key_env`): CPU per write with and without
 //! a key, 64 writers, interleaved rounds in one run.
 //!
+//! Then a restart's first writes against a new store's, one writer (`BENCH_ONLY=restart`: only
+//! those).
+//!
 //! Then the floor under it, `sled alone` (see `support/sled_alone.rs`): only the sled operations
 //! of one durable write, in a process of its own.
 #![allow(clippy::unwrap_used)]
@@ -131,6 +134,56 @@ fn cpu_secs() -> f64 {
     proc::cpu_ticks("self") as f64 / 100.0
 }
 
+/// `n` durable writes one after another: each one's time (claim and settle), in µs, sorted.
+async fn timed_writes(store: &dyn Store, n: usize) -> Vec<f64> {
+    let mut lat = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        one_write(store).await;
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    lat.sort_by(f64::total_cmp);
+    lat
+}
+
+/// A restart's first writes against a fresh store's: one writer, 8,000 writes on a new store,
+/// then 8,000 more after a clean close and open, in each of three rounds. A new store's log file
+/// is extended with zeros as it fills; after a clean restart the log starts in the spares the
+/// close kept (docs/decisions.md, "Restarts start in the spare").
+async fn restart_rounds() {
+    const N: usize = 8_000;
+    let (mut fresh, mut restarted) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("s");
+        let open = || {
+            Arc::new(oncegate::store::sled::SledStore::open(&dir, StoreOptions::default()).unwrap())
+        };
+        let store = open();
+        fresh.extend(timed_writes(store.as_ref(), N).await);
+        store.close().await.unwrap();
+        drop(store);
+        let store = open();
+        restarted.extend(timed_writes(store.as_ref(), N).await);
+        store.close().await.unwrap();
+    }
+    for (name, lat) in [
+        ("a new store", &mut fresh),
+        ("after a clean restart", &mut restarted),
+    ] {
+        lat.sort_by(f64::total_cmp);
+        let q = |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)];
+        println!(
+            "store: 1 writer, {name}: p50 {:.0} µs, p99 {:.0} µs, p99.9 {:.0} µs, max {:.0} µs ({} writes)",
+            q(0.5),
+            q(0.99),
+            q(0.999),
+            lat[lat.len() - 1],
+            lat.len()
+        );
+    }
+}
+
 fn main() {
     if let Ok(spec) = std::env::var(sled_alone::ENV) {
         return sled_alone::child(&spec);
@@ -140,6 +193,10 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
+    // `BENCH_ONLY=restart` runs only the restart rounds.
+    if std::env::var("BENCH_ONLY").is_ok_and(|v| v.contains("restart")) {
+        return rt.block_on(restart_rounds());
+    }
     rt.block_on(async {
         for conc in [1usize, 8, 64] {
             let tmp = tempfile::tempdir().unwrap();
@@ -213,5 +270,6 @@ fn main() {
             s / p
         );
     });
+    rt.block_on(restart_rounds());
     println!("sled alone: {}", sled_alone::measure(6.0, None).describe());
 }
