@@ -56,8 +56,10 @@ fn spare_name(generation: u64) -> String {
     format!("{generation:020}.{SPARE}")
 }
 
-/// The newest spare in `dir`, made the log file of `generation`, and how much of it frames
-/// overwrite (its length in whole pages), or `None` if there is none to take.
+/// The largest spare in `dir` (the newest of equals), made the log file of `generation`, and how
+/// much of it frames overwrite (its length in whole pages), or `None` if there is none to take.
+/// (After a clean close there may be two: the checkpointer's, and the file the close let go,
+/// which may hold a few frames only.)
 ///
 /// Its first frame's header is zeroed and made durable before the rename, so the file holds no
 /// frame of its new generation until one is appended: a crash right after the rename leaves an
@@ -65,7 +67,17 @@ fn spare_name(generation: u64) -> String {
 /// ([`frames`]). Only this takes spares (on the writer's thread, or at open before the writer
 /// starts) and nothing deletes them, so the one listed is there to open.
 pub(super) fn recycle(dir: &Path, generation: u64) -> Result<Option<(File, u64)>, String> {
-    let Some(g) = newest(dir)? else {
+    let mut largest = None;
+    for g in files::numbered(dir, SPARE)? {
+        let path = dir.join(spare_name(g));
+        let len = std::fs::metadata(&path)
+            .map_err(|e| format!("stat {}: {e}", path.display()))?
+            .len();
+        if largest.is_none_or(|(_, l)| len >= l) {
+            largest = Some((g, len));
+        }
+    }
+    let Some((g, _)) = largest else {
         return Ok(None);
     };
     let from = dir.join(spare_name(g));
@@ -92,7 +104,7 @@ pub(super) fn recycle(dir: &Path, generation: u64) -> Result<Option<(File, u64)>
 #[cfg(test)]
 mod tests {
     use super::super::tests::{frame, put, replay};
-    use super::super::{encode, Change, Wal};
+    use super::super::{encode, Change, Wal, EXTEND_BYTES};
     use super::*;
 
     /// A frame as versions before recycling wrote it: the checksum over the payload alone.
@@ -367,5 +379,31 @@ mod tests {
             replayed(&dir),
             vec![vec![page("three")], vec![page("four")]]
         );
+    }
+
+    #[test]
+    fn the_open_starts_in_the_largest_spare() {
+        let tmp = tempfile::tempdir().expect("test step");
+        let dir = tmp.path().join("wal");
+        let (mut wal, _) = replay(&dir).expect("test step");
+        // Generation 1 holds more than the 1 MiB a new file is first extended by.
+        let pages = EXTEND_BYTES / PAGE + 44;
+        for n in 0..pages {
+            wal.append(&mut frame(&[page(&format!("old{n}"))]))
+                .expect("test step");
+        }
+        wal.start_next().expect("test step");
+        recycle_through(&dir, 1).expect("test step");
+        wal.append(&mut frame(&[page("two")])).expect("test step");
+        let two = wal.allocated;
+        wal.retire().expect("test step");
+        drop(wal);
+        assert_eq!(spares(&dir), vec![1, 2]);
+        let (mut wal, _) = replay(&dir).expect("test step");
+        assert_eq!(wal.allocated, pages * PAGE, "the larger, older spare first");
+        assert_eq!(spares(&dir), vec![2]);
+        wal.start_next().expect("test step");
+        assert_eq!(wal.allocated, two, "then the one the close let go");
+        assert_eq!(wal.generation, 4);
     }
 }
