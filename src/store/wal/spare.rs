@@ -279,6 +279,19 @@ mod tests {
         assert!(generations(&dir).expect("test step").is_empty());
     }
 
+    /// A log whose generation 1, `pages` page-sized frames `old{n}`, was let go as the spare;
+    /// generation 2 is current and empty.
+    fn behind_a_spare(dir: &Path, pages: u64) -> Wal {
+        let (mut wal, _) = replay(dir).expect("test step");
+        for n in 0..pages {
+            wal.append(&mut frame(&[page(&format!("old{n}"))]))
+                .expect("test step");
+        }
+        wal.start_next().expect("test step");
+        recycle_through(dir, 1).expect("test step");
+        wal
+    }
+
     #[test]
     fn a_clean_close_leaves_its_file_as_the_spare_the_next_open_starts_in() {
         let tmp = tempfile::tempdir().expect("test step");
@@ -315,13 +328,7 @@ mod tests {
     fn an_open_after_a_crash_starts_in_the_spare_and_keeps_the_last_file_replayed() {
         let tmp = tempfile::tempdir().expect("test step");
         let dir = tmp.path().join("wal");
-        let (mut wal, _) = replay(&dir).expect("test step");
-        for n in 0..5 {
-            wal.append(&mut frame(&[page(&format!("old{n}"))]))
-                .expect("test step");
-        }
-        wal.start_next().expect("test step");
-        recycle_through(&dir, 1).expect("test step");
+        let mut wal = behind_a_spare(&dir, 5);
         let spare_len = std::fs::metadata(dir.join(spare_name(1)))
             .expect("test step")
             .len();
@@ -345,13 +352,7 @@ mod tests {
     fn a_clean_close_beside_a_kept_spare_leaves_one_for_the_open_and_one_for_its_rotation() {
         let tmp = tempfile::tempdir().expect("test step");
         let dir = tmp.path().join("wal");
-        let (mut wal, _) = replay(&dir).expect("test step");
-        for n in 0..5 {
-            wal.append(&mut frame(&[page(&format!("old{n}"))]))
-                .expect("test step");
-        }
-        wal.start_next().expect("test step");
-        recycle_through(&dir, 1).expect("test step");
+        let mut wal = behind_a_spare(&dir, 5);
         wal.append(&mut frame(&[page("two")])).expect("test step");
         let allocated = wal.allocated;
         wal.retire().expect("test step");
@@ -385,15 +386,9 @@ mod tests {
     fn the_open_starts_in_the_largest_spare() {
         let tmp = tempfile::tempdir().expect("test step");
         let dir = tmp.path().join("wal");
-        let (mut wal, _) = replay(&dir).expect("test step");
         // Generation 1 holds more than the 1 MiB a new file is first extended by.
         let pages = EXTEND_BYTES / PAGE + 44;
-        for n in 0..pages {
-            wal.append(&mut frame(&[page(&format!("old{n}"))]))
-                .expect("test step");
-        }
-        wal.start_next().expect("test step");
-        recycle_through(&dir, 1).expect("test step");
+        let mut wal = behind_a_spare(&dir, pages);
         wal.append(&mut frame(&[page("two")])).expect("test step");
         let two = wal.allocated;
         wal.retire().expect("test step");
