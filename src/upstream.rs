@@ -81,9 +81,10 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// The upstream clients, one per upstream and connect timeout.
+/// The upstream clients, one per upstream and connect timeout; looked up for every request, so
+/// hashed with foldhash rather than SipHash (docs/decisions.md, "Two lookups of a write").
 pub struct Upstreams {
-    clients: HashMap<(String, Duration), HttpClient>,
+    clients: HashMap<(String, Duration), HttpClient, foldhash::fast::RandomState>,
 }
 
 fn tls_config(up: &Upstream) -> Result<rustls::ClientConfig, String> {
@@ -117,7 +118,7 @@ fn tls_config(up: &Upstream) -> Result<rustls::ClientConfig, String> {
 
 impl Upstreams {
     pub fn new(config: &Config) -> Result<Upstreams, String> {
-        let mut clients = HashMap::new();
+        let mut clients = HashMap::default();
         for up in &config.upstreams {
             let tls = tls_config(up)?;
             let timeouts = std::iter::once(up.policy.connect_timeout)

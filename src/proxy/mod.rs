@@ -67,9 +67,11 @@ use crate::upstream::{
 /// for a body over `max_stored_response`: it keeps records small (`store::sled::RECORD_MAX`).
 pub const STORED_HEAD_MAX: usize = 16 * 1024;
 
-/// Wakes requests waiting for an in-flight attempt of the same action.
+/// Wakes requests waiting for an in-flight attempt of the same action. By action id, hashed with
+/// foldhash seeded per process, as the store's maps are (docs/decisions.md, "Two lookups of a
+/// write").
 #[derive(Default)]
-struct Waiters(Mutex<HashMap<String, Arc<Notify>>>);
+struct Waiters(Mutex<HashMap<String, Arc<Notify>, foldhash::fast::RandomState>>);
 
 impl Waiters {
     fn get(&self, id: &str) -> Arc<Notify> {
