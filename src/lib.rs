@@ -53,6 +53,13 @@ pub mod upstream;
 use std::future::Future;
 use std::sync::Arc;
 
+/// Maps and sets looked up on every write, hashed with foldhash instead of std's SipHash
+/// (measured in docs/decisions.md: "The sled store's maps hash with foldhash", "The redactor's
+/// sets hash with foldhash", "Two lookups of a write"). Seeded per process, as std's are, so a
+/// client that chooses keys (ids, task names) cannot choose their collisions.
+pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+pub(crate) type FastSet<T> = std::collections::HashSet<T, foldhash::fast::RandomState>;
+
 use tokio::net::TcpListener;
 
 use crate::action::Clock;

@@ -8,7 +8,7 @@ use crate::config::Config;
 /// The sets are fixed by the config: what a request sends is only looked up in them, never
 /// added, so no choice of names can crowd a bucket, and a fast hasher does (SipHash of every
 /// header name of every write: about 0.8k instructions a write, counted with callgrind).
-type HashSet<T> = std::collections::HashSet<T, foldhash::fast::RandomState>;
+type HashSet<T> = crate::FastSet<T>;
 
 pub const REDACTED: &str = "REDACTED";
 

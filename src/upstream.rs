@@ -2,7 +2,6 @@
 //! `Host`, `Via`), timeouts, and proxy-side tries of failures that certainly did not reach the
 //! upstream (SPEC §2, §6).
 
-use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -81,10 +80,10 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// The upstream clients, one per upstream and connect timeout; looked up for every request, so
-/// hashed with foldhash rather than SipHash (docs/decisions.md, "Two lookups of a write").
+/// The upstream clients, one per upstream and connect timeout; looked up for every request
+/// ([`crate::FastMap`]).
 pub struct Upstreams {
-    clients: HashMap<(String, Duration), HttpClient, foldhash::fast::RandomState>,
+    clients: crate::FastMap<(String, Duration), HttpClient>,
 }
 
 fn tls_config(up: &Upstream) -> Result<rustls::ClientConfig, String> {
@@ -118,7 +117,7 @@ fn tls_config(up: &Upstream) -> Result<rustls::ClientConfig, String> {
 
 impl Upstreams {
     pub fn new(config: &Config) -> Result<Upstreams, String> {
-        let mut clients = HashMap::default();
+        let mut clients = crate::FastMap::default();
         for up in &config.upstreams {
             let tls = tls_config(up)?;
             let timeouts = std::iter::once(up.policy.connect_timeout)

@@ -15,7 +15,6 @@
 //! - `attempt.rs`: `send → settle → answer`, in the action's task;
 //! - `own.rs`: the proxy's own paths (`/_oncegate/tasks/{task}`).
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -67,11 +66,10 @@ use crate::upstream::{
 /// for a body over `max_stored_response`: it keeps records small (`store::sled::RECORD_MAX`).
 pub const STORED_HEAD_MAX: usize = 16 * 1024;
 
-/// Wakes requests waiting for an in-flight attempt of the same action. By action id, hashed with
-/// foldhash seeded per process, as the store's maps are (docs/decisions.md, "Two lookups of a
-/// write").
+/// Wakes requests waiting for an in-flight attempt of the same action, by action id
+/// ([`crate::FastMap`]).
 #[derive(Default)]
-struct Waiters(Mutex<HashMap<String, Arc<Notify>, foldhash::fast::RandomState>>);
+struct Waiters(Mutex<crate::FastMap<String, Arc<Notify>>>);
 
 impl Waiters {
     fn get(&self, id: &str) -> Arc<Notify> {

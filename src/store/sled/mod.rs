@@ -107,11 +107,10 @@ use syncer::*;
 use writer::*;
 
 /// The store's maps and sets (a batch's records and keys, the changes on their way into sled,
-/// the cache), hashed with foldhash instead of std's SipHash: a write hashed an id or a key
-/// about 120 times, and SipHash was 7% of the instructions a write took (docs/decisions.md).
-/// Keyed per process like std's (keys carry task names clients choose).
-type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
-type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
+/// the cache): a write hashed an id or a key about 120 times, and SipHash was 7% of the
+/// instructions a write took ([`crate::FastMap`]).
+type HashMap<K, V> = crate::FastMap<K, V>;
+type HashSet<K> = crate::FastSet<K>;
 
 /// Bodies larger than this are kept as files, not in sled.
 pub const INLINE_BODY_MAX: usize = 64 * 1024;
