@@ -134,7 +134,7 @@ fn cpu_secs() -> f64 {
     proc::cpu_ticks("self") as f64 / 100.0
 }
 
-/// `n` durable writes one after another: each one's time (claim and settle), in µs, sorted.
+/// `n` durable writes one after another: each one's time (claim and settle), in µs.
 async fn timed_writes(store: &dyn Store, n: usize) -> Vec<f64> {
     let mut lat = Vec::with_capacity(n);
     for _ in 0..n {
@@ -142,7 +142,6 @@ async fn timed_writes(store: &dyn Store, n: usize) -> Vec<f64> {
         one_write(store).await;
         lat.push(t.elapsed().as_secs_f64() * 1e6);
     }
-    lat.sort_by(f64::total_cmp);
     lat
 }
 

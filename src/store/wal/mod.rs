@@ -14,11 +14,12 @@
 //! (remove). A frame that is cut short or fails its checksum ends the last file (a write torn by
 //! a crash, never acknowledged); in an earlier file it is corruption and the store does not open.
 //!
-//! Files are recycled: a file the checkpointer is done with is kept as a spare (`{g}.spare`),
-//! and the next file starts in it instead of in a new one, overwriting its blocks, so that its
-//! frames need no zeros written ahead (see [`Wal::append`]). The generation in each frame's
-//! checksum is what tells this file's frames from those left over from the spare's earlier
-//! life: they never check under the new generation. Files written before recycling checksummed
+//! Files are recycled: a file the checkpointer is done with is kept as a spare (`{g}.spare`;
+//! a clean close keeps up to two, [`Wal::retire`]), and the next file, or the next open's,
+//! starts in one instead of in a new file, overwriting its blocks, so that its frames need no
+//! zeros written ahead (see [`Wal::append`]). The generation in each frame's checksum is what
+//! tells this file's frames from those left over from the spare's earlier life: they never
+//! check under the new generation, which is above every file's and spare's. Files written before recycling checksummed
 //! the payload alone; a file is read the way its first frame checks ([`frames`]).
 //!
 //! `frame.rs` is a frame's bytes, `spare.rs` the files let go and taken again; this file is the
