@@ -77,7 +77,7 @@ pub(super) fn recycle(dir: &Path, generation: u64) -> Result<Option<(File, u64)>
             largest = Some((g, len));
         }
     }
-    let Some((g, _)) = largest else {
+    let Some((g, len)) = largest else {
         return Ok(None);
     };
     let from = dir.join(spare_name(g));
@@ -87,18 +87,13 @@ pub(super) fn recycle(dir: &Path, generation: u64) -> Result<Option<(File, u64)>
         .open(&from)
         .map_err(|e| format!("open {}: {e}", from.display()))?;
     let to = dir.join(file_name(generation));
-    let len = file
-        .write_all_at(&[0; HEADER], 0)
+    file.write_all_at(&[0; HEADER], 0)
         .and_then(|()| file.sync_data())
-        .and_then(|()| file.metadata())
-        .map_err(|e| format!("recycle {}: {e}", from.display()))?
-        .len()
-        / PAGE
-        * PAGE;
+        .map_err(|e| format!("recycle {}: {e}", from.display()))?;
     std::fs::rename(&from, &to)
         .map_err(|e| format!("rename {} to {}: {e}", from.display(), to.display()))?;
     files::fsync_dir(dir).map_err(|e| format!("fsync {}: {e}", dir.display()))?;
-    Ok(Some((file, len)))
+    Ok(Some((file, len / PAGE * PAGE)))
 }
 
 #[cfg(test)]
