@@ -54,6 +54,28 @@ fn refuse(dir: &Path, what: String) -> String {
     )
 }
 
+/// Before sled opens: the database file gone while sled's snapshot is still beside it (a clean
+/// close leaves one: `checkpoint::leave_snapshot`). sled would only call the snapshot corrupt;
+/// this names the part that is missing. (With no snapshot, sled opens an empty database, which
+/// [`check`] refuses for a store with history.)
+pub fn check_database_file(dir: &Path) -> Result<(), String> {
+    if dir.join("db").exists() {
+        return Ok(());
+    }
+    let snapshot = std::fs::read_dir(dir)
+        .map_err(|e| format!("list {}: {e}", dir.display()))?
+        .filter_map(Result::ok)
+        .any(|e| e.file_name().to_string_lossy().starts_with("snap."));
+    if snapshot {
+        return Err(refuse(
+            dir,
+            "the database (db) is missing, though sled's snapshot beside it says it held pages"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks the store's parts against each other, creating the id of a new store and adopting a
 /// store made before ids (writing its id and head). Call after the write-ahead log's replay.
 pub fn check(dir: &Path, db: &sled::Db, seen: &Seen) -> Result<(), String> {

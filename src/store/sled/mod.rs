@@ -23,7 +23,8 @@
 //! The code follows the threads: `writer.rs` seals batches and `decide.rs` decides their
 //! operations (on the writer's thread, or on a caller's when nothing else is in flight:
 //! `slot.rs`), `syncer.rs` makes them
-//! durable and visible, `drainer.rs` applies them to sled, `checkpoint.rs` lets log files go;
+//! durable and visible, `drainer.rs` applies them to sled, `checkpoint.rs` lets log files go
+//! (and at a clean close leaves sled a snapshot of the run, so the next open reads none of its log);
 //! `shared.rs` is what they share (the durable changes not yet in sled, counts, health); `ops.rs`
 //! what callers send; `cache.rs`, `codec.rs` (with `packed.rs`, a record's binary form),
 //! `index.rs`, `ids.rs` (which ids the store may hold: a filter a clean close saves in
@@ -567,6 +568,18 @@ impl Store for SledStore {
             }
             if let Ok(mut db) = self.db.write() {
                 db.take();
+            }
+            // The writer's thread joined its syncer and drainer, and the close took the last
+            // handle on sled: what it logged this run can go into its snapshot now. Only after a
+            // clean close: a store that stopped taking changes is left as it is.
+            if self.shared.check().is_ok() {
+                let dir = self.dir.clone();
+                let left = tokio::task::spawn_blocking(move || checkpoint::leave_snapshot(&dir))
+                    .await
+                    .map_err(unavailable)?;
+                if let Err(e) = left {
+                    tracing::warn!(error = %e, "store: could not leave sled a snapshot; the next start reads its log instead");
+                }
             }
             Ok(())
         })

@@ -139,6 +139,7 @@ impl SledStore {
         }
         remove_unfinished_snapshots(dir)
             .map_err(|e| fail("remove unfinished sled snapshots", &e))?;
+        history::check_database_file(dir).map_err(StoreError::Unavailable)?;
         let db = open_sled(dir).map_err(|e| fail("sled", &e))?;
         // Response bodies and headers are in there: the owner's alone (SPEC §13). What we create
         // is created so; narrowing what exists (sled's files, an older store's) is best effort:
