@@ -88,3 +88,126 @@ pub(super) fn drain_loop(db: &sled::Db, shared: &Shared, rx: mpsc::Receiver<(Arc
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::action::{KeySource, Settlement, Source, StoredResponse, Try};
+
+    /// Claims and settles `n` new actions named `{prefix}{i}`.
+    async fn writes(store: Arc<SledStore>, prefix: String, n: usize) {
+        for i in 0..n {
+            let id = format!("{prefix}{i}");
+            let fresh = Record {
+                upstream: "pay".into(),
+                principal: "p1".into(),
+                key: format!("key-{id}"),
+                method: "POST".into(),
+                path: "/v1/charges".into(),
+                ..Record::new(&id, "f")
+            };
+            let now = now_millis();
+            let claim = store
+                .claim(ClaimRequest {
+                    fresh,
+                    key_source: KeySource::Header,
+                    max_attempts: 2,
+                    owner: "test".into(),
+                    lease: 10_000,
+                    now,
+                })
+                .await
+                .expect("test step");
+            assert!(matches!(claim, Claim::Claimed(_)), "{id}: {claim:?}");
+            let response = StoredResponse {
+                status: 201,
+                headers: vec![],
+                size: 2,
+                body: BodyRef::Inline,
+                source: Source::Upstream,
+            };
+            store
+                .settle(SettleRequest {
+                    id,
+                    attempt: 1,
+                    settlement: Settlement {
+                        state: State::Succeeded,
+                        tries: vec![Try {
+                            at: now,
+                            status: Some(201),
+                            ..Default::default()
+                        }],
+                        response: Some(response),
+                        external_id: None,
+                        needs_decision: false,
+                        now,
+                    },
+                    body: Some(Bytes::from_static(b"{}")),
+                })
+                .await
+                .expect("test step");
+        }
+    }
+
+    /// A drainer behind the writer sets the pace: with the drainer held in a drain (the log
+    /// files locked, where it appends the drain's entries after its sled inserts), writers that
+    /// would make about four times the backlog's keys are held once the changes gathering for
+    /// the next drain pass it, instead of the changes piling up; let go, every write completes
+    /// and reads back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn writes_wait_for_a_drainer_that_is_behind() {
+        let tmp = tempfile::tempdir().expect("test step");
+        let store = Arc::new(
+            SledStore::open(&tmp.path().join("s"), Default::default()).expect("test step"),
+        );
+        let (tasks, each) = (32, 300);
+        // The log files held on a thread of their own until `release` is dropped.
+        let (release, until) = std::sync::mpsc::channel::<()>();
+        let (locked, is_locked) = std::sync::mpsc::channel::<()>();
+        let holder = {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let _held = store.shared.logfiles.lock().expect("test step");
+                locked.send(()).expect("test step");
+                let _ = until.recv();
+            })
+        };
+        is_locked.recv().expect("test step");
+        let writers: Vec<_> = (0..tasks)
+            .map(|t| tokio::spawn(writes(store.clone(), format!("w{t}-"), each)))
+            .collect();
+        // Until the writes are held (a sync waited, and nothing moves since) or all done (not
+        // held); a minute at most.
+        let mut last = (usize::MAX, 0);
+        for _ in 0..200 {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            let now = (store.overlay_keys(), store.batch_count() as usize);
+            let held_still = now == last && store.paced_count() > 0;
+            if held_still || writers.iter().all(|w| w.is_finished()) {
+                break;
+            }
+            last = now;
+        }
+        let gathering = store.shared.mem.read().expect("test step").active.len();
+        assert!(
+            gathering <= BACKLOG_KEYS + 32 * 8,
+            "{gathering} keys gathered behind a held drain"
+        );
+        assert!(store.paced_count() > 0);
+        assert!(!writers.iter().all(|w| w.is_finished()), "writers held");
+        drop(release);
+        holder.join().expect("test step");
+        for w in writers {
+            w.await.expect("test step");
+        }
+        for t in 0..tasks {
+            let r = store
+                .get(&format!("w{t}-{}", each - 1))
+                .await
+                .expect("test step")
+                .expect("test step");
+            assert_eq!(r.state, State::Succeeded);
+        }
+        store.close().await.expect("test step");
+    }
+}

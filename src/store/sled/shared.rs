@@ -25,6 +25,9 @@ pub(super) struct Shared {
     /// How often the writer waited for the drainer to apply everything to sled (checkpoints,
     /// recovery, expiry). Readers never make it wait.
     pub(super) forced_drains: AtomicU64,
+    /// How often a sync waited for the running drain because the changes gathering for the next
+    /// one were past [`BACKLOG_KEYS`] or [`BACKLOG_BYTES`] (the drainer set the pace).
+    pub(super) paced: AtomicU64,
     /// Batches the writer made, on its thread or a caller's.
     pub(super) batches: AtomicU64,
     /// fdatasyncs of the write-ahead log that no caller waited for (notes and lease renewals
@@ -119,6 +122,15 @@ impl Mem {
 pub(super) const DRAIN_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 pub(super) const DRAIN_KEYS: usize = 2_048;
 pub(super) const DRAIN_BYTES: usize = 2 << 20;
+/// While a drain runs, changes gather for the next one; past this many keys, or bytes, the
+/// drainer is behind the writer, and the next batch waits for the running drain before it is
+/// answered (see `Syncer::maybe_drain`). Without it, writes faster than sled takes them (one
+/// thread of inserts) grew the overlay, and the write-ahead log the checkpoints cannot let go,
+/// without bound: 2.8 GB and 1.3 GB after 40 s at 26,000 writes a second through the store API
+/// (docs/decisions.md, "The drainer sets the pace under overload"). Four drains' worth: a
+/// 64-connection run gathers under one while a drain runs.
+pub(super) const BACKLOG_KEYS: usize = 4 * DRAIN_KEYS;
+pub(super) const BACKLOG_BYTES: usize = 4 * DRAIN_BYTES;
 
 /// Reads one key: the durable changes not yet in sled first, then sled.
 pub(super) fn read_key(
@@ -147,6 +159,7 @@ impl Shared {
         Shared {
             head: Mutex::new(head),
             forced_drains: AtomicU64::new(0),
+            paced: AtomicU64::new(0),
             batches: AtomicU64::new(0),
             idle_syncs: AtomicU64::new(0),
             counts: Mutex::new(counts),

@@ -248,6 +248,11 @@ impl Syncer {
     /// Hands the changes waiting in [`Mem`] to the drainer when they are old or many enough, or
     /// when asked (`force`: the writer waits for everything visible to be in sled). Nothing
     /// once the store is broken (a group that failed broke it).
+    ///
+    /// Past [`BACKLOG_KEYS`] or [`BACKLOG_BYTES`] waiting while a drain runs, this waits for that
+    /// drain and hands over the next at once: the thread that syncs (the syncer's, the
+    /// writer's, or a lone caller's) holds the sync state meanwhile, so no batch is answered, and
+    /// callers wait for sled's pace instead of the overlay growing.
     fn maybe_drain(&self, st: &SyncState, force: bool) {
         let Some(tx) = st.drain.as_ref() else {
             return;
@@ -261,7 +266,11 @@ impl Syncer {
         let due = m.since.is_some_and(|t| t.elapsed() >= DRAIN_EVERY)
             || m.active.len() >= DRAIN_KEYS
             || m.bytes >= DRAIN_BYTES;
-        if !force && (!due || m.draining) {
+        let behind = m.draining && (m.active.len() >= BACKLOG_KEYS || m.bytes >= BACKLOG_BYTES);
+        if behind {
+            self.shared.paced.fetch_add(1, Ordering::Relaxed);
+        }
+        if !force && !behind && (!due || m.draining) {
             return;
         }
         if m.draining {
