@@ -1053,22 +1053,20 @@ async fn preload(dir: &Path, n: usize) {
                         id,
                         attempt: 1,
                         settlement: Settlement {
-                            state: State::Succeeded,
-                            tries: vec![Try {
-                                at: now,
-                                status: Some(201),
-                                ..Default::default()
-                            }],
-                            response: Some(StoredResponse {
-                                status: 201,
-                                headers: vec![("content-type".into(), "application/json".into())],
-                                size: BODY.len() as u64,
-                                body: BodyRef::Inline,
-                                source: Source::Upstream,
-                            }),
                             external_id: Some("obj_123".into()),
-                            needs_decision: false,
-                            now,
+                            ..Settlement::succeeded(
+                                now,
+                                StoredResponse {
+                                    status: 201,
+                                    headers: vec![(
+                                        "content-type".into(),
+                                        "application/json".into(),
+                                    )],
+                                    size: BODY.len() as u64,
+                                    body: BodyRef::Inline,
+                                    source: Source::Upstream,
+                                },
+                            )
                         },
                         body: Some(Bytes::from_static(BODY.as_bytes())),
                     })

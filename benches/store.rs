@@ -81,24 +81,16 @@ async fn one_write(s: &dyn Store) {
     s.settle(SettleRequest {
         id,
         attempt: 1,
-        settlement: Settlement {
-            state: State::Succeeded,
-            tries: vec![Try {
-                at: now,
-                status: Some(201),
-                ..Default::default()
-            }],
-            response: Some(StoredResponse {
+        settlement: Settlement::succeeded(
+            now,
+            StoredResponse {
                 status: 201,
                 headers: vec![("content-type".into(), "application/json".into())],
                 size: 60,
                 body: BodyRef::Inline,
                 source: Source::Upstream,
-            }),
-            external_id: None,
-            needs_decision: false,
-            now,
-        },
+            },
+        ),
         body: Some(Bytes::from_static(
             br#"{"id":"obj_123","object":"charge","amount":500,"ok":true}"#,
         )),

@@ -542,6 +542,25 @@ pub struct Settlement {
     pub now: Millis,
 }
 
+impl Settlement {
+    /// One try at `now` that the upstream answered with `response` (its status the try's), and
+    /// the action succeeded: the settlement the store's tests and benches write.
+    pub fn succeeded(now: Millis, response: StoredResponse) -> Settlement {
+        Settlement {
+            state: State::Succeeded,
+            tries: vec![Try {
+                at: now,
+                status: Some(response.status),
+                ..Default::default()
+            }],
+            response: Some(response),
+            external_id: None,
+            needs_decision: false,
+            now,
+        }
+    }
+}
+
 /// Why a settlement was not applied.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SettleError {

@@ -92,7 +92,7 @@ pub(super) fn drain_loop(db: &sled::Db, shared: &Shared, rx: mpsc::Receiver<(Arc
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::action::{KeySource, Settlement, Source, StoredResponse, Try};
+    use crate::action::{KeySource, Settlement, Source, StoredResponse};
 
     /// Claims and settles `n` new actions named `{prefix}{i}`.
     async fn writes(store: Arc<SledStore>, prefix: String, n: usize) {
@@ -130,18 +130,7 @@ mod tests {
                 .settle(SettleRequest {
                     id,
                     attempt: 1,
-                    settlement: Settlement {
-                        state: State::Succeeded,
-                        tries: vec![Try {
-                            at: now,
-                            status: Some(201),
-                            ..Default::default()
-                        }],
-                        response: Some(response),
-                        external_id: None,
-                        needs_decision: false,
-                        now,
-                    },
+                    settlement: Settlement::succeeded(now, response),
                     body: Some(Bytes::from_static(b"{}")),
                 })
                 .await
