@@ -54,19 +54,12 @@ fn refuse(dir: &Path, what: String) -> String {
     )
 }
 
-/// Before sled opens: the database file gone while sled's snapshot is still beside it (a clean
-/// close leaves one: `checkpoint::leave_snapshot`). sled would only call the snapshot corrupt;
-/// this names the part that is missing. (With no snapshot, sled opens an empty database, which
-/// [`check`] refuses for a store with history.)
-pub fn check_database_file(dir: &Path) -> Result<(), String> {
-    if dir.join("db").exists() {
-        return Ok(());
-    }
-    let snapshot = std::fs::read_dir(dir)
-        .map_err(|e| format!("list {}: {e}", dir.display()))?
-        .filter_map(Result::ok)
-        .any(|e| e.file_name().to_string_lossy().starts_with("snap."));
-    if snapshot {
+/// Before sled opens: the database file gone while sled's snapshot (`snapshot`: a complete one
+/// is in `dir`; a clean close leaves one) is still beside it. sled would only call the snapshot
+/// corrupt; this names the part that is missing. (With no snapshot, sled opens an empty
+/// database, which [`check`] refuses for a store with history.)
+pub fn check_database_file(dir: &Path, snapshot: bool) -> Result<(), String> {
+    if snapshot && !dir.join("db").exists() {
         return Err(refuse(
             dir,
             "the database (db) is missing, though sled's snapshot beside it says it held pages"

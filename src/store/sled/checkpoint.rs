@@ -85,28 +85,16 @@ pub(super) fn checkpoint_loop(
 /// before it: 1.3 s after a million writes, 0.2 s with the snapshot this leaves
 /// (docs/decisions.md, "sled's snapshot left at a clean close"). Opening sled once more here
 /// moves that reading to the close, where no client waits for readiness; sled writes the
-/// snapshot aside, fsyncs it and renames it over the old one, as at any open; the snapshot is
-/// then made the owner's alone (sled creates it with the process's umask: SPEC §13) and the
-/// folder fsynced. A crash leaves it to the next open, as before.
+/// snapshot aside, fsyncs it and renames it over the old one, as at any open. sled creates it
+/// with the process's umask, so the folder's modes are narrowed after, as the open narrows them
+/// (SPEC §13: the owner's alone), and the folder fsynced. A crash leaves it to the next open, as
+/// before.
 pub(super) fn leave_snapshot(dir: &Path) -> Result<(), String> {
     drop(
         sled_config(dir)
             .open()
             .map_err(|e| format!("reopen sled: {e}"))?,
     );
-    let listed = std::fs::read_dir(dir).map_err(|e| format!("list {}: {e}", dir.display()))?;
-    for e in listed {
-        let path = e
-            .map_err(|e| format!("list {}: {e}", dir.display()))?
-            .path();
-        if path
-            .file_name()
-            .is_some_and(|n| n.to_string_lossy().starts_with("snap."))
-        {
-            use std::os::unix::fs::PermissionsExt as _;
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(files::FILE_MODE))
-                .map_err(|e| format!("narrow {}: {e}", path.display()))?;
-        }
-    }
+    files::restrict(dir).map_err(|e| format!("narrow {}: {e}", dir.display()))?;
     fsync_dir(dir).map_err(|e| format!("fsync {}: {e}", dir.display()))
 }

@@ -170,7 +170,12 @@ mod tests {
         let mut last = (usize::MAX, 0);
         for _ in 0..200 {
             tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-            let now = (store.overlay_keys(), store.batch_count() as usize);
+            let waiting = store
+                .shared
+                .mem
+                .read()
+                .map_or(0, |m| m.active.len() + m.frozen.len());
+            let now = (waiting, store.batch_count() as usize);
             let held_still = now == last && store.paced_count() > 0;
             if held_still || writers.iter().all(|w| w.is_finished()) {
                 break;

@@ -93,25 +93,32 @@ pub(super) fn migrate_log(db: &sled::Db, files: &mut LogFiles) -> Result<(), Str
 /// issues #1527, #1533). A SIGKILL while sled opens (it writes a snapshot then) was enough, in
 /// the torture harness. An unfinished snapshot is never needed: the previous complete one is
 /// only deleted after the rename.
-pub(super) fn remove_unfinished_snapshots(dir: &Path) -> std::io::Result<()> {
+///
+/// Returns whether a complete snapshot is left (see [`history::check_database_file`]).
+pub(super) fn remove_unfinished_snapshots(dir: &Path) -> std::io::Result<bool> {
     let Ok(entries) = std::fs::read_dir(dir) else {
-        return Ok(());
+        return Ok(false);
     };
-    let mut removed = false;
+    let (mut removed, mut complete) = (false, false);
     for e in entries {
         let e = e?;
         let name = e.file_name();
         let name = name.to_string_lossy();
-        if name.starts_with("snap.") && name.ends_with(".generating") {
+        if !name.starts_with("snap.") {
+            continue;
+        }
+        if name.ends_with(".generating") {
             tracing::warn!(file = %name, "store: removing an unfinished sled snapshot");
             std::fs::remove_file(e.path())?;
             removed = true;
+        } else {
+            complete = true;
         }
     }
     if removed {
         fsync_dir(dir)?;
     }
-    Ok(())
+    Ok(complete)
 }
 
 impl SledStore {
@@ -137,9 +144,9 @@ impl SledStore {
             }
             fsync_dir(dir).map_err(|e| fail("fsync folder", &e))?;
         }
-        remove_unfinished_snapshots(dir)
+        let snapshot = remove_unfinished_snapshots(dir)
             .map_err(|e| fail("remove unfinished sled snapshots", &e))?;
-        history::check_database_file(dir).map_err(StoreError::Unavailable)?;
+        history::check_database_file(dir, snapshot).map_err(StoreError::Unavailable)?;
         let db = open_sled(dir).map_err(|e| fail("sled", &e))?;
         // Response bodies and headers are in there: the owner's alone (SPEC §13). What we create
         // is created so; narrowing what exists (sled's files, an older store's) is best effort:

@@ -19,15 +19,6 @@ impl SledStore {
         self.shared.paced.load(Ordering::Relaxed)
     }
 
-    /// The changes not yet in sled, in keys: those gathering for the next drain and those the
-    /// running drain applies.
-    pub fn overlay_keys(&self) -> usize {
-        self.shared
-            .mem
-            .read()
-            .map_or(0, |m| m.active.len() + m.frozen.len())
-    }
-
     /// How many batches the writer has made (on its thread or a caller's).
     pub fn batch_count(&self) -> u64 {
         self.shared.batches.load(Ordering::Relaxed)

@@ -19,8 +19,9 @@
 //! starts in one instead of in a new file, overwriting its blocks, so that its frames need no
 //! zeros written ahead (see [`Wal::append`]). The generation in each frame's checksum is what
 //! tells this file's frames from those left over from the spare's earlier life: they never
-//! check under the new generation, which is above every file's and spare's. Files written before recycling checksummed
-//! the payload alone; a file is read the way its first frame checks ([`frames`]).
+//! check under the new generation, which is above every file's and spare's. Files written
+//! before recycling checksummed the payload alone; a file is read the way its first frame checks
+//! ([`frames`]).
 //!
 //! `frame.rs` is a frame's bytes, `spare.rs` the files let go and taken again; this file is the
 //! log of one store folder.
