@@ -243,6 +243,51 @@ async fn resolves_only_unknown_actions(s: S) {
         .is_err());
 }
 
+/// What the counts show is durable: once they no longer count an unknown action, a duplicate's
+/// claim finds it settled. (`/v1/overview` is how an operator, and the demo, see a settlement
+/// land; sled counted a change as it was staged, before its batch was synced, while a claim
+/// answered from the durable records.)
+async fn counts_move_with_what_a_claim_finds(s: S) {
+    let unknown = |c: &[(State, u64)]| {
+        c.iter()
+            .find(|(st, _)| *st == State::Unknown)
+            .map_or(0, |c| c.1)
+    };
+    for i in 0..20 {
+        let id = format!("v{i}");
+        s.claim(claim_req(record(&id, "f", None), T0, 10_000))
+            .await
+            .unwrap();
+        settle(&s, &id, 1, State::Unknown, T0 + 1, None).await;
+        assert_eq!(unknown(&s.counts().await.unwrap()), 1);
+        // Resolved on another thread, while this one watches the counts.
+        let resolving = tokio::task::spawn_blocking({
+            let (s, id) = (s.clone(), id.clone());
+            move || {
+                tokio::runtime::Handle::current()
+                    .block_on(s.resolve(id, admin_resolve(true), Event::Resolved))
+                    .unwrap()
+            }
+        });
+        while unknown(&s.counts().await.unwrap()) > 0 {
+            tokio::task::yield_now().await;
+        }
+        let found = match s
+            .claim(claim_req(record(&id, "f", None), T0 + 3, 10_000))
+            .await
+        {
+            Ok(Claim::Existing(r)) => r.state,
+            other => panic!("{id}: {other:?}"),
+        };
+        assert_eq!(
+            found,
+            State::Succeeded,
+            "{id}: counted settled, claimed {found:?}"
+        );
+        resolving.await.unwrap();
+    }
+}
+
 /// The settlement of attempt `attempt` of `id` with a stored response of `status` and `body`.
 fn with_body(
     id: &str,
@@ -571,6 +616,7 @@ conformance!(
     one_of_fifty_concurrent_claims_wins,
     an_expired_lease_makes_the_action_unknown,
     resolves_only_unknown_actions,
+    counts_move_with_what_a_claim_finds,
     logs_every_change_in_one_verifiable_chain,
     scans_by_state_and_task_and_counts,
     expires_records_but_never_an_attempt_in_flight,

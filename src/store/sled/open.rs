@@ -278,6 +278,7 @@ impl SledStore {
             head,
             log_retention: options.log_retention,
             notes_due: None,
+            counts,
             saved_counts: kept.then_some(counts),
         };
         let slot = Arc::new(Slot::new(writer));

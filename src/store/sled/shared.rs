@@ -17,7 +17,9 @@ pub(super) struct Shared {
     /// The write log's files: the drainer appends, checkpoints fsync, the writer prunes, readers
     /// take snapshots.
     pub(super) logfiles: Mutex<LogFiles>,
-    /// Actions per state (by [`slot`]): counted once at open, then kept by the writer.
+    /// Actions per state (by [`slot`]) as of the last batch readers can see: counted once at
+    /// open, then kept by the syncer from what the writer staged ([`Writer::counts`]), so that
+    /// they never show a change a claim cannot yet find.
     pub(super) counts: Mutex<Counts>,
     /// The write log's head as of the last batch readers can see (kept by the syncer): what
     /// `/readyz` and `/metrics` read, without asking the writer for anything.

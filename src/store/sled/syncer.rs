@@ -20,6 +20,8 @@ pub(super) struct Sealed {
     pub(super) drain: bool,
     /// The write log's head once this batch is written (`None`: a marker, which appends none).
     pub(super) head: Option<(u64, String)>,
+    /// The counts by state once this batch is written (`None`: a marker, which moves none).
+    pub(super) counts: Option<Counts>,
     /// Keys this batch puts that no earlier batch ever did (see [`Mem::absent`]).
     pub(super) new_keys: HashSet<Vec<u8>>,
 }
@@ -236,6 +238,11 @@ impl Syncer {
             if let Some(head) = group.iter().rev().find_map(|b| b.head.clone()) {
                 if let Ok(mut h) = self.shared.head.lock() {
                     *h = head;
+                }
+            }
+            if let Some(counts) = group.iter().rev().find_map(|b| b.counts) {
+                if let Ok(mut c) = self.shared.counts.lock() {
+                    *c = counts;
                 }
             }
         }

@@ -45,6 +45,9 @@ pub(super) struct Writer {
     pub(super) log_retention: Option<std::time::Duration>,
     /// When buffered notes are written at the latest.
     pub(super) notes_due: Option<Instant>,
+    /// Actions per state as the batches staged so far leave them; readers see them once the
+    /// batch is durable ([`Shared::counts`], kept by the syncer).
+    pub(super) counts: Counts,
     /// The counts by state as last written to [`COUNTS_KEY`] (`None`: not yet, this run).
     pub(super) saved_counts: Option<Counts>,
 }
@@ -119,13 +122,7 @@ impl Writer {
             // a store that never held an action has nothing to read at the next open.
             return;
         }
-        let saved = self
-            .shared
-            .counts
-            .lock()
-            .map(|c| *c)
-            .map_err(|e| e.to_string())
-            .and_then(|counts| ids::Binding::of(&self.db, self.head.clone(), counts))
+        let saved = ids::Binding::of(&self.db, self.head.clone(), self.counts)
             .and_then(|b| self.ids.save(&self.dir, &b));
         if let Err(e) = saved {
             tracing::warn!(error = %e, "store: could not save the filter of action ids; the next start reads them from sled");
@@ -181,10 +178,9 @@ impl Writer {
             );
         }
         // The counts by state travel with the changes that move them.
-        let counts = self.shared.counts.lock().map(|c| *c).ok();
-        if let Some(c) = counts.filter(|c| self.saved_counts.as_ref() != Some(c)) {
-            pending.put(COUNTS_KEY, encode_counts(&c));
-            self.saved_counts = Some(c);
+        if self.saved_counts != Some(self.counts) {
+            pending.put(COUNTS_KEY, encode_counts(&self.counts));
+            self.saved_counts = Some(self.counts);
         }
         // Every batch goes through the syncer, even one that only read: what it read may be
         // a batch still on its way to being durable, and its answers wait for that.
@@ -229,6 +225,7 @@ impl Writer {
             failed,
             drain: false,
             head: Some(self.head.clone()),
+            counts: Some(self.counts),
             new_keys: pending.new_keys,
         };
         let mut delivery = None;
@@ -285,6 +282,7 @@ impl Writer {
             failed: None,
             drain: true,
             head: None,
+            counts: None,
             new_keys: HashSet::default(),
         };
         self.syncer.handing_over();
@@ -455,18 +453,17 @@ impl Writer {
     }
 
     /// Moves one action between states in the counts (`None`: absent).
-    pub(super) fn count(&self, from: Option<State>, to: Option<State>) {
-        if let Ok(mut c) = self.shared.counts.lock() {
-            if let Some(f) = from {
-                c[slot(f)] = c[slot(f)].saturating_sub(1);
-            }
-            if let Some(t) = to {
-                c[slot(t)] += 1;
-            }
+    pub(super) fn count(&mut self, from: Option<State>, to: Option<State>) {
+        let c = &mut self.counts;
+        if let Some(f) = from {
+            c[slot(f)] = c[slot(f)].saturating_sub(1);
+        }
+        if let Some(t) = to {
+            c[slot(t)] += 1;
         }
     }
 
-    pub(super) fn unstage(&self, pending: &mut Pending, old: &Record) {
+    pub(super) fn unstage(&mut self, pending: &mut Pending, old: &Record) {
         self.count(Some(old.state), None);
         pending.del(rec_key(&old.id));
         pending.del(record_key(old));
