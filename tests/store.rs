@@ -489,6 +489,62 @@ async fn expires_every_due_action_in_one_sweep(s: S) {
     assert!(s.verify_log().await.unwrap().ok);
 }
 
+/// Settles `n` actions `{prefix}{i}` at `T0 + 1` from 64 tasks at a time (so that they share
+/// batches), those of even `i` kept an hour, the others two.
+async fn settle_many(s: &S, prefix: &str, n: usize) {
+    let mut tasks = tokio::task::JoinSet::new();
+    for w in 0..64 {
+        let (s, prefix) = (s.clone(), prefix.to_string());
+        tasks.spawn(async move {
+            for i in (w..n).step_by(64) {
+                let id = format!("{prefix}{i:04}");
+                let mut r = record(&id, "f", None);
+                r.retention_ms = if i % 2 == 0 { 3_600_000 } else { 7_200_000 };
+                s.claim(claim_req(r, T0, 10_000)).await.unwrap();
+                settle(&s, &id, 1, State::Succeeded, T0 + 1, Some("{}")).await;
+            }
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+}
+
+/// Each action expires when its latest settlement says, and not before: actions settled together
+/// with different retentions go each at its own time, and one whose expiry moved (it failed,
+/// then a second attempt succeeded later) stays past the first.
+async fn expires_each_action_at_its_latest_expiry(s: S) {
+    const HOUR: Millis = 3_600_000;
+    settle_many(&s, "z", 256).await;
+    s.claim(claim_req(record("y1", "f", None), T0, 10_000))
+        .await
+        .unwrap();
+    settle(&s, "y1", 1, State::Failed, T0 + 1, None).await;
+    let again = s
+        .claim(claim_req(record("y1", "f", None), T0 + 10_000, 10_000))
+        .await
+        .unwrap();
+    assert!(matches!(again, Claim::Claimed(_)), "{again:?}");
+    settle(&s, "y1", 2, State::Succeeded, T0 + 10_001, Some("{}")).await;
+
+    assert_eq!(s.expire(T0 + 1 + HOUR).await.unwrap(), 128);
+    assert!(s.get("z0000").await.unwrap().is_none());
+    assert!(s.get("z0001").await.unwrap().is_some());
+    assert!(
+        s.get("y1").await.unwrap().is_some(),
+        "expired at its first expiry"
+    );
+    assert_eq!(s.expire(T0 + 10_000 + HOUR).await.unwrap(), 0);
+    assert_eq!(s.expire(T0 + 10_001 + HOUR).await.unwrap(), 1);
+    assert!(s.get("y1").await.unwrap().is_none());
+    assert_eq!(s.expire(T0 + 2 * HOUR).await.unwrap(), 0);
+    assert_eq!(s.expire(T0 + 1 + 2 * HOUR).await.unwrap(), 128);
+    assert!(s.get("z0255").await.unwrap().is_none());
+    let counts = s.counts().await.unwrap();
+    assert!(counts.iter().all(|&(_, n)| n == 0), "{counts:?}");
+    assert!(s.verify_log().await.unwrap().ok);
+}
+
 /// Newest first, in pages: each page strictly older than the last one's cursor, ties on
 /// `created_at` broken by id, filters applied while paging.
 async fn lists_newest_first_in_pages(s: S) {
@@ -621,6 +677,7 @@ conformance!(
     scans_by_state_and_task_and_counts,
     expires_records_but_never_an_attempt_in_flight,
     expires_every_due_action_in_one_sweep,
+    expires_each_action_at_its_latest_expiry,
     lists_newest_first_in_pages,
     keeps_a_stored_body_through_later_versions_of_its_record,
 );
@@ -1049,6 +1106,28 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
     }
 }
 
+/// A batch's settlements share one expiry index entry in sled (versions before put one an
+/// action), and once every action has expired none is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sled_lists_a_batch_of_expiries_under_one_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let s = open_sled(&dir, Default::default());
+    settle_many(&s, "z", 256).await;
+    s.close().await.unwrap();
+    drop(s);
+    let entries = edit_closed(&dir, |db| db.scan_prefix("e/").count());
+    assert!(
+        (1..256).contains(&entries),
+        "{entries} expiry index entries for 256 actions"
+    );
+    let s = open_sled(&dir, Default::default());
+    assert_eq!(s.expire(T0 + 1 + 7_200_000).await.unwrap(), 256);
+    s.close().await.unwrap();
+    drop(s);
+    assert_eq!(edit_closed(&dir, |db| db.scan_prefix("e/").count()), 0);
+}
+
 /// Versions before keyed the expiry index by the minute an action expires in
 /// (`e/{minute:be64}{id}`): opening such a store keys it by the time itself, and the sweeper still
 /// finds every action that is due, and no other.
@@ -1062,15 +1141,16 @@ async fn sled_rekeys_an_expiry_index_kept_by_minute() {
     ];
     closed_with(&dir, &actions).await;
     edit_closed(&dir, |db| {
-        let keys: Vec<_> = db.scan_prefix("e/").keys().map(|k| k.unwrap()).collect();
-        assert_eq!(keys.len(), 2);
-        for k in keys {
-            let due = u64::from_be_bytes(k[2..10].try_into().unwrap());
+        for k in db.scan_prefix("e/").keys() {
+            db.remove(k.unwrap()).unwrap();
+        }
+        for (id, at, _) in actions {
+            // Settled a millisecond after the claim, kept an hour.
+            let due = at + 1 + 3_600_000;
             let mut by_minute = b"e/".to_vec();
             by_minute.extend_from_slice(&(due / 60_000).to_be_bytes());
-            by_minute.extend_from_slice(&k[10..]);
+            by_minute.extend_from_slice(id.as_bytes());
             db.insert(by_minute, &[]).unwrap();
-            db.remove(k).unwrap();
         }
         db.insert("m/indexes", "5").unwrap();
     });

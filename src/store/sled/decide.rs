@@ -4,9 +4,11 @@
 use super::*;
 
 impl Writer {
-    /// One step of expiry: the due entries of the expiry index after `from`, at most
-    /// [`EXPIRE_STEP`] of them. The index is read from sled: the first step waits until sled
-    /// holds every change so far; an entry whose record moved on since (or went) is skipped.
+    /// One step of expiry: the due entries of the expiry index after `from`, until they list
+    /// [`EXPIRE_STEP`] actions. The index is read from sled: the first step waits until sled
+    /// holds every change so far. Of each entry's actions, those due expire if their record
+    /// still expires then (one that moved on since, or went, is left out); the entry goes, or,
+    /// for what is not yet due, is put again under its earliest expiry.
     pub(super) fn expire_step(
         &mut self,
         pending: &mut Pending,
@@ -20,33 +22,59 @@ impl Writer {
                 EXPIRY_PREFIX.to_vec()
             }
         };
-        let mut keys = Vec::new();
-        for k in self.db.range(start..expiry_end(now)).keys() {
-            keys.push(k.map_err(unavailable)?);
-            if keys.len() == EXPIRE_STEP {
+        let (mut entries, mut listed) = (Vec::new(), 0);
+        let mut last = None;
+        for kv in self.db.range(start..expiry_end(now)) {
+            let (k, v) = kv.map_err(unavailable)?;
+            let actions = expiring(&k, &v)?;
+            listed += actions.len();
+            last = Some(k.to_vec());
+            entries.push((k, v, actions));
+            if listed >= EXPIRE_STEP {
                 break;
             }
         }
         let mut n = 0;
         let mut freed = Vec::new();
-        for k in &keys {
-            let id = index_id(k, EXPIRY_PREFIX)?;
-            let Some(r) = self.read(pending, &id)? else {
-                continue;
-            };
-            // Only settled records expire (`is_expired`); skip entries of an older expiry.
-            if !r.is_expired(now)
-                || r.expires_at.map(|e| expiry_key(e, &id)).as_deref() != Some(&**k)
-            {
-                continue;
+        for (k, v, actions) in entries {
+            let mut kept = Vec::new();
+            for (at, id) in actions {
+                if at > now {
+                    kept.push((at, id));
+                    continue;
+                }
+                let Some(r) = self.read(pending, &id)? else {
+                    continue;
+                };
+                if r.expires_at != Some(at) {
+                    // It expires at another time now, under another entry.
+                    continue;
+                }
+                if !r.is_expired(now) {
+                    // Only settled records expire: one not settled (kept with an expiry by an
+                    // older version) stays listed.
+                    kept.push((at, id));
+                    continue;
+                }
+                self.unstage(pending, &r);
+                self.append(
+                    pending,
+                    LogEvent::for_record(Event::Expired, &r, Actor::Proxy),
+                );
+                freed.extend(body_file(&r).map(str::to_string));
+                n += 1;
             }
-            self.unstage(pending, &r);
-            self.append(
-                pending,
-                LogEvent::for_record(Event::Expired, &r, Actor::Proxy),
-            );
-            freed.extend(body_file(&r).map(str::to_string));
-            n += 1;
+            match expiring_tag(&k, &v) {
+                // One action's entry, as versions before kept it: it goes once its action does.
+                None if kept.is_empty() => pending.del(&*k),
+                None => {}
+                Some(tag) => {
+                    pending.del(&*k);
+                    if let Some((key, value)) = expiry_entry(&kept, tag) {
+                        pending.put(key, value);
+                    }
+                }
+            }
         }
         // Body files are shared by content: one goes when no record keeps it and no settlement
         // is placing it.
@@ -56,11 +84,10 @@ impl Writer {
                 let _ = std::fs::remove_file(self.dir.join("bodies").join(&sha));
             }
         }
-        if keys.len() < EXPIRE_STEP {
+        let Some(mut next) = last.filter(|_| listed >= EXPIRE_STEP) else {
             self.prune_log(now).map_err(unavailable)?;
             return Ok((n, None));
-        }
-        let mut next = keys.pop().map(|k| k.to_vec()).unwrap_or_default();
+        };
         next.push(0);
         Ok((n, Some(next)))
     }

@@ -95,13 +95,97 @@ pub(super) fn task_key(task: &str, id: &str) -> Vec<u8> {
     joined(&[b"t/", task.as_bytes(), b"\0", id.as_bytes()])
 }
 
-/// The expiry index: settled actions by when they expire, `e/{expires_at:be64}{id}` (an action in
-/// flight or unknown has no entry: it never expires). Keyed by the time itself, nearly every new
-/// entry goes at the end, where sled's newest leaves are; versions before grouped them by minute,
-/// `e/{minute:be64}{id}`, which put each entry at a random place among the minute's (moved at open).
+/// The expiry index: settled actions by when they expire. Each batch that gives records a new
+/// expiry puts one entry for all of them, `e/{earliest:be64}{generation:be64}{offset:be64}` (the
+/// earliest expiry among them, then where the batch's frame goes in the write-ahead log, which
+/// no other batch shares), whose value lists them ([`encode_expiring`]): one sled
+/// key a batch instead of one an action (measured in docs/decisions.md, "The expiry index, one
+/// key a batch"). An entry is never taken out when its record changes: the sweeper reads the
+/// record of each due action, and an action gone, or whose record now expires at another time,
+/// is left out (its record, if any, is listed again where it now expires). Versions before
+/// kept one entry an action, `e/{expires_at:be64}{id}` with an empty value (by minute before
+/// that, rekeyed at open); the sweeper reads those too. Keyed by time, nearly every new entry
+/// goes at the end, where sled's newest leaves are.
 pub(super) const EXPIRY_PREFIX: &[u8] = b"e/";
-/// Expiry index entries one step reads at most: the writer's pause between batches.
+/// Actions one step of expiry reads at most: the writer's pause between batches.
 pub(super) const EXPIRE_STEP: usize = 2_048;
+
+/// The first byte of a batch's expiry entry ([`encode_expiring`]): its form's version.
+const EXPIRING_FORM: u8 = 1;
+
+/// The key of a batch's expiry entry: by the earliest expiry it lists, then `tag` (where the
+/// batch's frame goes in the write-ahead log: [`crate::store::wal::Wal::position`]).
+pub(super) fn expiring_key(earliest: Millis, tag: [u8; 16]) -> Vec<u8> {
+    joined(&[EXPIRY_PREFIX, &earliest.to_be_bytes(), &tag])
+}
+
+/// The expiry index entry, key and value, of a batch that gives `actions` a new expiry (`None`
+/// for none); `tag` says where its frame goes in the write-ahead log (public for the benches'
+/// `sled alone` floor, which writes one for its writes too).
+pub fn expiry_entry(actions: &[(Millis, String)], tag: [u8; 16]) -> Option<(Vec<u8>, Vec<u8>)> {
+    let earliest = actions.iter().map(|(at, _)| *at).min()?;
+    Some((expiring_key(earliest, tag), encode_expiring(actions)))
+}
+
+/// The value of a batch's expiry entry: the form's version, then each action's expiry (be64),
+/// id length (u16, be) and id.
+pub(super) fn encode_expiring(actions: &[(Millis, String)]) -> Vec<u8> {
+    let size: usize = actions.iter().map(|(_, id)| 10 + id.len()).sum();
+    let mut v = Vec::with_capacity(1 + size);
+    v.push(EXPIRING_FORM);
+    for (at, id) in actions {
+        v.extend_from_slice(&at.to_be_bytes());
+        // Ids are a few dozen bytes; one too long for the length is cut, and its record never
+        // matches it (left for good, not expired early).
+        let id = &id.as_bytes()[..id.len().min(usize::from(u16::MAX))];
+        v.extend_from_slice(&(id.len() as u16).to_be_bytes());
+        v.extend_from_slice(id);
+    }
+    v
+}
+
+/// The actions an expiry index entry lists, with when each expires: a batch's entry
+/// ([`encode_expiring`]), or one action's as versions before kept it (an empty value).
+pub(super) fn expiring(key: &[u8], value: &[u8]) -> Result<Vec<(Millis, String)>, StoreError> {
+    let corrupt = |reason: &str| StoreError::Corrupt {
+        id: String::from_utf8_lossy(key).into_owned(),
+        reason: format!("expiry index entry: {reason}"),
+    };
+    if value.is_empty() {
+        let at = key
+            .get(EXPIRY_PREFIX.len()..EXPIRY_PREFIX.len() + 8)
+            .and_then(|b| <[u8; 8]>::try_from(b).ok())
+            .map(Millis::from_be_bytes)
+            .ok_or_else(|| corrupt("too short to say when"))?;
+        return Ok(vec![(at, index_id(key, EXPIRY_PREFIX)?)]);
+    }
+    let Some((&EXPIRING_FORM, mut rest)) = value.split_first() else {
+        return Err(corrupt("of a form this version does not know"));
+    };
+    let mut out = Vec::new();
+    while !rest.is_empty() {
+        let (head, tail) = rest
+            .split_at_checked(10)
+            .ok_or_else(|| corrupt("cut short"))?;
+        let at = Millis::from_be_bytes(head[..8].try_into().unwrap_or_default());
+        let len = usize::from(u16::from_be_bytes([head[8], head[9]]));
+        let (id, tail) = tail
+            .split_at_checked(len)
+            .ok_or_else(|| corrupt("cut short"))?;
+        out.push((at, String::from_utf8_lossy(id).into_owned()));
+        rest = tail;
+    }
+    Ok(out)
+}
+
+/// The tag of a batch's expiry entry, from its key ([`expiring_key`]); `None` for one action's
+/// entry as versions before kept it.
+pub(super) fn expiring_tag(key: &[u8], value: &[u8]) -> Option<[u8; 16]> {
+    let at = EXPIRY_PREFIX.len() + 8;
+    (!value.is_empty())
+        .then(|| key.get(at..at + 16)?.try_into().ok())
+        .flatten()
+}
 
 pub(super) fn expiry_key(expires_at: Millis, id: &str) -> Vec<u8> {
     timed_key(EXPIRY_PREFIX, expires_at, id)
@@ -152,12 +236,12 @@ pub(super) fn body_file(r: &Record) -> Option<&str> {
 }
 
 /// A record's index entries with empty values: every key besides its record (under its creation
-/// key), its pointer and its body that names it.
+/// key), its pointer and its body that names it, but for its expiry, which its batch lists
+/// ([`expiring_key`]).
 pub(super) fn index_keys(r: &Record) -> impl Iterator<Item = Vec<u8>> + '_ {
     [
         state_indexed(r.state).then(|| state_key(r.state, &r.id)),
         r.task.as_ref().map(|t| task_key(t, &r.id)),
-        r.expires_at.map(|e| expiry_key(e, &r.id)),
         body_file(r).map(|sha| file_key(sha, &r.id)),
     ]
     .into_iter()
@@ -166,8 +250,8 @@ pub(super) fn index_keys(r: &Record) -> impl Iterator<Item = Vec<u8>> + '_ {
 
 /// Every key the store writes for `r` with a small stored body: the record (its creation key,
 /// whose value holds the body after the record), the pointer (`a/{id}`, whose value is
-/// [`pointer`]) and the index entries (public for the benches' `sled alone` floor, which writes
-/// the same keys).
+/// [`pointer`]) and the index entries, but for the expiry entry its batch shares (public for the
+/// benches' `sled alone` floor, which writes the same keys).
 pub fn action_keys(r: &Record) -> Vec<Vec<u8>> {
     let mut keys = vec![record_key(r), rec_key(&r.id)];
     keys.extend(index_keys(r));
@@ -212,7 +296,8 @@ pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
         // pointer (the writer writes a pointer only with a record's first version). Interrupted,
         // the build starts again from a record still readable under either key.
         let r = decode(&k, &v, None).map_err(|e| e.to_string())?;
-        for key in index_keys(&r) {
+        // Its expiry as one action's entry, the form the sweeper reads beside a batch's.
+        for key in index_keys(&r).chain(r.expires_at.map(|e| expiry_key(e, &r.id))) {
             db.insert(key, &[]).map_err(|e| e.to_string())?;
         }
         db.insert(record_key(&r), v).map_err(|e| e.to_string())?;
@@ -259,8 +344,12 @@ fn stored_record(db: &sled::Db, id: &str) -> Result<Option<Record>, String> {
 /// marker) stays as it is: the new key first, then the old one goes. An entry whose record is gone
 /// or no longer expires goes.
 fn rekey_expiry(db: &sled::Db) -> Result<(), String> {
-    for k in db.scan_prefix(EXPIRY_PREFIX).keys() {
-        let k = k.map_err(|e| e.to_string())?;
+    for kv in db.scan_prefix(EXPIRY_PREFIX) {
+        let (k, v) = kv.map_err(|e| e.to_string())?;
+        if !v.is_empty() {
+            // A batch's entry: this version's form, already keyed by time.
+            continue;
+        }
         let id = index_id(&k, EXPIRY_PREFIX).map_err(|e| e.to_string())?;
         let due = stored_record(db, &id)?.and_then(|r| r.expires_at);
         let key = due.map(|e| expiry_key(e, &id));
@@ -407,5 +496,34 @@ mod tests {
         assert_eq!(file_key("ffee", "ab12"), b"f/ffee/ab12");
         assert_eq!(created_key(258, "ab12"), b"c/\0\0\0\0\0\0\x01\x02ab12");
         assert_eq!(expiry_key(1, "x"), b"e/\0\0\0\0\0\0\0\x01x");
+        assert_eq!(
+            expiring_key(1, [2; 16]),
+            [&b"e/\0\0\0\0\0\0\0\x01"[..], &[2; 16]].concat()
+        );
+        assert_eq!(
+            encode_expiring(&[(1, "ab".into())]),
+            b"\x01\0\0\0\0\0\0\0\x01\0\x02ab"
+        );
+    }
+
+    /// A batch's entry lists its actions back as written; one action's entry as versions before
+    /// kept it reads as that action; anything else is refused, not read as something else.
+    #[test]
+    fn expiry_entries_read_back_in_both_forms() {
+        let actions = vec![
+            (7, "a1".to_string()),
+            (3, "b".repeat(40)),
+            (9, String::new()),
+        ];
+        let key = expiring_key(3, [5; 16]);
+        let value = encode_expiring(&actions);
+        assert_eq!(expiring(&key, &value).ok(), Some(actions));
+        assert_eq!(expiring_tag(&key, &value), Some([5; 16]));
+        let old = expiry_key(11, "c1");
+        assert_eq!(expiring(&old, &[]).ok(), Some(vec![(11, "c1".to_string())]));
+        assert_eq!(expiring_tag(&old, &[]), None);
+        assert!(expiring(&key, &value[..value.len() - 1]).is_err());
+        assert!(expiring(&key, b"\x02").is_err());
+        assert!(expiring(b"e/\0", &[]).is_err());
     }
 }

@@ -39,8 +39,9 @@
 //! open), `r/{created_at:be64}{id}`
 //! a small stored body too large to share its record's value (most are kept after the record in
 //! that value: [`codec::split_value`]; `b/{id}` before, moved at open), `s/{state}/{id}` state index (all states
-//! but `succeeded`), `t/{task}\0{id}` task index, `e/{expires_at:be64}{id}` expiry index (the sweeper
-//! reads only what is due; by minute before, rekeyed at open), `f/{sha256}/{id}` the
+//! but `succeeded`), `t/{task}\0{id}` task index, `e/{earliest:be64}{wal position}` expiry index, one
+//! entry a batch listing the actions it settled (the sweeper reads only what is due; one entry an
+//! action, `e/{expires_at:be64}{id}`, before, and by minute before that, rekeyed at open), `f/{sha256}/{id}` the
 //! actions whose response is a body file. Bodies over 64 KiB live in `bodies/{sha256}` beside the database;
 //! sled's own blob files are fsynced at each checkpoint. The write log lives in files of its own
 //! ([`super::logfiles`]): in a batch's frame its entries are a change to the key
@@ -97,7 +98,7 @@ use codec::*;
 pub use codec::{read_value, record_value};
 use drainer::*;
 use ids::Ids;
-pub use index::{action_keys, pointer};
+pub use index::{action_keys, expiry_entry, pointer};
 
 use index::*;
 

@@ -81,6 +81,9 @@ pub(super) struct Pending {
     pub(super) durable: bool,
     /// Keys put by this batch that no batch before it ever put (see [`Mem::absent`]).
     pub(super) new_keys: HashSet<Vec<u8>>,
+    /// The actions this batch gives a new expiry, with it: listed in one expiry index entry
+    /// ([`expiring_key`]).
+    pub(super) expiring: Vec<(Millis, String)>,
 }
 
 impl Pending {
@@ -178,6 +181,13 @@ impl Writer {
             );
         }
         // The counts by state travel with the changes that move them.
+        let (generation, offset) = self.wal.position();
+        let mut tag = [0; 16];
+        tag[..8].copy_from_slice(&generation.to_be_bytes());
+        tag[8..].copy_from_slice(&offset.to_be_bytes());
+        if let Some((key, value)) = expiry_entry(&pending.expiring, tag) {
+            pending.put(key, value);
+        }
         if self.saved_counts != Some(self.counts) {
             pending.put(COUNTS_KEY, encode_counts(&self.counts));
             self.saved_counts = Some(self.counts);
@@ -444,6 +454,14 @@ impl Writer {
         }
         for k in after.into_iter().filter(|k| !before.contains(k)) {
             pending.put(k, []);
+        }
+        // The old expiry's entry stays: the sweeper leaves it out once it finds the record
+        // expiring at another time (or gone).
+        if let Some(at) = new
+            .expires_at
+            .filter(|&e| old.and_then(|o| o.expires_at) != Some(e))
+        {
+            pending.expiring.push((at, new.id.clone()));
         }
         pending
             .records

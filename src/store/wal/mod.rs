@@ -185,6 +185,12 @@ impl Wal {
         Ok(())
     }
 
+    /// Where the next frame goes: its file's generation and its offset in it. No two frames
+    /// share it in a store's life (generations only grow, across runs too).
+    pub fn position(&self) -> (u64, u64) {
+        (self.generation, self.len)
+    }
+
     /// The current file, for another thread to fdatasync.
     pub fn file(&self) -> Arc<File> {
         self.file.clone()
