@@ -180,14 +180,17 @@ impl Writer {
                 history::head_value(self.head.0, &self.head.1),
             );
         }
-        // The counts by state travel with the changes that move them.
-        let (generation, offset) = self.wal.position();
-        let mut tag = [0; 16];
-        tag[..8].copy_from_slice(&generation.to_be_bytes());
-        tag[8..].copy_from_slice(&offset.to_be_bytes());
-        if let Some((key, value)) = expiry_entry(&pending.expiring, tag) {
-            pending.put(key, value);
+        // The expiries this batch gives, in one entry tagged with where its frame goes.
+        if !pending.expiring.is_empty() {
+            let (generation, offset) = self.wal.position();
+            let mut tag = [0; 16];
+            tag[..8].copy_from_slice(&generation.to_be_bytes());
+            tag[8..].copy_from_slice(&offset.to_be_bytes());
+            if let Some((key, value)) = expiry_entry(&pending.expiring, tag) {
+                pending.put(key, value);
+            }
         }
+        // The counts by state travel with the changes that move them.
         if self.saved_counts != Some(self.counts) {
             pending.put(COUNTS_KEY, encode_counts(&self.counts));
             self.saved_counts = Some(self.counts);
