@@ -1107,13 +1107,17 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
 }
 
 /// A batch's settlements share one expiry index entry in sled (versions before put one an
-/// action), and once every action has expired none is left.
+/// action), entries the write-ahead log replays after a crash included, and once every action
+/// has expired none is left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sled_lists_a_batch_of_expiries_under_one_key() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
     let s = open_sled(&dir, Default::default());
     settle_many(&s, "z", 256).await;
+    // A crash: the reopen replays the write-ahead log.
+    drop(s);
+    let s = open_sled(&dir, Default::default());
     s.close().await.unwrap();
     drop(s);
     let entries = edit_closed(&dir, |db| db.scan_prefix("e/").count());
