@@ -26,17 +26,17 @@ impl Writer {
         let mut last = None;
         for kv in self.db.range(start..expiry_end(now)) {
             let (k, v) = kv.map_err(unavailable)?;
-            let actions = expiring(&k, &v)?;
+            let (tag, actions) = expiring(&k, &v)?;
             listed += actions.len();
             last = Some(k.to_vec());
-            entries.push((k, v, actions));
+            entries.push((k, tag, actions));
             if listed >= EXPIRE_STEP {
                 break;
             }
         }
         let mut n = 0;
         let mut freed = Vec::new();
-        for (k, v, actions) in entries {
+        for (k, tag, actions) in entries {
             let mut kept = Vec::new();
             for (at, id) in actions {
                 if at > now {
@@ -64,7 +64,7 @@ impl Writer {
                 freed.extend(body_file(&r).map(str::to_string));
                 n += 1;
             }
-            match expiring_tag(&k, &v) {
+            match tag {
                 // One action's entry, as versions before kept it: it goes once its action does.
                 None if kept.is_empty() => pending.del(&*k),
                 None => {}

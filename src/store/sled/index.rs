@@ -110,12 +110,15 @@ pub(super) const EXPIRY_PREFIX: &[u8] = b"e/";
 /// Actions one step of expiry reads at most: the writer's pause between batches.
 pub(super) const EXPIRE_STEP: usize = 2_048;
 
+/// Actions and when each expires, as an expiry index entry lists them.
+pub(super) type Expiring = Vec<(Millis, String)>;
+
 /// The first byte of a batch's expiry entry ([`encode_expiring`]): its form's version.
 const EXPIRING_FORM: u8 = 1;
 
 /// The key of a batch's expiry entry: by the earliest expiry it lists, then `tag` (where the
 /// batch's frame goes in the write-ahead log: [`crate::store::wal::Wal::position`]).
-pub(super) fn expiring_key(earliest: Millis, tag: [u8; 16]) -> Vec<u8> {
+fn expiring_key(earliest: Millis, tag: [u8; 16]) -> Vec<u8> {
     joined(&[EXPIRY_PREFIX, &earliest.to_be_bytes(), &tag])
 }
 
@@ -129,7 +132,7 @@ pub fn expiry_entry(actions: &[(Millis, String)], tag: [u8; 16]) -> Option<(Vec<
 
 /// The value of a batch's expiry entry: the form's version, then each action's expiry (be64),
 /// id length (u16, be) and id.
-pub(super) fn encode_expiring(actions: &[(Millis, String)]) -> Vec<u8> {
+fn encode_expiring(actions: &[(Millis, String)]) -> Vec<u8> {
     let size: usize = actions.iter().map(|(_, id)| 10 + id.len()).sum();
     let mut v = Vec::with_capacity(1 + size);
     v.push(EXPIRING_FORM);
@@ -144,21 +147,30 @@ pub(super) fn encode_expiring(actions: &[(Millis, String)]) -> Vec<u8> {
     v
 }
 
-/// The actions an expiry index entry lists, with when each expires: a batch's entry
-/// ([`encode_expiring`]), or one action's as versions before kept it (an empty value).
-pub(super) fn expiring(key: &[u8], value: &[u8]) -> Result<Vec<(Millis, String)>, StoreError> {
+/// What an expiry index entry lists: a batch's entry ([`expiry_entry`]) gives its tag and its
+/// actions, each with when it expires; one action's entry as versions before kept it (an empty
+/// value) gives no tag and that action.
+pub(super) fn expiring(
+    key: &[u8],
+    value: &[u8],
+) -> Result<(Option<[u8; 16]>, Expiring), StoreError> {
     let corrupt = |reason: &str| StoreError::Corrupt {
         id: String::from_utf8_lossy(key).into_owned(),
         reason: format!("expiry index entry: {reason}"),
     };
+    let at = EXPIRY_PREFIX.len() + 8;
     if value.is_empty() {
-        let at = key
-            .get(EXPIRY_PREFIX.len()..EXPIRY_PREFIX.len() + 8)
+        let when = key
+            .get(EXPIRY_PREFIX.len()..at)
             .and_then(|b| <[u8; 8]>::try_from(b).ok())
             .map(Millis::from_be_bytes)
             .ok_or_else(|| corrupt("too short to say when"))?;
-        return Ok(vec![(at, index_id(key, EXPIRY_PREFIX)?)]);
+        return Ok((None, vec![(when, index_id(key, EXPIRY_PREFIX)?)]));
     }
+    let tag = key
+        .get(at..)
+        .and_then(|b| <[u8; 16]>::try_from(b).ok())
+        .ok_or_else(|| corrupt("a batch's key without its tag"))?;
     let Some((&EXPIRING_FORM, mut rest)) = value.split_first() else {
         return Err(corrupt("of a form this version does not know"));
     };
@@ -175,16 +187,7 @@ pub(super) fn expiring(key: &[u8], value: &[u8]) -> Result<Vec<(Millis, String)>
         out.push((at, String::from_utf8_lossy(id).into_owned()));
         rest = tail;
     }
-    Ok(out)
-}
-
-/// The tag of a batch's expiry entry, from its key ([`expiring_key`]); `None` for one action's
-/// entry as versions before kept it.
-pub(super) fn expiring_tag(key: &[u8], value: &[u8]) -> Option<[u8; 16]> {
-    let at = EXPIRY_PREFIX.len() + 8;
-    (!value.is_empty())
-        .then(|| key.get(at..at + 16)?.try_into().ok())
-        .flatten()
+    Ok((Some(tag), out))
 }
 
 pub(super) fn expiry_key(expires_at: Millis, id: &str) -> Vec<u8> {
@@ -517,13 +520,16 @@ mod tests {
         ];
         let key = expiring_key(3, [5; 16]);
         let value = encode_expiring(&actions);
-        assert_eq!(expiring(&key, &value).ok(), Some(actions));
-        assert_eq!(expiring_tag(&key, &value), Some([5; 16]));
+        let (tag, listed) = expiring(&key, &value).expect("a batch's entry reads");
+        assert_eq!(listed, actions);
+        assert_eq!(tag, Some([5; 16]));
         let old = expiry_key(11, "c1");
-        assert_eq!(expiring(&old, &[]).ok(), Some(vec![(11, "c1".to_string())]));
-        assert_eq!(expiring_tag(&old, &[]), None);
+        let (tag, listed) = expiring(&old, &[]).expect("an older entry reads");
+        assert_eq!(listed, vec![(11, "c1".to_string())]);
+        assert_eq!(tag, None);
         assert!(expiring(&key, &value[..value.len() - 1]).is_err());
         assert!(expiring(&key, b"\x02").is_err());
         assert!(expiring(b"e/\0", &[]).is_err());
+        assert!(expiring(&key[..key.len() - 1], &value).is_err());
     }
 }

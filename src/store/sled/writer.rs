@@ -83,7 +83,7 @@ pub(super) struct Pending {
     pub(super) new_keys: HashSet<Vec<u8>>,
     /// The actions this batch gives a new expiry, with it: listed in one expiry index entry
     /// ([`expiring_key`]).
-    pub(super) expiring: Vec<(Millis, String)>,
+    pub(super) expiring: Expiring,
 }
 
 impl Pending {
