@@ -99,12 +99,9 @@ mod tests {
         for i in 0..n {
             let id = format!("{prefix}{i}");
             let fresh = Record {
-                upstream: "pay".into(),
-                principal: "p1".into(),
+                id: id.clone(),
                 key: format!("key-{id}"),
-                method: "POST".into(),
-                path: "/v1/charges".into(),
-                ..Record::new(&id, "f")
+                ..crate::action::tests::fresh("f")
             };
             let now = now_millis();
             let claim = store
