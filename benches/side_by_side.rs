@@ -1217,6 +1217,8 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     std::fs::create_dir_all(&og_dir).unwrap();
     let warmed = warm(&og_dir.join("store")).await;
     let (mut og, og_addr, og_admin) = start_oncegate(&og_dir, up);
+    // The most it held while opening the warmed store, before any request.
+    let opened_peak_kib = proc::peak_rss_kib(&og.id().to_string());
     let plain = |name, addr, pid| Target {
         name,
         addr,
@@ -1461,8 +1463,9 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             let t = Instant::now();
             let (mut c, a, _) = start_oncegate(&d, up);
             let ready = t.elapsed().as_secs_f64();
+            let opening_peak = proc::peak_rss_kib(&c.id().to_string());
             tokio::time::sleep(Duration::from_secs(1)).await;
-            opens.push((rss_kib(c.id()), ready));
+            opens.push((rss_kib(c.id()), opening_peak, ready));
             if opens.len() == 2 {
                 break (c, a);
             }
@@ -1529,13 +1532,15 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
          was warmed first, as a sidecar's is once it has run a while: {WARM} actions written \
          and the store stopped cleanly, leaving its write-ahead log spares of {} MiB to start \
          in (a new store's first two log files are extended with zeros as they fill; `cargo \
-         bench --bench store` compares a new store's first writes with a restarted one's).\n\n",
+         bench --bench store` compares a new store's first writes with a restarted one's). \
+         Opening it, oncegate's RSS peaked at {:.0} MiB (VmHWM once ready).\n\n",
         machine(),
         warmed
             .iter()
             .map(|b| format!("{:.0}", *b as f64 / (1 << 20) as f64))
             .collect::<Vec<_>>()
-            .join(" and ")
+            .join(" and "),
+        opened_peak_kib as f64 / 1024.0
     ));
     md.push_str("| workload | target | req/s | p50 | p99 | p99.9 | errors | peak RSS (MiB) | proxy CPU per request (µs) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
     for (spec, per) in &results {
@@ -1638,14 +1643,16 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         actions
     ));
     for (n, r, load, bytes, opens) in &preload_rows {
-        let ((scanned, scan_s), (loaded, load_s)) = (opens[0], opens[1]);
+        let ((scanned, scan_peak, scan_s), (loaded, load_peak, load_s)) = (opens[0], opens[1]);
         md.push_str(&format!(
-            "- unique writes at 64 connections with {n} actions already stored: {:.0} req/s (p99 {:.0} µs, peak RSS {:.0} MiB); right after a restart on them, RSS {:.0} MiB and {load_s:.2} s to ready when the open loads the filter of held ids a clean stop saved, {:.0} MiB and {scan_s:.2} s when it reads every pointer instead (after a crash, or once the store holds about 2.7 times the ids the last such reading found); preload took {load:.1} s; store {:.0} MiB\n",
+            "- unique writes at 64 connections with {n} actions already stored: {:.0} req/s (p99 {:.0} µs, peak RSS {:.0} MiB); a second after a restart on them, RSS {:.0} MiB (peak while opening {:.0}) and {load_s:.2} s to ready when the open loads the filter of held ids a clean stop saved, {:.0} MiB (peak {:.0}) and {scan_s:.2} s when it reads every pointer instead (after a crash, or once the store holds about 2.7 times the ids the last such reading found); preload took {load:.1} s; store {:.0} MiB\n",
             r.rps(),
             r.q(0.99),
             r.peak_rss_kib as f64 / 1024.0,
             loaded as f64 / 1024.0,
+            load_peak as f64 / 1024.0,
             scanned as f64 / 1024.0,
+            scan_peak as f64 / 1024.0,
             *bytes as f64 / 1048576.0
         ));
     }

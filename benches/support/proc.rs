@@ -20,10 +20,21 @@ pub fn cpu_ticks(pid: &str) -> u64 {
 
 /// Resident memory (VmRSS, KiB) of `pid` (a number or `self`); 0 once it is gone.
 pub fn rss_kib(pid: &str) -> u64 {
+    status_kib(pid, "VmRSS:")
+}
+
+/// The most resident memory `pid` has had since it started (VmHWM, KiB): what a memory limit
+/// must leave room for, its startup included.
+#[allow(dead_code, reason = "the side-by-side bench reads it; the store bench does not")]
+pub fn peak_rss_kib(pid: &str) -> u64 {
+    status_kib(pid, "VmHWM:")
+}
+
+fn status_kib(pid: &str, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0)
 }

@@ -14,6 +14,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, IoSlice, Write};
+use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
 
 use super::files;
@@ -57,6 +58,40 @@ fn last_head(block: &[u8]) -> Option<(u64, String)> {
 fn last_line(bytes: &[u8]) -> &[u8] {
     let body = bytes.strip_suffix(b"\n").unwrap_or(bytes);
     &body[memchr::memrchr(b'\n', body).map_or(0, |i| i + 1)..]
+}
+
+/// How much of a segment's end [`tail`] reads at a time: a line is one to two KiB.
+const TAIL_BLOCK: u64 = 16 << 10;
+
+/// The end of a segment: the length of its whole lines (a torn last line, which a crash mid-append
+/// leaves, not counted), the file's length, and its last whole line without the newline (`None`
+/// when it has none). Read backwards from the end, `block` bytes at a time: opening the store
+/// read the whole newest segment (up to 64 MiB) to find its last line, and the proxy's memory at
+/// startup peaked that much higher (docs/decisions.md, "The write log's open reads its end").
+fn tail(path: &Path, block: u64) -> std::io::Result<(u64, u64, Option<Vec<u8>>)> {
+    let f = File::open(path)?;
+    let len = f.metadata()?.len();
+    // The position of the last newline before `end`, reading back from it.
+    let newline_before = |mut end: u64| -> std::io::Result<Option<u64>> {
+        let mut buf = Vec::new();
+        while end > 0 {
+            let start = end.saturating_sub(block);
+            buf.resize((end - start) as usize, 0);
+            f.read_exact_at(&mut buf, start)?;
+            if let Some(i) = memchr::memrchr(b'\n', &buf) {
+                return Ok(Some(start + i as u64));
+            }
+            end = start;
+        }
+        Ok(None)
+    };
+    let Some(last_newline) = newline_before(len)? else {
+        return Ok((0, len, None));
+    };
+    let start = newline_before(last_newline)?.map_or(0, |i| i + 1);
+    let mut line = vec![0; (last_newline - start) as usize];
+    f.read_exact_at(&mut line, start)?;
+    Ok((last_newline + 1, len, (!line.is_empty()).then_some(line)))
 }
 
 /// `seq` and `hash` of a stored line, read in place: the line ends in its hash (the chain appends
@@ -136,15 +171,14 @@ impl LogFiles {
         // before a crash may hold none.
         for &first in files.segments.iter().rev() {
             let path = dir.join(segment_name(first));
-            let bytes = files::read(&path)?;
-            let whole = memchr::memrchr(b'\n', &bytes).map_or(0, |i| i + 1);
-            if whole < bytes.len() {
+            let (whole, len, line) = tail(&path, TAIL_BLOCK)
+                .map_err(|e| format!("read the end of {}: {e}", path.display()))?;
+            if whole < len {
                 tracing::warn!(file = %path.display(), "cutting a torn write log line");
-                files::cut(&path, whole as u64)?;
+                files::cut(&path, whole)?;
             }
-            let line = Some(last_line(&bytes[..whole])).filter(|l| !l.is_empty());
             if let Some(line) = line {
-                let e = parse(line).ok_or_else(|| {
+                let e = parse(&line).ok_or_else(|| {
                     format!(
                         "the last write log entry in {} does not parse",
                         path.display()
@@ -543,6 +577,46 @@ mod tests {
         assert_eq!(f.last(), Some((3_000, prev)));
         let v = crate::log::verify(&chain, f.reader(1).unwrap().entries(), None);
         assert!(v.ok && v.entries == 3_000, "{v:?}");
+    }
+
+    /// The end of a segment read backwards in blocks is what reading all of it finds: the
+    /// length of its whole lines and the last of them, whatever the blocks cut (a line longer
+    /// than a block, a torn tail longer than one, no newline at all, an empty file).
+    #[test]
+    fn a_segments_end_read_in_blocks_is_what_reading_it_whole_finds() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("seg");
+        let long = "x".repeat(40);
+        let cases: Vec<Vec<u8>> = [
+            "",
+            "\n",
+            "torn, no newline",
+            "{\"seq\":1}\n",
+            "{\"seq\":1}\n{\"seq\":2}\n",
+            "{\"seq\":1}\n{\"seq\":2}\n{\"seq\":3,\"torn",
+            "a\n\n",
+            &format!("{long}\n{long}{long}\n"),
+            &format!("a\n{long}{long}{long}"),
+            &format!("{long}\nb\n{long}"),
+        ]
+        .iter()
+        .map(|c| c.as_bytes().to_vec())
+        .collect();
+        for bytes in &cases {
+            std::fs::write(&path, bytes).unwrap();
+            let whole = memchr::memrchr(b'\n', bytes).map_or(0, |i| i + 1);
+            let line = Some(last_line(&bytes[..whole]))
+                .filter(|l| !l.is_empty())
+                .map(<[u8]>::to_vec);
+            for block in [1, 3, 7, 16, 4096] {
+                assert_eq!(
+                    tail(&path, block).unwrap(),
+                    (whole as u64, bytes.len() as u64, line.clone()),
+                    "{:?} in blocks of {block}",
+                    String::from_utf8_lossy(bytes)
+                );
+            }
+        }
     }
 
     #[test]
