@@ -12,7 +12,8 @@
 //! nginx is installed with apt-get when missing; without it the nginx column says so.
 //! For profiling: `BENCH_ONLY='writes, 64|replays'` runs the workloads whose names contain one of
 //! the alternatives (the preloads only when it names `stored`, the floor only when it names
-//! `floor`, the paced run of 100,000 writes only when it names `paced`), `BENCH_SECS=20`
+//! `floor`, the paced run of 100,000 writes only when it names `paced`, the restart after a
+//! SIGKILL only when it names `restart`), `BENCH_SECS=20`
 //! lengthens each run, `BENCH_ROUNDS=7` interleaves more rounds (5 by default), `BENCH_HOLD=60`
 //! keeps the proxy up, idle, after the workloads (for gdb or /proc). `BENCH_WRAP` is prepended
 //! to the proxy's command line (`BENCH_WRAP='perf record -o F'`); a script there can run another
@@ -1445,6 +1446,36 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         let _ = p.wait();
     }
 
+    // A restart after a crash (with the full report, or `restart` in `BENCH_ONLY`): a round of
+    // 64-connection writes on the workloads' store, SIGKILL as it ends, and the open that replays
+    // the write-ahead log it left.
+    let crash_restart = if only.is_empty() || only.contains("restart") {
+        let (mut c, a, _) = start_oncegate(&og_dir, up);
+        let r = drive(a, Workload::Write, 64, dur, None).await;
+        let _ = c.kill();
+        let _ = c.wait();
+        let wal_bytes = dir_bytes(&og_dir.join("store").join("wal"));
+        let t = Instant::now();
+        let (mut c, _, _) = start_oncegate(&og_dir, up);
+        let ready = t.elapsed().as_secs_f64();
+        let opening_peak = proc::peak_rss_kib(&c.id().to_string());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let after = rss_kib(c.id());
+        let _ = c.kill();
+        let _ = c.wait();
+        let line = format!(
+            "a restart after SIGKILL at the end of {} unique writes at 64 connections (write-ahead log folder {:.0} MiB, its spare included): {ready:.2} s to ready, RSS peaked at {:.0} MiB while opening and was {:.0} MiB a second later",
+            r.requests,
+            wal_bytes as f64 / 1048576.0,
+            opening_peak as f64 / 1024.0,
+            after as f64 / 1024.0
+        );
+        println!("{line}");
+        Some(line)
+    } else {
+        None
+    };
+
     // Write throughput with many actions already stored.
     let mut preload_rows = Vec::new();
     for n in &preloads {
@@ -1658,6 +1689,9 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     }
     if let Some(p) = &paced_run {
         md.push_str(&format!("- a paced run of {}\n", p.describe()));
+    }
+    if let Some(line) = &crash_restart {
+        md.push_str(&format!("- {line}\n"));
     }
     if preload_rows.len() == 2 {
         md.push_str(&format!(

@@ -25,7 +25,10 @@ pub fn rss_kib(pid: &str) -> u64 {
 
 /// The most resident memory `pid` has had since it started (VmHWM, KiB): what a memory limit
 /// must leave room for, its startup included.
-#[allow(dead_code, reason = "the side-by-side bench reads it; the store bench does not")]
+#[allow(
+    dead_code,
+    reason = "the side-by-side bench reads it; the store bench does not"
+)]
 pub fn peak_rss_kib(pid: &str) -> u64 {
     status_kib(pid, "VmHWM:")
 }

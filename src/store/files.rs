@@ -2,7 +2,7 @@
 //! the write log ([`super::logfiles`]) are both folders of numbered, append-only files.
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, Read as _, Write as _};
+use std::io::{self, Write as _};
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::Path;
 
@@ -104,15 +104,6 @@ pub fn numbered(dir: &Path, ext: &str) -> Result<Vec<u64>, String> {
         Ok(out)
     };
     list().map_err(|e| format!("list {}: {e}", dir.display()))
-}
-
-/// A whole file.
-pub fn read(path: &Path) -> Result<Vec<u8>, String> {
-    let mut bytes = Vec::new();
-    File::open(path)
-        .and_then(|mut f| f.read_to_end(&mut bytes))
-        .map_err(|e| format!("read {}: {e}", path.display()))?;
-    Ok(bytes)
 }
 
 /// Cuts a file to its first `len` bytes, durably: the torn tail a crash left in the newest file.

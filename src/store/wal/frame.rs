@@ -1,5 +1,7 @@
 //! A write-ahead log frame's bytes: a batch's changes, its length and its checksum.
 
+use std::io::{self, Read};
+
 const PUT: u8 = 1;
 const DEL: u8 = 2;
 pub(super) const HEADER: usize = 8;
@@ -96,51 +98,107 @@ fn decode_payload(mut p: &[u8]) -> Option<Vec<Change>> {
     Some(out)
 }
 
-/// The frames of one file's bytes (of generation `generation`), how many bytes they take, and
-/// whether the rest is only the zeros the file was extended with (else the end is torn, corrupt,
-/// or what a recycled file held before).
+/// Reads one file's frames (of generation `generation`, `len` bytes long) one at a time from `r`,
+/// handing each batch's changes to `each`; returns how many frames there were, how many bytes
+/// they take, and whether the rest is only the zeros the file was extended with (else the end is
+/// torn, corrupt, or what a recycled file held before). Only one frame is in memory at a time:
+/// a log file grows to [`super::CHECKPOINT_BYTES`] and more, and reading it whole, its changes
+/// decoded beside it, made a recovery need about twice that much memory on top of the proxy's.
 ///
 /// The first frame decides how the file's checksums read: under its generation, or (a file
 /// written before recycling) over the payload alone; every later frame must check the same way,
 /// so a frame left over from a recycled file's earlier life ends the file's frames whichever
 /// way it was written.
-pub fn frames(bytes: &[u8], generation: u64) -> (Vec<Vec<Change>>, usize, bool) {
-    let mut out = Vec::new();
-    let mut p = bytes;
-    let mut good = 0;
+pub fn read_frames(
+    mut r: impl Read,
+    len: u64,
+    generation: u64,
+    mut each: impl FnMut(Vec<Change>) -> Result<(), String>,
+) -> Result<(usize, u64, bool), String> {
+    let io = |e: io::Error| format!("read a write-ahead log frame: {e}");
+    let (mut frames, mut good) = (0, 0u64);
     let mut checked: Option<Option<u64>> = None;
-    // A zero length never starts a frame (empty batches are not written): it is where the
-    // written part of a preallocated file ends.
-    while p.len() >= 4 && p[..4] != [0; 4] {
-        let frame = take_u32(&mut p)
-            .zip(take_u32(&mut p))
-            .and_then(|(len, crc)| {
-                let payload = take(&mut p, len)?;
-                let matches = |g: Option<u64>| checksum(g, payload) as usize == crc;
-                let way = match checked {
-                    Some(way) => matches(way).then_some(way)?,
-                    None => [Some(generation), None].into_iter().find(|g| matches(*g))?,
-                };
-                let changes = decode_payload(payload)?;
-                checked = Some(way);
-                Some((changes, HEADER + len))
-            });
-        match frame {
-            Some((changes, size)) => {
-                out.push(changes);
-                good += size;
-            }
-            None => break,
+    let mut header = [0u8; HEADER];
+    let mut payload = Vec::new();
+    // The bytes read past the last frame: they, and all after them, must be zeros.
+    let rest_clean = loop {
+        let got = read_full(&mut r, &mut header).map_err(io)?;
+        // A zero length never starts a frame (empty batches are not written): it is where the
+        // written part of a preallocated file ends.
+        if got < 4 || header[..4] == [0; 4] {
+            break all_zero(&header[..got]);
+        }
+        let n = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as u64;
+        let crc = u32::from_le_bytes([header[4], header[5], header[6], header[7]]) as usize;
+        // A length past the file's end is a torn or corrupt header, not a frame to read.
+        if got < HEADER || n > len.saturating_sub(good + HEADER as u64) {
+            break false;
+        }
+        payload.resize(n as usize, 0);
+        let got = read_full(&mut r, &mut payload).map_err(io)?;
+        if got < payload.len() {
+            break false;
+        }
+        let matches = |g: Option<u64>| checksum(g, &payload) as usize == crc;
+        let way = match checked {
+            Some(way) => matches(way).then_some(way),
+            None => [Some(generation), None].into_iter().find(|g| matches(*g)),
+        };
+        let Some(changes) = way.and_then(|_| decode_payload(&payload)) else {
+            break false;
+        };
+        checked = way;
+        each(changes)?;
+        frames += 1;
+        good += (HEADER + payload.len()) as u64;
+    };
+    let mut clean = rest_clean;
+    let mut buf = [0u8; 64 << 10];
+    while clean {
+        match r.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => clean = all_zero(&buf[..n]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io(e)),
         }
     }
-    let clean = bytes[good..].iter().all(|b| *b == 0);
-    (out, good, clean)
+    Ok((frames, good, clean))
+}
+
+fn all_zero(b: &[u8]) -> bool {
+    b.iter().all(|b| *b == 0)
+}
+
+/// Fills `buf` from `r` as far as it goes: the bytes read, short only at the end of `r`.
+fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::store::wal::tests::{frame, put};
+
+    /// The frames of `bytes`, collected: what the open hands on, and where they end.
+    fn frames(bytes: &[u8], generation: u64) -> (Vec<Vec<Change>>, usize, bool) {
+        let mut out = Vec::new();
+        let (n, good, clean) = read_frames(bytes, bytes.len() as u64, generation, |c| {
+            out.push(c);
+            Ok(())
+        })
+        .expect("reading bytes cannot fail");
+        assert_eq!(n, out.len());
+        (out, good as usize, clean)
+    }
 
     #[test]
     fn frames_round_trip() {
@@ -171,6 +229,11 @@ mod tests {
         let last = flipped.len() - 1;
         flipped[last] ^= 1;
         bytes.extend(flipped);
-        assert_eq!(frames(&bytes, 1), (vec![a], n, false));
+        assert_eq!(frames(&bytes, 1), (vec![a.clone()], n, false));
+        // A header whose length runs past the file's end (torn, or garbage) ends them too,
+        // without reading (or making room for) what it promises.
+        let mut huge = frame(&a);
+        huge.extend([0xff, 0xff, 0xff, 0xff, 1, 2, 3, 4, 5]);
+        assert_eq!(frames(&huge, 1), (vec![a], n, false));
     }
 }

@@ -21,7 +21,7 @@
 //! tells this file's frames from those left over from the spare's earlier life: they never
 //! check under the new generation, which is above every file's and spare's. Files written
 //! before recycling checksummed the payload alone; a file is read the way its first frame checks
-//! ([`frames`]).
+//! ([`read_frames`]).
 //!
 //! `frame.rs` is a frame's bytes, `spare.rs` the files let go and taken again; this file is the
 //! log of one store folder.
@@ -38,9 +38,33 @@ mod frame;
 mod spare;
 
 use frame::seal;
-pub use frame::{encode, frames, Change};
+pub use frame::{encode, read_frames, Change};
 use spare::recycle;
 pub use spare::recycle_through;
+
+/// One file's frames, read a frame at a time ([`read_frames`]).
+fn read_file(
+    path: &Path,
+    generation: u64,
+    each: impl FnMut(Vec<Change>) -> Result<(), String>,
+) -> Result<(usize, u64, bool), String> {
+    let read = || -> io::Result<(File, u64)> {
+        let f = File::open(path)?;
+        let len = f.metadata()?.len();
+        Ok((f, len))
+    };
+    let (f, len) = read().map_err(|e| format!("read {}: {e}", path.display()))?;
+    read_frames(
+        io::BufReader::with_capacity(READ_BUFFER, f),
+        len,
+        generation,
+        each,
+    )
+    .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// How much of a log file a replay reads at a time.
+const READ_BUFFER: usize = 256 << 10;
 
 /// The log starts a new file (after sled is flushed and fsynced) once it is this large.
 pub const CHECKPOINT_BYTES: u64 = 64 << 20;
@@ -100,24 +124,25 @@ impl Wal {
         let mut replayed = 0;
         for (i, g) in gens.iter().enumerate() {
             let path = dir.join(file_name(*g));
-            let bytes = files::read(&path)?;
-            let (fs, good, clean) = frames(&bytes, *g);
-            if good < bytes.len() {
-                if !clean && i + 1 < gens.len() {
-                    return Err(format!(
-                        "{} is corrupt after {} frames (only the newest file may end torn)",
-                        path.display(),
-                        fs.len()
-                    ));
-                }
-                // A write torn by a crash, never acknowledged (or zeros not yet written over):
-                // cut it off, so that this file ends cleanly once it is no longer the newest.
-                files::cut(&path, good as u64)?;
+            // Read twice, a frame at a time: first to find where its frames end, so that a
+            // corrupt older file stops the open before any of its frames is applied; then to
+            // apply them.
+            let (frames, good, clean) = read_file(&path, *g, |_| Ok(()))?;
+            if !clean && i + 1 < gens.len() {
+                return Err(format!(
+                    "{} is corrupt after {frames} frames (only the newest file may end torn)",
+                    path.display(),
+                ));
             }
-            for changes in fs {
-                apply(changes)?;
-                replayed += 1;
+            // A write torn by a crash, never acknowledged (or zeros not yet written over): cut
+            // it off, so that this file ends cleanly once it is no longer the newest.
+            let len = std::fs::metadata(&path)
+                .map_err(|e| format!("stat {}: {e}", path.display()))?
+                .len();
+            if good < len {
+                files::cut(&path, good)?;
             }
+            replayed += read_file(&path, *g, &mut apply)?.0;
         }
         // Above every file's generation, a spare's included: what a spare held must never check
         // under the generation it is taken for, and after a clean close a spare is all there is.
@@ -349,5 +374,34 @@ mod tests {
         let err = replay(&dir).err().expect("refused");
         assert!(err.contains("corrupt after 0 frames"), "{err}");
         assert!(err.contains(&file_name(1)), "{err}");
+    }
+
+    /// A file is read a frame at a time, but an older file's corruption is still found before
+    /// any of its frames is applied: the open hands on nothing of a file it then refuses.
+    #[test]
+    fn an_older_files_corruption_is_found_before_its_frames_are_applied() {
+        let tmp = tempfile::tempdir().expect("test step");
+        let dir = tmp.path().join("wal");
+        let (mut wal, _) = replay(&dir).expect("test step");
+        for v in ["1", "2", "3"] {
+            wal.append(&mut frame(&[put("k", v)])).expect("test step");
+        }
+        wal.start_next().expect("test step");
+        wal.append(&mut frame(&[put("k", "4")])).expect("test step");
+        drop(wal);
+        let first = dir.join(file_name(1));
+        let mut bytes = std::fs::read(&first).expect("test step");
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        std::fs::write(&first, bytes).expect("test step");
+        let mut applied = Vec::new();
+        let err = Wal::open(&dir, |c| {
+            applied.push(c);
+            Ok(())
+        })
+        .err()
+        .expect("refused");
+        assert!(err.contains("corrupt after 2 frames"), "{err}");
+        assert!(applied.is_empty(), "applied before refusing: {applied:?}");
     }
 }

@@ -64,7 +64,7 @@ fn spare_name(generation: u64) -> String {
 /// Its first frame's header is zeroed and made durable before the rename, so the file holds no
 /// frame of its new generation until one is appended: a crash right after the rename leaves an
 /// empty newest file, and leftovers past the new frames never check under the new generation
-/// ([`frames`]). Only this takes spares (on the writer's thread, or at open before the writer
+/// ([`super::read_frames`]). Only this takes spares (on the writer's thread, or at open before the writer
 /// starts) and nothing deletes them, so the one listed is there to open.
 pub(super) fn recycle(dir: &Path, generation: u64) -> Result<Option<(File, u64)>, String> {
     let mut largest = None;
