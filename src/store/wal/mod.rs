@@ -366,14 +366,18 @@ mod tests {
         assert_eq!(seen.len(), 1);
         drop(wal);
         // A bit flipped in an older file is corruption: refused, naming the file.
-        let first = dir.join(file_name(1));
-        let mut bytes = std::fs::read(&first).expect("test step");
-        let last = bytes.len() - 1;
-        bytes[last] ^= 1;
-        std::fs::write(&first, bytes).expect("test step");
+        flip_last_bit(&dir.join(file_name(1)));
         let err = replay(&dir).err().expect("refused");
         assert!(err.contains("corrupt after 0 frames"), "{err}");
         assert!(err.contains(&file_name(1)), "{err}");
+    }
+
+    /// Corrupts a log file's last frame.
+    fn flip_last_bit(path: &Path) {
+        let mut bytes = std::fs::read(path).expect("test step");
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        std::fs::write(path, bytes).expect("test step");
     }
 
     /// A file is read a frame at a time, but an older file's corruption is still found before
@@ -389,11 +393,7 @@ mod tests {
         wal.start_next().expect("test step");
         wal.append(&mut frame(&[put("k", "4")])).expect("test step");
         drop(wal);
-        let first = dir.join(file_name(1));
-        let mut bytes = std::fs::read(&first).expect("test step");
-        let last = bytes.len() - 1;
-        bytes[last] ^= 1;
-        std::fs::write(&first, bytes).expect("test step");
+        flip_last_bit(&dir.join(file_name(1)));
         let mut applied = Vec::new();
         let err = Wal::open(&dir, |c| {
             applied.push(c);
