@@ -65,33 +65,32 @@ const TAIL_BLOCK: u64 = 16 << 10;
 
 /// The end of a segment: the length of its whole lines (a torn last line, which a crash mid-append
 /// leaves, not counted), the file's length, and its last whole line without the newline (`None`
-/// when it has none). Read backwards from the end, `block` bytes at a time: opening the store
-/// read the whole newest segment (up to 64 MiB) to find its last line, and the proxy's memory at
-/// startup peaked that much higher (docs/decisions.md, "The write log's open reads its end").
-fn tail(path: &Path, block: u64) -> std::io::Result<(u64, u64, Option<Vec<u8>>)> {
+/// when it has none). Only the end is read, backwards from the file's end a block at a time
+/// (each twice the last), until it holds the last whole line: reading the whole newest segment
+/// (up to 64 MiB) to find that line made the proxy's memory at startup peak that much higher
+/// (docs/decisions.md, "The store's open holds a frame, not a file").
+fn tail(path: &Path, mut block: u64) -> std::io::Result<(u64, u64, Option<Vec<u8>>)> {
     let f = File::open(path)?;
     let len = f.metadata()?.len();
-    // The position of the last newline before `end`, reading back from it.
-    let newline_before = |mut end: u64| -> std::io::Result<Option<u64>> {
-        let mut buf = Vec::new();
-        while end > 0 {
-            let start = end.saturating_sub(block);
-            buf.resize((end - start) as usize, 0);
-            f.read_exact_at(&mut buf, start)?;
-            if let Some(i) = memchr::memrchr(b'\n', &buf) {
-                return Ok(Some(start + i as u64));
-            }
-            end = start;
+    // The file from `from` on.
+    let (mut from, mut end) = (len, Vec::new());
+    let whole = loop {
+        let start = from.saturating_sub(block);
+        let mut read = vec![0; (from - start) as usize];
+        f.read_exact_at(&mut read, start)?;
+        read.extend_from_slice(&end);
+        (from, end, block) = (start, read, block.saturating_mul(2));
+        let whole = memchr::memrchr(b'\n', &end).map_or(0, |i| i + 1);
+        // The last whole line is all here once a newline comes before its own, or the file's
+        // start does.
+        if from == 0 || (whole > 0 && memchr::memrchr(b'\n', &end[..whole - 1]).is_some()) {
+            break whole;
         }
-        Ok(None)
     };
-    let Some(last_newline) = newline_before(len)? else {
-        return Ok((0, len, None));
-    };
-    let start = newline_before(last_newline)?.map_or(0, |i| i + 1);
-    let mut line = vec![0; (last_newline - start) as usize];
-    f.read_exact_at(&mut line, start)?;
-    Ok((last_newline + 1, len, (!line.is_empty()).then_some(line)))
+    let line = Some(last_line(&end[..whole]))
+        .filter(|l| !l.is_empty())
+        .map(<[u8]>::to_vec);
+    Ok((from + whole as u64, len, line))
 }
 
 /// `seq` and `hash` of a stored line, read in place: the line ends in its hash (the chain appends

@@ -118,25 +118,24 @@ pub fn read_frames(
     let io = |e: io::Error| format!("read a write-ahead log frame: {e}");
     let (mut frames, mut good) = (0, 0u64);
     let mut checked: Option<Option<u64>> = None;
-    let mut header = [0u8; HEADER];
-    let mut payload = Vec::new();
+    let (mut header, mut payload) = (Vec::with_capacity(HEADER), Vec::new());
     // The bytes read past the last frame: they, and all after them, must be zeros.
     let rest_clean = loop {
-        let got = read_full(&mut r, &mut header).map_err(io)?;
+        read_up_to(&mut r, HEADER, &mut header).map_err(io)?;
         // A zero length never starts a frame (empty batches are not written): it is where the
         // written part of a preallocated file ends.
-        if got < 4 || header[..4] == [0; 4] {
-            break all_zero(&header[..got]);
+        if header.len() < 4 || header[..4] == [0; 4] {
+            break all_zero(&header);
         }
-        let n = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as u64;
-        let crc = u32::from_le_bytes([header[4], header[5], header[6], header[7]]) as usize;
+        let word = |at: usize| {
+            u32::from_le_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]])
+        };
         // A length past the file's end is a torn or corrupt header, not a frame to read.
-        if got < HEADER || n > len.saturating_sub(good + HEADER as u64) {
+        if header.len() < HEADER || u64::from(word(0)) > len.saturating_sub(good + HEADER as u64) {
             break false;
         }
-        payload.resize(n as usize, 0);
-        let got = read_full(&mut r, &mut payload).map_err(io)?;
-        if got < payload.len() {
+        let (n, crc) = (word(0) as usize, word(4) as usize);
+        if read_up_to(&mut r, n, &mut payload).map_err(io)? < n {
             break false;
         }
         let matches = |g: Option<u64>| checksum(g, &payload) as usize == crc;
@@ -150,17 +149,12 @@ pub fn read_frames(
         checked = way;
         each(changes)?;
         frames += 1;
-        good += (HEADER + payload.len()) as u64;
+        good += (HEADER + n) as u64;
     };
     let mut clean = rest_clean;
-    let mut buf = [0u8; 64 << 10];
-    while clean {
-        match r.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => clean = all_zero(&buf[..n]),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(io(e)),
-        }
+    let mut rest = Vec::new();
+    while clean && read_up_to(&mut r, 64 << 10, &mut rest).map_err(io)? > 0 {
+        clean = all_zero(&rest);
     }
     Ok((frames, good, clean))
 }
@@ -169,18 +163,10 @@ fn all_zero(b: &[u8]) -> bool {
     b.iter().all(|b| *b == 0)
 }
 
-/// Fills `buf` from `r` as far as it goes: the bytes read, short only at the end of `r`.
-fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
-    let mut got = 0;
-    while got < buf.len() {
-        match r.read(&mut buf[got..]) {
-            Ok(0) => break,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(got)
+/// The next `n` bytes of `r` into `buf` (replacing what it held), fewer only at the end of `r`.
+fn read_up_to(r: &mut impl Read, n: usize, buf: &mut Vec<u8>) -> io::Result<usize> {
+    buf.clear();
+    r.take(n as u64).read_to_end(buf)
 }
 
 #[cfg(test)]

@@ -42,25 +42,19 @@ pub use frame::{encode, read_frames, Change};
 use spare::recycle;
 pub use spare::recycle_through;
 
-/// One file's frames, read a frame at a time ([`read_frames`]).
+/// One file's frames, read a frame at a time ([`read_frames`]): how many, the bytes they take,
+/// whether the rest is only zeros, and the file's length.
 fn read_file(
     path: &Path,
     generation: u64,
     each: impl FnMut(Vec<Change>) -> Result<(), String>,
-) -> Result<(usize, u64, bool), String> {
-    let read = || -> io::Result<(File, u64)> {
-        let f = File::open(path)?;
-        let len = f.metadata()?.len();
-        Ok((f, len))
-    };
-    let (f, len) = read().map_err(|e| format!("read {}: {e}", path.display()))?;
-    read_frames(
-        io::BufReader::with_capacity(READ_BUFFER, f),
-        len,
-        generation,
-        each,
-    )
-    .map_err(|e| format!("{}: {e}", path.display()))
+) -> Result<(usize, u64, bool, u64), String> {
+    let at = |e: String| format!("{}: {e}", path.display());
+    let f = File::open(path).map_err(|e| at(e.to_string()))?;
+    let len = f.metadata().map_err(|e| at(e.to_string()))?.len();
+    let reader = io::BufReader::with_capacity(READ_BUFFER, f);
+    let (frames, good, clean) = read_frames(reader, len, generation, each).map_err(at)?;
+    Ok((frames, good, clean, len))
 }
 
 /// How much of a log file a replay reads at a time.
@@ -124,25 +118,26 @@ impl Wal {
         let mut replayed = 0;
         for (i, g) in gens.iter().enumerate() {
             let path = dir.join(file_name(*g));
-            // Read twice, a frame at a time: first to find where its frames end, so that a
-            // corrupt older file stops the open before any of its frames is applied; then to
-            // apply them.
-            let (frames, good, clean) = read_file(&path, *g, |_| Ok(()))?;
-            if !clean && i + 1 < gens.len() {
-                return Err(format!(
-                    "{} is corrupt after {frames} frames (only the newest file may end torn)",
-                    path.display(),
-                ));
+            let newest = i + 1 == gens.len();
+            // An older file must end cleanly, or the open stops before any of its frames is
+            // applied: it is read through once to check that, then again to apply them. The
+            // newest may end torn, so it is applied as it is read. A frame at a time either way.
+            if !newest {
+                let (frames, _, clean, _) = read_file(&path, *g, |_| Ok(()))?;
+                if !clean {
+                    return Err(format!(
+                        "{} is corrupt after {frames} frames (only the newest file may end torn)",
+                        path.display(),
+                    ));
+                }
             }
+            let (frames, good, _, len) = read_file(&path, *g, &mut apply)?;
+            replayed += frames;
             // A write torn by a crash, never acknowledged (or zeros not yet written over): cut
             // it off, so that this file ends cleanly once it is no longer the newest.
-            let len = std::fs::metadata(&path)
-                .map_err(|e| format!("stat {}: {e}", path.display()))?
-                .len();
             if good < len {
                 files::cut(&path, good)?;
             }
-            replayed += read_file(&path, *g, &mut apply)?.0;
         }
         // Above every file's generation, a spare's included: what a spare held must never check
         // under the generation it is taken for, and after a clean close a spare is all there is.
