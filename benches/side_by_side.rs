@@ -463,6 +463,38 @@ protocol = "mcp"
     (child, proxy.unwrap(), admin.unwrap())
 }
 
+/// What a start of oncegate cost: seconds to ready, the most it held while opening its store
+/// (VmHWM once ready: what a memory limit must leave room for), and its RSS a second later.
+#[derive(Clone, Copy)]
+struct Opened {
+    ready: f64,
+    peak_kib: u64,
+    after_kib: u64,
+}
+
+/// [`start_oncegate`], measured ([`Opened`]); returns a second after it is ready.
+async fn start_measured(
+    dir: &Path,
+    upstream: SocketAddr,
+) -> (std::process::Child, SocketAddr, SocketAddr, Opened) {
+    let t = Instant::now();
+    let (c, a, admin) = start_oncegate(dir, upstream);
+    let ready = t.elapsed().as_secs_f64();
+    let peak_kib = proc::peak_rss_kib(&c.id().to_string());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let after_kib = rss_kib(c.id());
+    (
+        c,
+        a,
+        admin,
+        Opened {
+            ready,
+            peak_kib,
+            after_kib,
+        },
+    )
+}
+
 // ---------------------------------------------------------------- load
 
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -1217,9 +1249,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     let og_dir = tmp.path().join("og");
     std::fs::create_dir_all(&og_dir).unwrap();
     let warmed = warm(&og_dir.join("store")).await;
-    let (mut og, og_addr, og_admin) = start_oncegate(&og_dir, up);
-    // The most it held while opening the warmed store, before any request.
-    let opened_peak_kib = proc::peak_rss_kib(&og.id().to_string());
+    let (mut og, og_addr, og_admin, og_opened) = start_measured(&og_dir, up).await;
     let plain = |name, addr, pid| Target {
         name,
         addr,
@@ -1455,20 +1485,16 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         let _ = c.kill();
         let _ = c.wait();
         let wal_bytes = dir_bytes(&og_dir.join("store").join("wal"));
-        let t = Instant::now();
-        let (mut c, _, _) = start_oncegate(&og_dir, up);
-        let ready = t.elapsed().as_secs_f64();
-        let opening_peak = proc::peak_rss_kib(&c.id().to_string());
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        let after = rss_kib(c.id());
+        let (mut c, _, _, o) = start_measured(&og_dir, up).await;
         let _ = c.kill();
         let _ = c.wait();
         let line = format!(
-            "a restart after SIGKILL at the end of {} unique writes at 64 connections (write-ahead log folder {:.0} MiB, its spare included): {ready:.2} s to ready, RSS peaked at {:.0} MiB while opening and was {:.0} MiB a second later",
+            "a restart after SIGKILL at the end of {} unique writes at 64 connections (write-ahead log folder {:.0} MiB, its spare included): {:.2} s to ready, RSS peaked at {:.0} MiB while opening and was {:.0} MiB a second later",
             r.requests,
             wal_bytes as f64 / 1048576.0,
-            opening_peak as f64 / 1024.0,
-            after as f64 / 1024.0
+            o.ready,
+            o.peak_kib as f64 / 1024.0,
+            o.after_kib as f64 / 1024.0
         );
         println!("{line}");
         Some(line)
@@ -1491,12 +1517,8 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         std::fs::remove_file(d.join("store").join("ids.filter")).unwrap();
         let mut opens = Vec::new();
         let (mut c, a) = loop {
-            let t = Instant::now();
-            let (mut c, a, _) = start_oncegate(&d, up);
-            let ready = t.elapsed().as_secs_f64();
-            let opening_peak = proc::peak_rss_kib(&c.id().to_string());
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            opens.push((rss_kib(c.id()), opening_peak, ready));
+            let (mut c, a, _, opened) = start_measured(&d, up).await;
+            opens.push(opened);
             if opens.len() == 2 {
                 break (c, a);
             }
@@ -1571,7 +1593,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             .map(|b| format!("{:.0}", *b as f64 / (1 << 20) as f64))
             .collect::<Vec<_>>()
             .join(" and "),
-        opened_peak_kib as f64 / 1024.0
+        og_opened.peak_kib as f64 / 1024.0
     ));
     md.push_str("| workload | target | req/s | p50 | p99 | p99.9 | errors | peak RSS (MiB) | proxy CPU per request (µs) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
     for (spec, per) in &results {
@@ -1674,16 +1696,19 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         actions
     ));
     for (n, r, load, bytes, opens) in &preload_rows {
-        let ((scanned, scan_peak, scan_s), (loaded, load_peak, load_s)) = (opens[0], opens[1]);
+        let (scanned, loaded) = (opens[0], opens[1]);
+        let mib = |kib: u64| kib as f64 / 1024.0;
         md.push_str(&format!(
-            "- unique writes at 64 connections with {n} actions already stored: {:.0} req/s (p99 {:.0} µs, peak RSS {:.0} MiB); a second after a restart on them, RSS {:.0} MiB (peak while opening {:.0}) and {load_s:.2} s to ready when the open loads the filter of held ids a clean stop saved, {:.0} MiB (peak {:.0}) and {scan_s:.2} s when it reads every pointer instead (after a crash, or once the store holds about 2.7 times the ids the last such reading found); preload took {load:.1} s; store {:.0} MiB\n",
+            "- unique writes at 64 connections with {n} actions already stored: {:.0} req/s (p99 {:.0} µs, peak RSS {:.0} MiB); a second after a restart on them, RSS {:.0} MiB (peak while opening {:.0}) and {:.2} s to ready when the open loads the filter of held ids a clean stop saved, {:.0} MiB (peak {:.0}) and {:.2} s when it reads every pointer instead (after a crash, or once the store holds about 2.7 times the ids the last such reading found); preload took {load:.1} s; store {:.0} MiB\n",
             r.rps(),
             r.q(0.99),
             r.peak_rss_kib as f64 / 1024.0,
-            loaded as f64 / 1024.0,
-            load_peak as f64 / 1024.0,
-            scanned as f64 / 1024.0,
-            scan_peak as f64 / 1024.0,
+            mib(loaded.after_kib),
+            mib(loaded.peak_kib),
+            loaded.ready,
+            mib(scanned.after_kib),
+            mib(scanned.peak_kib),
+            scanned.ready,
             *bytes as f64 / 1048576.0
         ));
     }
