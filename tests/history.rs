@@ -186,3 +186,110 @@ async fn a_store_folder_removed_while_running_refuses_writes_and_is_not_ready() 
     // Reads do not need the store.
     assert_eq!(c.get(&proxy.url("/pay/v1/charges")).await.status, 201);
 }
+
+/// A SIGKILL leaves the filter of held ids the last checkpoint saved (the writer's filter as it
+/// started a new write-ahead log file), and the start after it loads that filter with the ids of
+/// the frames it replays, instead of reading every pointer in the database. One saved before
+/// write-log entries whose frames are gone (checkpointed since) is never loaded: the ids of their
+/// claims may be missing from it, and a retry of one would be sent as new. Either way every retry
+/// replays: the upstream sees each charge once.
+#[tokio::test]
+async fn after_a_sigkill_the_filter_a_checkpoint_saved_is_loaded_and_never_one_the_log_outran() {
+    let up = FakeUpstream::start().await;
+    up.set_default(Behavior::json(201, r#"{"id":"ch"}"#));
+    let tmp = tempfile::tempdir().unwrap();
+    let conf = child_config(tmp.path(), &up.url(), "");
+    // Small log files: a checkpoint every few dozen writes.
+    let text = std::fs::read_to_string(&conf).unwrap();
+    let text = text.replacen("[store]\n", "[store]\nwal_size = \"64KiB\"\n", 1);
+    std::fs::write(&conf, text).unwrap();
+    let store = tmp.path().join("store");
+    let filter = store.join("ids.filter");
+    let c = TestClient::default();
+    let charge = |proxy: &ChildProxy, key: String| {
+        let (url, c) = (proxy.url("/pay/v1/charges"), c.clone());
+        async move { c.post(&url, &[(KEY, &key)], "amount=5").await }
+    };
+    let wal_files = || {
+        std::fs::read_dir(store.join("wal"))
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().path().extension().unwrap() == "wal")
+            .count()
+    };
+    // Charges `keys`, then waits until the checkpoints have let go of every log file but the
+    // current one (saving the filter as the last of them ended).
+    let write = |proxy: &ChildProxy, keys: Vec<String>| {
+        let proxy_url = proxy.url("/pay/v1/charges");
+        let c = c.clone();
+        async move {
+            for key in keys {
+                let r = c.post(&proxy_url, &[(KEY, &key)], "amount=5").await;
+                assert_eq!(r.status, 201, "{key}: {r:?}");
+            }
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while wal_files() > 1 && std::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert_eq!(wal_files(), 1, "the checkpoints caught up");
+        }
+    };
+    let named = |p: &str, n: usize| (0..n).map(|i| format!("{p}{i}")).collect::<Vec<_>>();
+    let replays = |proxy: &ChildProxy, keys: Vec<String>| {
+        let fut = keys
+            .into_iter()
+            .map(|k| charge(proxy, k))
+            .collect::<Vec<_>>();
+        async move {
+            for f in fut {
+                let r = f.await;
+                assert_eq!(r.header("oncegate-outcome"), Some("replayed"), "{r:?}");
+            }
+        }
+    };
+    let read_from_sled = "read the action ids from sled";
+
+    let proxy = ChildProxy::spawn(&conf);
+    write(&proxy, named("a", 150)).await;
+    assert!(filter.exists(), "a checkpoint saved the filter");
+    // More charges after the last checkpoint, in the log file it left: then SIGKILL.
+    for key in named("b", 10) {
+        assert_eq!(charge(&proxy, key).await.status, 201);
+    }
+    proxy.kill();
+    let proxy = ChildProxy::spawn(&conf);
+    let log = proxy.stderr.lock().unwrap().clone();
+    assert!(
+        log.contains("loaded the saved filter of held ids") && !log.contains(read_from_sled),
+        "the checkpoint's filter is loaded with the frames replayed: {log}"
+    );
+    replays(&proxy, [named("a", 150), named("b", 10)].concat()).await;
+    assert_eq!(up.count(), 160);
+
+    // The filter as this start left it, then charges whose log files the checkpoints let go,
+    // and SIGKILL: put back, that filter lacks them.
+    let stale = tmp.path().join("stale.filter");
+    std::fs::copy(&filter, &stale).unwrap();
+    write(&proxy, named("c", 150)).await;
+    proxy.kill();
+    std::fs::copy(&stale, &filter).unwrap();
+    let proxy = ChildProxy::spawn(&conf);
+    replays(
+        &proxy,
+        [named("a", 150), named("b", 10), named("c", 150)].concat(),
+    )
+    .await;
+    assert_eq!(up.count(), 310, "no charge sent twice");
+    let log = proxy.stderr.lock().unwrap().clone();
+    assert!(
+        log.contains("does not hold every id") && log.contains(read_from_sled),
+        "a filter from before entries no frame replayed holds is not loaded: {log}"
+    );
+    // That start saved the filter it read: the next start after a SIGKILL loads it.
+    proxy.kill();
+    let proxy = ChildProxy::spawn(&conf);
+    let log = proxy.stderr.lock().unwrap().clone();
+    assert!(!log.contains(read_from_sled), "{log}");
+    replays(&proxy, named("c", 150)).await;
+    assert_eq!(up.count(), 310);
+    assert!(proxy.terminate().success());
+}

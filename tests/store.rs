@@ -1399,9 +1399,9 @@ async fn sled_appends_a_drains_log_entries_in_one_write() {
 
 /// A clean close leaves the filter of the ids the store holds in its folder, and the next open
 /// loads it instead of reading every pointer in sled (which holds a page of sled's for every
-/// leaf it reads), removing the file first. A filter that is not of the store as it is now (one
-/// saved before later writes and put back, one damaged) is never loaded: it would say "certainly
-/// not held" of actions the store holds, and a retry of one would be sent as new.
+/// leaf it reads). A filter that is not of the store as it is now (one saved before later writes
+/// and put back, one damaged) is never loaded: it would say "certainly not held" of actions the
+/// store holds, and a retry of one would be sent as new.
 #[tokio::test]
 async fn sled_loads_the_ids_filter_its_clean_close_saved_and_never_a_stale_one() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1442,7 +1442,11 @@ async fn sled_loads_the_ids_filter_its_clean_close_saved_and_never_a_stale_one()
 
     let s = open(&dir);
     assert!(s.ids_loaded(), "the filter the close saved is loaded");
-    assert!(!file.exists(), "and removed as the store opens");
+    assert_eq!(
+        std::fs::read(&file).unwrap(),
+        std::fs::read(&stale).unwrap(),
+        "and left as it is: still true of the store until it changes"
+    );
     let s: S = Arc::new(s);
     held(s.clone(), named("first")).await;
     let s = open(&dir);

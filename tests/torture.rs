@@ -235,6 +235,9 @@ struct Report {
     stops: usize,
     /// Starts after a clean stop that read the ids from sled instead of loading them.
     stop_rescans: usize,
+    /// Starts after a kill that read the ids from sled instead of loading the filter the last
+    /// checkpoint (or start) saved.
+    kill_rescans: usize,
     writes: usize,
     completed: usize,
     unknown: usize,
@@ -547,14 +550,16 @@ async fn harness(opts: Options) -> Report {
             report.kills += 1;
         }
         let child = spawn(cfg.clone(), envs.clone()).await;
-        if stopped
-            && child
-                .stderr
-                .lock()
-                .unwrap()
-                .contains("read the action ids from sled")
+        if child
+            .stderr
+            .lock()
+            .unwrap()
+            .contains("read the action ids from sled")
         {
-            report.stop_rescans += 1;
+            match stopped {
+                true => report.stop_rescans += 1,
+                false => report.kill_rescans += 1,
+            }
         }
         report.log_checks += 1;
         if !verify_log(&child).await {
@@ -673,10 +678,12 @@ async fn harness(opts: Options) -> Report {
         .extend(book.violations.lock().unwrap().drain(..));
     report.seconds = started.elapsed().as_secs_f64();
     println!(
-        "torture: kills={} stops={} writes={} completed={} unknown={} exhausted={} upstream_executions={} \
+        "torture: kills={} stops={} rescans={}/{} writes={} completed={} unknown={} exhausted={} upstream_executions={} \
          duplicates={} lost_completed={} resends={} log_verified={}/{} violations={} duration={:.1}s",
         report.kills,
         report.stops,
+        report.stop_rescans,
+        report.kill_rescans,
         report.writes,
         report.completed,
         report.unknown,
@@ -728,6 +735,13 @@ async fn sigkills_under_load_never_duplicate_lose_or_resend_a_write() {
     assert_eq!(
         report.stop_rescans, 0,
         "a start after a clean stop did not load the ids it saved: {report:?}"
+    );
+    // Only the first start after a kill may find no saved filter (the store was new, and
+    // killed before its first checkpoint); every later one loads the filter a checkpoint or
+    // the start before saved, with the frames it replays.
+    assert!(
+        report.kill_rescans <= 1,
+        "starts after a kill read the ids from sled: {report:?}"
     );
     assert!(report.completed > 0 && report.unknown > 0, "{report:?}");
     assert_eq!(report.duplicates, 0, "{report:?}");

@@ -2,7 +2,7 @@
 //! the write log ([`super::logfiles`]) are both folders of numbered, append-only files.
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, Write as _};
+use std::io;
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::Path;
 
@@ -58,8 +58,19 @@ pub fn restrict(dir: &Path) -> io::Result<()> {
 /// Writes `bytes` to `path` whole or not at all, across a crash too: into `tmp` (readable by its
 /// owner only, in the same folder), fsynced, renamed over `path`, then the folder fsynced.
 pub fn write_whole(tmp: &Path, path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let mut f = create_private(tmp)?;
-    f.write_all(bytes)?;
+    write_whole_with(tmp, path, |f| f.write_all(bytes))
+}
+
+/// [`write_whole`] of what `write` writes, through a buffer: a file too large to be made in
+/// memory first.
+pub fn write_whole_with(
+    tmp: &Path,
+    path: &Path,
+    write: impl FnOnce(&mut dyn io::Write) -> io::Result<()>,
+) -> io::Result<()> {
+    let mut out = io::BufWriter::with_capacity(64 << 10, create_private(tmp)?);
+    write(&mut out)?;
+    let f = out.into_inner().map_err(io::IntoInnerError::into_error)?;
     f.sync_all()?;
     std::fs::rename(tmp, path)?;
     match path.parent() {

@@ -55,24 +55,47 @@ fn release_sealed_buffers() {
 }
 
 /// The checkpoint thread's queue and handle.
-pub(super) type Checkpointer = (mpsc::Sender<(u64, u64)>, std::thread::JoinHandle<()>);
+pub(super) type Checkpointer = (mpsc::Sender<Rotated>, std::thread::JoinHandle<()>);
+
+/// A log file the writer is done with, as it started the next.
+pub(super) struct Rotated {
+    /// The file's generation, and the last batch in it.
+    pub(super) generation: u64,
+    pub(super) seq: u64,
+    /// The filter of held ids as the writer left it then, and the write log's head and the
+    /// counts by state it is bound to.
+    pub(super) ids: ids::Snapshot,
+    pub(super) head: (u64, String),
+    pub(super) counts: Counts,
+}
 
 /// Lets log files go once sled holds their frames durably: waits until the drainer has applied
-/// the file's last batch, then flushes and fsyncs sled (the checkpoint) and deletes the files,
-/// keeping the newest as the spare a later file starts in ([`wal::recycle_through`]).
+/// the file's last batch, then flushes and fsyncs sled (the checkpoint), saves the filter of
+/// held ids as the writer left it at the file's end (an open after a crash then loads it and
+/// adds the ids of the frames it replays, instead of reading every pointer in sled: `ids.rs`),
+/// and deletes the files, keeping the newest as the spare a later file starts in
+/// ([`wal::recycle_through`]). A filter that cannot be saved costs the next open after a crash
+/// its time, never an id: the file left from before no longer holds every id once these files
+/// go, and that open reads the ids from sled.
 pub(super) fn checkpoint_loop(
     db: &sled::Db,
     dir: &Path,
     shared: &Shared,
-    rx: mpsc::Receiver<(u64, u64)>,
+    rx: mpsc::Receiver<Rotated>,
 ) -> Result<(), String> {
     let log = File::open(dir.join("db")).map_err(|e| format!("open sled log file: {e}"))?;
     let mut blobs = HashSet::default();
-    while let Ok((seq, generation)) = rx.recv() {
-        shared.wait_applied(seq)?;
+    while let Ok(r) = rx.recv() {
+        shared.wait_applied(r.seq)?;
         sled_durable(db, dir, &mut blobs, &log)?;
         shared.logfiles().map_err(|e| e.to_string())?.sync()?;
-        wal::recycle_through(&dir.join("wal"), generation)?;
+        if !r.ids.is_empty() {
+            let saved = ids::Binding::of(db, r.head, r.counts).and_then(|b| r.ids.save(dir, &b));
+            if let Err(e) = saved {
+                tracing::warn!(error = %e, "store: could not save the filter of action ids; a start after a crash reads them from sled");
+            }
+        }
+        wal::recycle_through(&dir.join("wal"), r.generation)?;
     }
     Ok(())
 }

@@ -172,7 +172,13 @@ impl SledStore {
             LogFiles::open(&dir.join("log"), segment_bytes)
                 .map_err(|e| fail("open the write log", &e))?,
         );
+        // The filter of held ids a checkpoint or a clean close saved, which the replayed frames
+        // complete (`ids.rs`).
+        let mut saved_ids = ids::Saved::read(dir);
         let (wal, replayed) = Wal::open(&dir.join("wal"), |changes| {
+            if let Some(s) = saved_ids.as_mut() {
+                s.replayed(&changes);
+            }
             apply_changes(&db, &logfiles, changes.iter().map(Change::as_pair))
         })
         .map_err(|e| fail("replay the write-ahead log", &e))?;
@@ -192,6 +198,22 @@ impl SledStore {
             StoreError::Unavailable(format!("cannot open the store at {}: {e}", dir.display()))
         })?;
         migrate_indexes(&db).map_err(|e| fail("build the expiry index", &e))?;
+        let head = log_head(&logfiles).map_err(|e| fail("read write log", &e))?;
+        let (counts, kept) = open_counts(&db);
+        // Every pointer sled holds, now that the log is replayed and older layouts moved: the
+        // saved filter with the replayed frames' ids when it provably holds them all, or read
+        // from sled. Saved (bound to this head) before the replayed log files go, unless the
+        // file already is.
+        let stored = counts.iter().sum::<u64>() as usize;
+        let binding = ids::Binding::of(&db, head.clone(), counts)
+            .map_err(|e| fail("read the action ids", &e))?;
+        let ids::Opened { ids, loaded, saved } = ids::at_open(&db, saved_ids, &binding, stored)
+            .map_err(|e| fail("read the action ids", &e))?;
+        if !saved && !ids.is_empty() {
+            if let Err(e) = ids.save(dir, &binding) {
+                tracing::warn!(error = %e, "store: could not save the filter of action ids; a start after a crash reads them from sled");
+            }
+        }
         let mut blobs = HashSet::default();
         sled_durable(&db, dir, &mut blobs, &log)
             .and_then(|()| logfiles.sync())
@@ -200,20 +222,12 @@ impl SledStore {
         if replayed > 0 {
             tracing::info!(frames = replayed, "store: replayed the write-ahead log");
         }
-        let head = log_head(&logfiles).map_err(|e| fail("read write log", &e))?;
         let (tx, rx) = mpsc::channel();
         let flushes = Arc::new(AtomicU64::new(0));
         let notes = Arc::new(Mutex::new(Vec::new()));
         let cache = Arc::new(Mutex::new(Cache::default()));
         let placing = Arc::new(Mutex::new(HashMap::default()));
-        let (counts, kept) = open_counts(&db);
-        // Every pointer sled holds, now that the log is replayed and older layouts moved: as
-        // the last clean close saved them, or read from sled.
-        let stored = counts.iter().sum::<u64>() as usize;
-        let (ids, ids_loaded) = ids::Binding::of(&db, head.clone(), counts)
-            .and_then(|binding| ids::at_open(&db, dir, &binding, stored))
-            .map_err(|e| fail("read the action ids", &e))?;
-        let shared = Arc::new(Shared::new(logfiles, counts, head.clone(), ids_loaded));
+        let shared = Arc::new(Shared::new(logfiles, counts, head.clone(), loaded));
         let reader_view = shared.clone();
         let (drain_tx, drain_rx) = mpsc::channel::<(Arc<Changes>, u64)>();
         let drainer = {

@@ -109,20 +109,19 @@ impl Writer {
                 drop(tx);
                 let _ = handle.join();
             }
-            match self.checkpoint() {
-                Ok(()) => self.save_ids(),
-                Err(e) => tracing::error!(error = %e, "store checkpoint at close failed"),
+            if let Err(e) = self.checkpoint() {
+                tracing::error!(error = %e, "store checkpoint at close failed");
             }
         }
     }
 
     /// Leaves the filter of held ids for the next open, bound to the store as this close leaves
-    /// it (everything in sled, the write-ahead log empty). Without it, the next open reads
-    /// every pointer in sled, as after a crash.
+    /// it (everything in sled): saved before the log files go, which the filter saved at the
+    /// last checkpoint needs for the frames after it. Without it, the next open reads every
+    /// pointer in sled.
     fn save_ids(&self) {
-        if self.shared.check().is_err() || self.ids.is_empty() {
-            // A store that stopped taking changes replays its write-ahead log at the next open;
-            // a store that never held an action has nothing to read at the next open.
+        if self.ids.is_empty() {
+            // A store that never held an action has nothing to read at the next open.
             return;
         }
         let saved = ids::Binding::of(&self.db, self.head.clone(), self.counts)
@@ -262,9 +261,15 @@ impl Writer {
             // A new log file at once; the old one goes once sled holds its frames durably,
             // which the checkpointer thread sees to without holding up writes.
             match self.wal.start_next() {
-                Ok(old) => {
+                Ok(generation) => {
                     if let Some((tx, _)) = &self.checkpointer {
-                        let _ = tx.send((self.seq, old));
+                        let _ = tx.send(Rotated {
+                            generation,
+                            seq: self.seq,
+                            ids: self.ids.snapshot(),
+                            head: self.head.clone(),
+                            counts: self.counts,
+                        });
                     }
                 }
                 Err(e) => self
@@ -315,6 +320,7 @@ impl Writer {
         self.settle_down()?;
         sled_durable(&self.db, &self.dir, &mut self.blobs, &self.log)?;
         self.shared.logfiles().map_err(|e| e.to_string())?.sync()?;
+        self.save_ids();
         self.wal.retire()
     }
 
