@@ -1511,9 +1511,9 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         preload(&d.join("store"), *n).await;
         let load_secs = t.elapsed().as_secs_f64();
         // Memory and time to ready right after a restart on this many actions, before any
-        // request: first an open that reads every pointer (as after a crash: the filter of held
-        // ids the preload's close saved is removed), then, after a clean stop, one that loads
-        // the filter that stop saved.
+        // request: first an open that reads every pointer (the filter of held ids the
+        // preload's close saved is removed, as for a store without one), then, after a clean
+        // stop, one that loads the filter that stop saved.
         std::fs::remove_file(d.join("store").join("ids.filter")).unwrap();
         let mut opens = Vec::new();
         let (mut c, a) = loop {
@@ -1528,6 +1528,12 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         for _ in 0..rounds {
             r.merge(drive(a, Workload::Write, 64, dur, Some(c.id())).await);
         }
+        let _ = c.kill();
+        let _ = c.wait();
+        // And after that SIGKILL: the open replays the write-ahead log the writes left, with
+        // the filter the last checkpoint saved.
+        let (mut c, _, _, opened) = start_measured(&d, up).await;
+        opens.push(opened);
         let _ = c.kill();
         let _ = c.wait();
         println!(
@@ -1696,16 +1702,19 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         actions
     ));
     for (n, r, load, bytes, opens) in &preload_rows {
-        let (scanned, loaded) = (opens[0], opens[1]);
+        let (scanned, loaded, crashed) = (opens[0], opens[1], opens[2]);
         let mib = |kib: u64| kib as f64 / 1024.0;
         md.push_str(&format!(
-            "- unique writes at 64 connections with {n} actions already stored: {:.0} req/s (p99 {:.0} µs, peak RSS {:.0} MiB); a second after a restart on them, RSS {:.0} MiB (peak while opening {:.0}) and {:.2} s to ready when the open loads the filter of held ids a clean stop saved, {:.0} MiB (peak {:.0}) and {:.2} s when it reads every pointer instead (after a crash, or once the store holds about 2.7 times the ids the last such reading found); preload took {load:.1} s; store {:.0} MiB\n",
+            "- unique writes at 64 connections with {n} actions already stored: {:.0} req/s (p99 {:.0} µs, peak RSS {:.0} MiB); a second after a restart on them, RSS {:.0} MiB (peak while opening {:.0}) and {:.2} s to ready when the open loads the filter of held ids a clean stop saved; {:.0} MiB (peak {:.0}) and {:.2} s after a SIGKILL at the end of those writes, loading the filter the last checkpoint saved and replaying the write-ahead log; {:.0} MiB (peak {:.0}) and {:.2} s when it reads every pointer instead (no saved filter, or once the store holds about 2.7 times the ids the last such reading found); preload took {load:.1} s; store {:.0} MiB\n",
             r.rps(),
             r.q(0.99),
             r.peak_rss_kib as f64 / 1024.0,
             mib(loaded.after_kib),
             mib(loaded.peak_kib),
             loaded.ready,
+            mib(crashed.after_kib),
+            mib(crashed.peak_kib),
+            crashed.ready,
             mib(scanned.after_kib),
             mib(scanned.peak_kib),
             scanned.ready,
