@@ -13,14 +13,14 @@
 //! entry at all.
 
 use std::hash::BuildHasher;
-use std::io::{self, Write as _};
+use std::io::{self, Read as _, Write as _};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use foldhash::quality::FixedState;
 use sha2::{Digest, Sha256};
 
-use super::{Ids, Snapshot, Words, LOAD_BITS_PER_ID, MIN_BITS};
+use super::{Ids, Snapshot, LOAD_BITS_PER_ID, MIN_BITS};
 use crate::store::files;
 use crate::store::sled::codec::log_seq;
 use crate::store::sled::Counts;
@@ -99,15 +99,15 @@ impl Saved {
     pub(in crate::store::sled) fn read(dir: &Path) -> Option<Saved> {
         let _ = std::fs::remove_file(dir.join(format!("{FILE}.tmp")));
         let path = dir.join(FILE);
-        let bytes = match std::fs::read(&path) {
-            Ok(b) => b,
+        let file = match std::fs::File::open(&path).and_then(|f| Ok((f.metadata()?.len(), f))) {
+            Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return None,
             Err(e) => {
                 tracing::warn!(path = %path.display(), error = %e, "store: cannot read the saved ids filter; reading the ids from sled");
                 return None;
             }
         };
-        match Saved::parse(&bytes) {
+        match Saved::parse(file.1, file.0) {
             Ok(saved) => Some(saved),
             Err(why) => {
                 tracing::info!(
@@ -119,8 +119,8 @@ impl Saved {
         }
     }
 
-    fn parse(bytes: &[u8]) -> Result<Saved, &'static str> {
-        let (ids, binding) = parse(bytes)?;
+    fn parse(r: impl io::Read, len: u64) -> Result<Saved, &'static str> {
+        let (ids, binding) = parse(r, len)?;
         Ok(Saved {
             reach: Reach::Through {
                 seq: binding.head.0,
@@ -317,25 +317,21 @@ impl io::Write for Summed<'_> {
     }
 }
 
-/// A saved filter and what it is bound to, if it is whole and hashes as this build does.
-fn parse(bytes: &[u8]) -> Result<(Ids, Binding), &'static str> {
-    let body = bytes
-        .len()
-        .checked_sub(32)
-        .map(|n| &bytes[..n])
-        .ok_or("it is cut short")?;
-    if Sha256::digest(body).as_slice() != &bytes[body.len()..] {
-        return Err("its checksum does not match");
-    }
-    let mut r = Reader(body);
+/// A saved filter of `len` bytes and what it is bound to, if it is whole and hashes as this
+/// build does. Read as a stream, its checksum summed as it goes: the filter's words are the
+/// only copy of it in memory (a million actions' filter is 4 MiB).
+fn parse(r: impl io::Read, len: u64) -> Result<(Ids, Binding), &'static str> {
+    let mut r = Reader {
+        r: io::BufReader::with_capacity(64 << 10, r),
+        sum: Sha256::new(),
+        left: len.checked_sub(32).ok_or("it is cut short")?,
+    };
     if r.take(MAGIC.len())? != MAGIC {
         return Err("it is not a filter this version saves");
     }
-    let store = r.take_bytes()?.to_vec();
+    let store = r.take_bytes()?;
     let seq = r.u64()?;
-    let hash = std::str::from_utf8(r.take_bytes()?)
-        .map_err(|_| "its head is not a hash")?
-        .to_string();
+    let hash = String::from_utf8(r.take_bytes()?).map_err(|_| "its head is not a hash")?;
     let mut counts = Counts::default();
     if r.u64()? != counts.len() as u64 {
         return Err("it counts other states");
@@ -351,22 +347,34 @@ fn parse(bytes: &[u8]) -> Result<(Ids, Binding), &'static str> {
         }
     }
     let bits = words.checked_mul(64).ok_or("its size is not a filter's")?;
-    if !bits.is_power_of_two() || bits < MIN_BITS || r.0.len() != words * 8 {
+    if !bits.is_power_of_two() || bits < MIN_BITS || r.left != words as u64 * 8 {
         return Err("its size is not a filter's");
     }
     if set.saturating_mul(LOAD_BITS_PER_ID) > bits {
         return Err("it is fuller than one made anew");
     }
-    let words: Words =
-        r.0.chunks_exact(8)
-            .map(|w| AtomicU64::new(u64::from_le_bytes(w.try_into().unwrap_or_default())))
-            .collect();
+    let mut bits = Vec::with_capacity(words);
+    let mut chunk = vec![0; 64 << 10];
+    while bits.len() < words {
+        let n = ((words - bits.len()) * 8).min(chunk.len());
+        r.fill(&mut chunk[..n])?;
+        bits.extend(
+            chunk[..n]
+                .chunks_exact(8)
+                .map(|w| AtomicU64::new(u64::from_le_bytes(w.try_into().unwrap_or_default()))),
+        );
+    }
+    let mut sum = [0; 32];
+    r.r.read_exact(&mut sum).map_err(|_| "it is cut short")?;
+    if r.sum.finalize().as_slice() != sum {
+        return Err("its checksum does not match");
+    }
     let binding = Binding {
         store,
         head: (seq, hash),
         counts,
     };
-    Ok((Ids::from_words(words, set, seed), binding))
+    Ok((Ids::from_words(bits.into(), set, seed), binding))
 }
 
 fn put_bytes(out: &mut impl io::Write, b: &[u8]) -> io::Result<()> {
@@ -374,25 +382,38 @@ fn put_bytes(out: &mut impl io::Write, b: &[u8]) -> io::Result<()> {
     out.write_all(b)
 }
 
-/// Reads a saved filter front to back.
-struct Reader<'a>(&'a [u8]);
+/// Reads a saved filter front to back, summing what it reads, up to its checksum (`left` bytes
+/// from here).
+struct Reader<R> {
+    r: io::BufReader<R>,
+    sum: Sha256,
+    left: u64,
+}
 
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], &'static str> {
-        if self.0.len() < n {
+impl<R: io::Read> Reader<R> {
+    fn fill(&mut self, buf: &mut [u8]) -> Result<(), &'static str> {
+        if self.left < buf.len() as u64 {
             return Err("it is cut short");
         }
-        let (head, rest) = self.0.split_at(n);
-        self.0 = rest;
-        Ok(head)
+        self.r.read_exact(buf).map_err(|_| "it is cut short")?;
+        self.sum.update(&*buf);
+        self.left -= buf.len() as u64;
+        Ok(())
+    }
+    fn take(&mut self, n: usize) -> Result<Vec<u8>, &'static str> {
+        if self.left < n as u64 {
+            return Err("it is cut short");
+        }
+        let mut b = vec![0; n];
+        self.fill(&mut b)?;
+        Ok(b)
     }
     fn u64(&mut self) -> Result<u64, &'static str> {
-        let b = self.take(8)?;
-        Ok(u64::from_le_bytes(
-            b.try_into().map_err(|_| "it is cut short")?,
-        ))
+        let mut b = [0; 8];
+        self.fill(&mut b)?;
+        Ok(u64::from_le_bytes(b))
     }
-    fn take_bytes(&mut self) -> Result<&'a [u8], &'static str> {
+    fn take_bytes(&mut self) -> Result<Vec<u8>, &'static str> {
         let n = usize::try_from(self.u64()?).map_err(|_| "it is cut short")?;
         self.take(n)
     }
@@ -404,6 +425,10 @@ mod tests {
     use super::*;
 
     use super::super::tests::id;
+
+    fn parsed(b: &[u8]) -> Result<(Ids, Binding), &'static str> {
+        parse(b, b.len() as u64)
+    }
 
     fn binding() -> Binding {
         Binding {
@@ -431,7 +456,7 @@ mod tests {
         for i in 0..10_000 {
             ids.insert(&id(i));
         }
-        let (loaded, bound) = parse(&saved(&ids)).unwrap();
+        let (loaded, bound) = parsed(&saved(&ids)).unwrap();
         assert_eq!(bound, binding());
         assert_eq!((words(&loaded) == words(&ids), loaded.set), (true, 10_000));
         assert!((0..10_000).all(|i| loaded.may_hold(&id(i))));
@@ -453,7 +478,7 @@ mod tests {
         ids.insert(&id(2));
         let dir = tempfile::tempdir().unwrap();
         snap.save(dir.path(), &binding()).unwrap();
-        let (loaded, _) = parse(&std::fs::read(dir.path().join(FILE)).unwrap()).unwrap();
+        let (loaded, _) = parsed(&std::fs::read(dir.path().join(FILE)).unwrap()).unwrap();
         assert!(loaded.may_hold(&id(1)) && loaded.may_hold(&id(2)));
         assert_eq!(loaded.set, 1, "as many ids as when it was taken");
     }
@@ -463,7 +488,11 @@ mod tests {
         let mut ids = Ids::with_capacity(0);
         ids.insert(&id(1));
         let bytes = saved(&ids);
-        let holds = |now: &Binding| Saved::parse(&bytes).unwrap().holds_all(now);
+        let holds = |now: &Binding| {
+            Saved::parse(&bytes[..], bytes.len() as u64)
+                .unwrap()
+                .holds_all(now)
+        };
         assert_eq!(holds(&binding()), Ok(()));
         let mut other = binding();
         other.store = b"store-2".to_vec();
@@ -488,8 +517,11 @@ mod tests {
             Err("the actions by state have changed since it was saved")
         );
         for n in [0, 31, 32, bytes.len() - 1] {
-            assert!(parse(&bytes[..n]).is_err(), "cut at {n}");
+            assert!(parsed(&bytes[..n]).is_err(), "cut at {n}");
         }
+        let mut flipped = bytes.clone();
+        flipped[bytes.len() - 100] ^= 1;
+        assert_eq!(parsed(&flipped).err(), Some("its checksum does not match"));
     }
 
     /// A write log of `n` entries as the writer chains them (at time `now`), and each entry's
@@ -613,7 +645,7 @@ mod tests {
         let checks = bytes.len() - 32 - ids.bits.len() * 8 - 8 * CHECK_IDS.len();
         let other_hash = resealed(&|b| b[checks] ^= 1);
         assert_eq!(
-            parse(&other_hash).err(),
+            parsed(&other_hash).err(),
             Some("this build hashes ids otherwise")
         );
         // `set` is the second of the three numbers before the checks.
@@ -622,7 +654,7 @@ mod tests {
         let too_full =
             resealed(&|b| b[set_at..set_at + 8].copy_from_slice(&(full as u64).to_le_bytes()));
         assert_eq!(
-            parse(&too_full).err(),
+            parsed(&too_full).err(),
             Some("it is fuller than one made anew")
         );
     }
