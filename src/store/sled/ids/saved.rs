@@ -293,8 +293,14 @@ impl Snapshot {
             for id in CHECK_IDS {
                 out.write_all(&hasher.hash_one(id).to_le_bytes())?;
             }
-            for w in self.bits.iter() {
-                out.write_all(&w.load(Ordering::Relaxed).to_le_bytes())?;
+            // The words a buffer at a time: one write and one sum each, not one a word.
+            let mut buf = Vec::with_capacity(64 << 10);
+            for words in self.bits.chunks(8 << 10) {
+                buf.clear();
+                for w in words {
+                    buf.extend_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
+                }
+                out.write_all(&buf)?;
             }
             let Summed(out, sum) = out;
             out.write_all(&sum.finalize())
