@@ -385,6 +385,19 @@ fn start_oncegate(
     dir: &Path,
     upstream: SocketAddr,
 ) -> (std::process::Child, SocketAddr, SocketAddr) {
+    let (c, a, admin, _) = start_oncegate_telling(dir, upstream);
+    (c, a, admin)
+}
+
+/// How an open came by the filter of held ids, as its log says: `loaded` (a saved one),
+/// `read` (every pointer read from sled) or `none` (an empty store).
+type IdsAtOpen = &'static str;
+
+/// [`start_oncegate`], with how the open came by its filter of held ids.
+fn start_oncegate_telling(
+    dir: &Path,
+    upstream: SocketAddr,
+) -> (std::process::Child, SocketAddr, SocketAddr, IdsAtOpen) {
     let conf = dir.join("oncegate.toml");
     std::fs::write(
         &conf,
@@ -438,6 +451,14 @@ protocol = "mcp"
             if echo {
                 eprintln!("oncegate: {line}");
             }
+            for (f, said) in [
+                ("loaded", "loaded the saved filter of held ids"),
+                ("read", "read the action ids from sled"),
+            ] {
+                if line.contains(said) {
+                    let _ = tx.send((f, String::new()));
+                }
+            }
             for f in ["addr=", "admin="] {
                 if let Some(i) = line.find(f) {
                     let v: String = line[i + f.len()..]
@@ -449,18 +470,18 @@ protocol = "mcp"
             }
         }
     });
-    let (mut proxy, mut admin) = (None, None);
+    let (mut proxy, mut admin, mut ids) = (None, None, "none");
     while proxy.is_none() || admin.is_none() {
         let (f, v) = rx
             .recv_timeout(Duration::from_secs(30))
             .expect("oncegate started");
-        if f == "addr=" {
-            proxy = v.parse().ok();
-        } else {
-            admin = v.parse().ok();
+        match f {
+            "addr=" => proxy = v.parse().ok(),
+            "admin=" => admin = v.parse().ok(),
+            f => ids = f,
         }
     }
-    (child, proxy.unwrap(), admin.unwrap())
+    (child, proxy.unwrap(), admin.unwrap(), ids)
 }
 
 /// What a start of oncegate cost: seconds to ready, the most it held while opening its store
@@ -470,6 +491,18 @@ struct Opened {
     ready: f64,
     peak_kib: u64,
     after_kib: u64,
+    ids: IdsAtOpen,
+}
+
+impl Opened {
+    /// How the open came by the filter of held ids, for the report.
+    fn ids_said(&self) -> &'static str {
+        match self.ids {
+            "loaded" => "loaded as saved",
+            "read" => "read from sled",
+            _ => "empty",
+        }
+    }
 }
 
 /// [`start_oncegate`], measured ([`Opened`]); returns a second after it is ready.
@@ -478,7 +511,7 @@ async fn start_measured(
     upstream: SocketAddr,
 ) -> (std::process::Child, SocketAddr, SocketAddr, Opened) {
     let t = Instant::now();
-    let (c, a, admin) = start_oncegate(dir, upstream);
+    let (c, a, admin, ids) = start_oncegate_telling(dir, upstream);
     let ready = t.elapsed().as_secs_f64();
     let peak_kib = proc::peak_rss_kib(&c.id().to_string());
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -491,6 +524,7 @@ async fn start_measured(
             ready,
             peak_kib,
             after_kib,
+            ids,
         },
     )
 }
@@ -1489,9 +1523,10 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         let _ = c.kill();
         let _ = c.wait();
         let line = format!(
-            "a restart after SIGKILL at the end of {} unique writes at 64 connections (write-ahead log folder {:.0} MiB, its spare included): {:.2} s to ready, RSS peaked at {:.0} MiB while opening and was {:.0} MiB a second later",
+            "a restart after SIGKILL at the end of {} unique writes at 64 connections (write-ahead log folder {:.0} MiB, its spare included; the filter of held ids {}): {:.2} s to ready, RSS peaked at {:.0} MiB while opening and was {:.0} MiB a second later",
             r.requests,
             wal_bytes as f64 / 1048576.0,
+            o.ids_said(),
             o.ready,
             o.peak_kib as f64 / 1024.0,
             o.after_kib as f64 / 1024.0
@@ -1705,19 +1740,22 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         let (scanned, loaded, crashed) = (opens[0], opens[1], opens[2]);
         let mib = |kib: u64| kib as f64 / 1024.0;
         md.push_str(&format!(
-            "- unique writes at 64 connections with {n} actions already stored: {:.0} req/s (p99 {:.0} µs, peak RSS {:.0} MiB); a second after a restart on them, RSS {:.0} MiB (peak while opening {:.0}) and {:.2} s to ready when the open loads the filter of held ids a clean stop saved; {:.0} MiB (peak {:.0}) and {:.2} s after a SIGKILL at the end of those writes, loading the filter the last checkpoint saved and replaying the write-ahead log; {:.0} MiB (peak {:.0}) and {:.2} s when it reads every pointer instead (no saved filter, or once the store holds about 2.7 times the ids the last such reading found); preload took {load:.1} s; store {:.0} MiB\n",
+            "- unique writes at 64 connections with {n} actions already stored: {:.0} req/s (p99 {:.0} µs, peak RSS {:.0} MiB); a second after a restart on them, RSS {:.0} MiB (peak while opening {:.0}) and {:.2} s to ready when the open loads the filter of held ids a clean stop saved (here: {}); {:.0} MiB (peak {:.0}) and {:.2} s after a SIGKILL at the end of those writes, with the filter the last checkpoint saved (here: {}) and the write-ahead log replayed; {:.0} MiB (peak {:.0}) and {:.2} s when it reads every pointer instead (here: {}) (no saved filter, or once the store holds about 2.7 times the ids the last such reading found); preload took {load:.1} s; store {:.0} MiB\n",
             r.rps(),
             r.q(0.99),
             r.peak_rss_kib as f64 / 1024.0,
             mib(loaded.after_kib),
             mib(loaded.peak_kib),
             loaded.ready,
+            loaded.ids_said(),
             mib(crashed.after_kib),
             mib(crashed.peak_kib),
             crashed.ready,
+            crashed.ids_said(),
             mib(scanned.after_kib),
             mib(scanned.peak_kib),
             scanned.ready,
+            scanned.ids_said(),
             *bytes as f64 / 1048576.0
         ));
     }
