@@ -281,7 +281,7 @@ async fn after_a_sigkill_the_filter_a_checkpoint_saved_is_loaded_and_never_one_t
     assert_eq!(up.count(), 310, "no charge sent twice");
     let log = proxy.stderr.lock().unwrap().clone();
     assert!(
-        log.contains("does not hold every id") && log.contains(read_from_sled),
+        log.contains("saved ids filter is not used") && log.contains(read_from_sled),
         "a filter from before entries no frame replayed holds is not loaded: {log}"
     );
     // That start saved the filter it read: the next start after a SIGKILL loads it.

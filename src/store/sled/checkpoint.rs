@@ -72,7 +72,7 @@ pub(super) struct Rotated {
 /// Lets log files go once sled holds their frames durably: waits until the drainer has applied
 /// the file's last batch, then flushes and fsyncs sled (the checkpoint), saves the filter of
 /// held ids as the writer left it at the file's end (an open after a crash then loads it and
-/// adds the ids of the frames it replays, instead of reading every pointer in sled: `ids.rs`),
+/// adds the ids of the frames it replays, instead of reading every pointer in sled: `ids/saved.rs`),
 /// and deletes the files, keeping the newest as the spare a later file starts in
 /// ([`wal::recycle_through`]). A filter that cannot be saved costs the next open after a crash
 /// its time, never an id: the file left from before no longer holds every id once these files

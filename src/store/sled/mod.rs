@@ -27,8 +27,9 @@
 //! (and at a clean close leaves sled a snapshot of the run, so the next open reads none of its log);
 //! `shared.rs` is what they share (the durable changes not yet in sled, counts, health); `ops.rs`
 //! what callers send; `cache.rs`, `codec.rs` (with `packed.rs`, a record's binary form),
-//! `index.rs`, `ids.rs` (which ids the store may hold: a filter a clean close saves in
-//! `ids.filter` and the next open loads, bound to the store as the close left it), `bodies.rs`
+//! `index.rs`, `ids/` (which ids the store may hold: a filter saved in `ids.filter` at each
+//! checkpoint, clean close and open, bound to the write log's head, which the next open loads,
+//! after a crash too, when the frames it replays hold every entry since), `bodies.rs`
 //! and `open.rs` the rest; `stats.rs` counts what the store has done, for tests and the bench.
 //!
 //! Keys (one tree): `c/{created_at:be64}{id}` the record (packed: [`packed`]; then its small

@@ -173,7 +173,7 @@ impl SledStore {
                 .map_err(|e| fail("open the write log", &e))?,
         );
         // The filter of held ids a checkpoint or a clean close saved, which the replayed frames
-        // complete (`ids.rs`).
+        // complete (`ids/saved.rs`).
         let mut saved_ids = ids::Saved::read(dir);
         let (wal, replayed) = Wal::open(&dir.join("wal"), |changes| {
             if let Some(s) = saved_ids.as_mut() {

@@ -99,7 +99,9 @@ impl Saved {
     pub(in crate::store::sled) fn read(dir: &Path) -> Option<Saved> {
         let _ = std::fs::remove_file(dir.join(format!("{FILE}.tmp")));
         let path = dir.join(FILE);
-        let file = match std::fs::File::open(&path).and_then(|f| Ok((f.metadata()?.len(), f))) {
+        let (len, file) = match std::fs::File::open(&path)
+            .and_then(|f| Ok((f.metadata()?.len(), f)))
+        {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return None,
             Err(e) => {
@@ -107,12 +109,12 @@ impl Saved {
                 return None;
             }
         };
-        match Saved::parse(file.1, file.0) {
+        match Saved::parse(file, len) {
             Ok(saved) => Some(saved),
             Err(why) => {
                 tracing::info!(
                     reason = why,
-                    "store: the saved ids filter cannot be used; reading the ids from sled"
+                    "store: the saved ids filter is not used; reading the ids from sled"
                 );
                 None
             }
@@ -249,7 +251,7 @@ pub(in crate::store::sled) fn at_open(
             }
             Err(why) => tracing::info!(
                 reason = why,
-                "store: the saved ids filter does not hold every id the store holds; reading the ids from sled"
+                "store: the saved ids filter is not used; reading the ids from sled"
             ),
         }
     }
