@@ -197,6 +197,12 @@ pub(super) fn log_seq(key: &[u8]) -> Option<u64> {
         .map(u64::from_be_bytes)
 }
 
+/// The entries of a log block (one line each, in order: the block's first sequence number and
+/// on).
+pub(super) fn log_lines(block: &[u8]) -> impl DoubleEndedIterator<Item = &[u8]> {
+    block.split(|b| *b == b'\n').filter(|l| !l.is_empty())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

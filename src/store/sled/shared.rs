@@ -275,11 +275,7 @@ impl Overlay {
         let mut out = Vec::new();
         for (k, block) in &self.puts {
             let Some(first) = log_seq(k) else { continue };
-            for (i, line) in block
-                .split(|b| *b == b'\n')
-                .filter(|l| !l.is_empty())
-                .enumerate()
-            {
+            for (i, line) in log_lines(block).enumerate() {
                 match serde_json::from_slice::<Entry>(line) {
                     Ok(e) if e.seq >= from => out.push(Ok(e)),
                     Ok(_) => {}

@@ -22,7 +22,7 @@ use sha2::{Digest, Sha256};
 
 use super::{Ids, Snapshot, LOAD_BITS_PER_ID, MIN_BITS};
 use crate::store::files;
-use crate::store::sled::codec::log_seq;
+use crate::store::sled::codec::{log_lines, log_seq};
 use crate::store::sled::Counts;
 use crate::store::wal::Change;
 
@@ -191,7 +191,7 @@ impl Reach {
         let Reach::Through { seq, last } = self else {
             return;
         };
-        let lines = || block.split(|b| *b == b'\n').filter(|l| !l.is_empty());
+        let lines = || log_lines(block);
         let n = memchr::memchr_iter(b'\n', block).count() as u64;
         let Some(end) = (first + n).checked_sub(1).filter(|&e| n > 0 && e > *seq) else {
             // Entries the reach already has (a frame from before the head, replayed again).
