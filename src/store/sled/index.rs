@@ -95,6 +95,7 @@ fn read_old_record(db: &sled::Db, id: &str) -> Result<Option<(Vec<u8>, sled::IVe
     }
     Err(missing(id))
 }
+
 /// `r/{created_at:be64}{id}`: a record's stored response body (a small one, kept in sled) when
 /// it does not fit in the record's own value ([`split_value`]), and every body of stores from
 /// before; keyed like the record so that it too lands in the newest leaves; a reader of a body
