@@ -1774,7 +1774,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         ));
     }
     if let Some((fast, rated)) = &floors {
-        md.push_str(&format!("\n## The floor under the sled store\n\n`sled alone` makes only the sled operations one durable write ends in (a lookup of the action, then the inserts of the record with its small body after it under its creation key, the pointer to the record, and an expiry index entry for every {} writes, as a batch of the store's shares one; keys and a value of the store's own form, a packed write record of about 450 bytes and its body), on one thread, with sled configured as the store configures it, in a process of its own with oncegate's allocator, after the workloads above. No write-ahead log, fsync, encoding, write log or HTTP (`benches/support/sled_alone.rs`).\n\n", sled_alone::EXPIRIES_A_BATCH));
+        md.push_str(&format!("\n## The floor under the sled store\n\n`sled alone` makes only the sled operations one durable write ends in (the insert of the record with its small body after it under its creation key, the read and write of the bucket its pointer goes in, and an expiry index entry for every {} writes, as a batch of the store's shares one; keys and a value of the store's own form, a packed write record of about 450 bytes and its body), on one thread, with sled configured as the store configures it, in a process of its own with oncegate's allocator, after the workloads above. No write-ahead log, fsync, encoding, write log or HTTP (`benches/support/sled_alone.rs`).\n\n", sled_alone::EXPIRIES_A_BATCH));
         md.push_str(&format!(
             "- as fast as one thread goes: {}\n",
             fast.describe()

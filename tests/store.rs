@@ -1023,6 +1023,36 @@ fn older_form(key: &[u8], value: &[u8]) -> (Vec<u8>, Option<Vec<u8>>) {
     (serde_json::to_vec(&r).unwrap(), body.map(<[u8]>::to_vec))
 }
 
+/// Brings the pointers of a closed store's database back to the form versions before kept
+/// them, one key an action: `a/{id}` holding its record's creation time (this version keeps
+/// them in buckets, `p/{bucket}`, and moves such keys into them at open).
+fn older_pointers(db: &::sled::Db) {
+    for kv in db.scan_prefix("p/") {
+        let (k, v) = kv.unwrap();
+        let mut rest = &v[1..];
+        assert_eq!(v[0], 1, "a bucket of the form this version writes");
+        while !rest.is_empty() {
+            let len = usize::from(u16::from_be_bytes([rest[8], rest[9]]));
+            let id = &rest[10..10 + len];
+            db.insert([&b"a/"[..], id].concat(), &rest[..8]).unwrap();
+            rest = &rest[10 + len..];
+        }
+        db.remove(k).unwrap();
+    }
+    db.insert("m/indexes", "7").unwrap();
+}
+
+/// The bucket `id`'s pointer is in, as a closed store's database holds it: whether it lists
+/// `id`, pointing at a record created at `created`.
+fn in_bucket(db: &::sled::Db, id: &str, created: &[u8]) -> bool {
+    let created = Millis::from_be_bytes(created.try_into().unwrap());
+    let Some(v) = db.get(oncegate::store::sled::bucket_key(id)).unwrap() else {
+        return false;
+    };
+    let alone = oncegate::store::sled::bucket_with(None, id, created);
+    v.windows(alone.len() - 1).any(|w| w == &alone[1..])
+}
+
 /// A sled store at `dir`, closed, holding `actions`: `(id, claimed at, outcome)`, each settled a
 /// millisecond after its claim (a success with the body `{}`), for fixtures of older layouts.
 async fn closed_with(dir: &std::path::Path, actions: &[(&str, Millis, State)]) {
@@ -1049,6 +1079,7 @@ async fn sled_builds_the_expiry_index_of_an_older_store() {
     )
     .await;
     edit_closed(&dir, |db| {
+        older_pointers(db);
         // What an older version left: records under `a/{id}` themselves (not pointers to their
         // creation keys), no expiry or creation index, no marker, and `succeeded` actions in the
         // state index.
@@ -1172,7 +1203,7 @@ async fn sled_rekeys_an_expiry_index_kept_by_minute() {
 }
 
 /// Records an older version kept under `a/{id}` itself move under their creation key (with
-/// `a/{id}` pointing at it) when the store opens, and read and change as before; nothing is lost
+/// a pointer to it in its bucket) when the store opens, and read and change as before; nothing is lost
 /// or doubled.
 #[tokio::test]
 async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
@@ -1181,7 +1212,8 @@ async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
     closed_with(&dir, &[("u1", T0, State::Unknown)]).await;
     let created = edit_closed(&dir, |db| {
         let (at, rec) = db.scan_prefix("c/").next().unwrap().unwrap();
-        assert_eq!(&db.get("a/u1").unwrap().unwrap()[..], &at[2..2 + 8]);
+        assert!(in_bucket(db, "u1", &at[2..2 + 8]));
+        older_pointers(db);
         // The older layout: the record (JSON) under `a/`, an empty creation index entry.
         db.insert("a/u1", older_form(&at, &rec).0).unwrap();
         db.insert(&at, &[]).unwrap();
@@ -1210,7 +1242,8 @@ async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
     s.close().await.unwrap();
     drop(s);
     let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
-    assert_eq!(db.get("a/u1").unwrap().unwrap().to_vec(), created[2..2 + 8]);
+    assert!(db.get("a/u1").unwrap().is_none(), "moved into its bucket");
+    assert!(in_bucket(&db, "u1", &created[2..2 + 8]));
     let moved = db.get(&created).unwrap().unwrap();
     let (r, _) = oncegate::store::sled::read_value(&created, &moved)
         .expect("the record is under its creation key");
@@ -1219,7 +1252,7 @@ async fn sled_moves_a_record_kept_as_an_older_version_did_when_it_changes() {
 }
 
 /// For a while `a/{id}` held the whole creation key of its record rather than its creation time:
-/// such a pointer becomes the short one when the store opens, and its record reads and changes.
+/// such a pointer moves into its bucket when the store opens, and its record reads and changes.
 #[tokio::test]
 async fn sled_reads_a_pointer_kept_as_the_whole_creation_key() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1227,6 +1260,7 @@ async fn sled_reads_a_pointer_kept_as_the_whole_creation_key() {
     closed_with(&dir, &[("p1", T0, State::Unknown)]).await;
     let at = edit_closed(&dir, |db| {
         let at = db.scan_prefix("c/").keys().next().unwrap().unwrap();
+        older_pointers(db);
         db.insert("a/p1", at.clone()).unwrap();
         db.insert("m/indexes", "6").unwrap();
         at.to_vec()
@@ -1242,8 +1276,98 @@ async fn sled_reads_a_pointer_kept_as_the_whole_creation_key() {
     s.close().await.unwrap();
     drop(s);
     let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
-    assert_eq!(db.get("a/p1").unwrap().unwrap().to_vec(), at[2..2 + 8]);
+    assert!(db.get("a/p1").unwrap().is_none(), "moved into its bucket");
+    assert!(in_bucket(&db, "p1", &at[2..2 + 8]));
     assert_eq!(db.scan_prefix("c/").count(), 1);
+}
+
+/// The version before buckets kept one pointer an action, `a/{id}`: opening such a store moves
+/// every one into its bucket, a move cut short by a crash included (an id already in its bucket
+/// and still under `a/`), and every action is found again, never claimed as new, by the writer
+/// and by a filter of held ids made from the buckets; nothing is left under `a/`, and each id is
+/// listed once.
+#[tokio::test]
+async fn sled_moves_the_pointers_of_the_version_before_into_buckets() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    // Action ids as the proxy makes them (hex digests), and others, which buckets hash.
+    let ids: Vec<String> = (0..120u128)
+        .map(|i| {
+            format!(
+                "{:032x}",
+                i.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835)
+            )
+        })
+        .chain((0..30).map(|i| format!("held-{i}")))
+        .collect();
+    let actions: Vec<_> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| {
+            let state = if i % 3 == 0 {
+                State::Unknown
+            } else {
+                State::Succeeded
+            };
+            (id.as_str(), T0, state)
+        })
+        .collect();
+    closed_with(&dir, &actions).await;
+    let created = edit_closed(&dir, |db| {
+        let created: std::collections::HashMap<String, Vec<u8>> = db
+            .scan_prefix("c/")
+            .keys()
+            .map(|k| {
+                let k = k.unwrap();
+                (
+                    String::from_utf8_lossy(&k[10..]).into_owned(),
+                    k[2..10].to_vec(),
+                )
+            })
+            .collect();
+        assert_eq!(created.len(), ids.len());
+        older_pointers(db);
+        assert_eq!(db.scan_prefix("a/").count(), ids.len());
+        // A move cut short: this pointer reached its bucket, its old key is still there.
+        let id = &ids[7];
+        let bucket = oncegate::store::sled::bucket_key(id);
+        let at = Millis::from_be_bytes(created[id].clone().try_into().unwrap());
+        db.insert(&bucket, oncegate::store::sled::bucket_with(None, id, at))
+            .unwrap();
+        created
+    });
+    // No saved filter: the open makes it from the buckets.
+    std::fs::remove_file(dir.join("ids.filter")).unwrap();
+    let s = open_sled(&dir, Default::default());
+    for id in &ids {
+        let c = claim_at(&s, id, T0 + 5).await;
+        assert!(matches!(c, Claim::Existing(_)), "{id} claimed again: {c:?}");
+        assert!(s.get(id).await.unwrap().is_some(), "{id}");
+    }
+    let c = claim_at(&s, "held-new", T0 + 5).await;
+    assert!(matches!(c, Claim::Claimed(_)), "{c:?}");
+    // Removed (expired), an action's pointer leaves its bucket.
+    assert_eq!(s.expire(T0 + 1 + 3_600_000).await.unwrap(), 100);
+    s.close().await.unwrap();
+    drop(s);
+    let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
+    assert_eq!(db.scan_prefix("a/").count(), 0, "every pointer moved");
+    assert_eq!(db.get("m/indexes").unwrap().unwrap().to_vec(), b"8");
+    let mut listed = 0;
+    for kv in db.scan_prefix("p/") {
+        let (_, v) = kv.unwrap();
+        let mut rest = &v[1..];
+        while !rest.is_empty() {
+            let len = usize::from(u16::from_be_bytes([rest[8], rest[9]]));
+            listed += 1;
+            rest = &rest[10 + len..];
+        }
+    }
+    // The unknown actions (every third) and the new one are left, each listed once.
+    assert_eq!(listed, 50 + 1);
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(in_bucket(&db, id, &created[id]), i % 3 == 0, "{id}");
+    }
 }
 
 /// The version before packed its records stored them as JSON (with a small body after a newline):

@@ -1,8 +1,7 @@
 //! The floor under the embedded store: sled 0.34.7, configured as the store configures it, making
-//! only the sled operations one durable write ends in, on one thread: a lookup of the action (a
-//! claim looks before it decides), then the inserts of the record with its small body after it
-//! (under its creation key) and the pointer to the record, with the keys the store derives
-//! (`action_keys`) and a value of the store's own form (`record_value`: the packed record of a
+//! only the sled operations one durable write ends in, on one thread: the insert of the record
+//! with its small body after it (under its creation key), then the read and write of the bucket
+//! its pointer goes in, with the keys the store derives (`action_keys`, `bucket_key`) and a value of the store's own form (`record_value`: the packed record of a
 //! write like the side-by-side bench's, about 450 bytes, and its body), and an expiry index
 //! entry for every [`EXPIRIES_A_BATCH`] writes (`expiry_entry`). No write-ahead log, fsync,
 //! encoding, write log or HTTP. Its CPU per write is what no store on
@@ -16,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use oncegate::action::{now_millis, Attempt, BodyRef, Record, Source, State, StoredResponse, Try};
-use oncegate::store::sled::action_keys;
+use oncegate::store::sled::{action_keys, bucket_key, bucket_with};
 
 use super::proc;
 
@@ -132,19 +131,26 @@ fn run(duration: Duration, rate: Option<f64>) -> Floor {
     let mut action = Record::new(String::new(), String::new());
     action.state = State::Succeeded;
     while started.elapsed() < duration {
-        action.id = format!("{:032x}", u128::from(writes) * 0x9E37_79B9_7F4A_7C15);
+        // Uniform ids, as the store's (SHA-256 digests in hex): the multiplication by an odd
+        // constant, modulo 2^128, spreads every bit of the count over the leading digits.
+        action.id = format!(
+            "{:032x}",
+            u128::from(writes).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835)
+        );
         action.created_at = now_millis();
         action.expires_at = Some(action.created_at + 24 * 3_600_000);
-        // The record and its body (under its creation key), the pointer to it, the indexes (none
-        // for a succeeded action without a task: its expiry is its batch's).
+        // The record and its body (under its creation key), the indexes (none for a succeeded
+        // action without a task: its expiry is its batch's), and the pointer to it, in its
+        // bucket: read, and written with the new pointer in it, as the store's writer does.
         let keys = action_keys(&action);
-        let [rec, pointer, indexes @ ..] = &keys[..] else {
-            unreachable!("action_keys names the record and its pointer");
+        let [rec, indexes @ ..] = &keys[..] else {
+            unreachable!("action_keys names the record");
         };
-        assert!(db.get(pointer).unwrap().is_none());
         db.insert(rec, record.as_slice()).unwrap();
-        db.insert(pointer, &oncegate::store::sled::pointer(&action)[..])
-            .unwrap();
+        let bucket = bucket_key(&action.id);
+        let listed = db.get(&bucket).unwrap();
+        let value = bucket_with(listed.as_deref(), &action.id, action.created_at);
+        db.insert(bucket, value).unwrap();
         for k in indexes {
             db.insert(k, &[]).unwrap();
         }

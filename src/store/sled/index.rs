@@ -2,11 +2,9 @@
 
 use super::*;
 
-/// `a/{id}`: where an action is found by id. Its value is the record's creation time (8 bytes,
-/// big-endian), which with the id names the key the record lives under (the creation index's
-/// `c/{created_at:be64}{id}`, see [`pointer`]). Records keyed by creation go where the newest
-/// leaves are: every write and settle lands in pages sled holds already, instead of a random page
-/// of the whole store; the only key a new action puts at random is this small pointer.
+/// `a/{id}`: where versions before found an action by id (its record's creation time, 8
+/// bytes, big-endian; before that the whole creation key, or the record itself). Pointers are
+/// kept in buckets now ([`super::pointers`]); opening a store moves these ([`migrate_indexes`]).
 pub(super) fn rec_key(id: &str) -> Vec<u8> {
     joined(&[b"a/", id.as_bytes()])
 }
@@ -27,51 +25,77 @@ pub(super) fn record_key(r: &Record) -> Vec<u8> {
     created_key(r.created_at, &r.id)
 }
 
-/// The value of a record's `a/{id}` entry: its creation time.
-pub fn pointer(r: &Record) -> [u8; 8] {
+/// The value of a record's `a/{id}` entry as versions before kept it: its creation time.
+pub(super) fn pointer(r: &Record) -> [u8; 8] {
     r.created_at.to_be_bytes()
 }
 
 /// Whether an `a/{id}` value points at the record rather than being the record itself (JSON, as
 /// versions before kept it). A pointer is [`pointer`], or, as written for a while, the whole
-/// creation key; both read, and opening a store brings both older forms to the short one.
+/// creation key.
 pub(super) fn is_pointer(v: &[u8]) -> bool {
     v.len() == 8 || v.starts_with(CREATED_PREFIX)
 }
 
 /// Where an `a/{id}` value says the record of `id` is: `Some(key)` for a pointer.
-pub(super) fn pointed_at(id: &str, v: &[u8]) -> Option<Vec<u8>> {
+fn pointed_at(id: &str, v: &[u8]) -> Option<Vec<u8>> {
     match <[u8; 8]>::try_from(v) {
         Ok(created) => Some(created_key(Millis::from_be_bytes(created), id)),
         Err(_) => is_pointer(v).then(|| v.to_vec()),
     }
 }
 
-/// Reads the record of `id` through `get` (one key at a time): its `a/` entry, then, when that
-/// is a pointer, the record it points at. `Some((key, value))`: the key the value was read at. A
-/// pointer whose record is gone was read across a change (a reader is not atomic over two keys):
-/// read again, once.
+/// Reads the record of `id` through `get` (one key at a time): the bucket its pointer is in,
+/// then the record its entry there names. `Some((key, value))`: the key the value was read at.
+/// A pointer whose record is gone was read across a change (a reader is not atomic over two
+/// keys): read again, once.
 pub(super) fn read_record<V: AsRef<[u8]>>(
     id: &str,
     mut get: impl FnMut(&[u8]) -> Result<Option<V>, StoreError>,
 ) -> Result<Option<(Vec<u8>, V)>, StoreError> {
-    let key = rec_key(id);
+    let bucket = bucket_key(id);
     for _ in 0..2 {
-        let Some(v) = get(&key)? else {
+        let Some(v) = get(&bucket)? else {
             return Ok(None);
         };
-        let Some(at) = pointed_at(id, v.as_ref()) else {
-            return Ok(Some((key, v)));
+        let Some(created) = pointers::find(&bucket, v.as_ref(), id)? else {
+            return Ok(None);
         };
+        let at = created_key(created, id);
         if let Some(r) = get(&at)?.filter(|r| !r.as_ref().is_empty()) {
             return Ok(Some((at, r)));
         }
     }
-    Err(StoreError::Corrupt {
+    Err(missing(id))
+}
+
+fn missing(id: &str) -> StoreError {
+    StoreError::Corrupt {
         id: id.to_string(),
         reason: "its entry points at a record that is not there".into(),
-    })
+    }
 }
+
+/// [`read_record`] in a store whose pointers versions before kept under `a/{id}` (while its
+/// indexes are built at open, before they move into buckets): the `a/` entry, then, when that is
+/// a pointer, the record it points at.
+fn read_old_record(db: &sled::Db, id: &str) -> Result<Option<(Vec<u8>, sled::IVec)>, StoreError> {
+    let get = |k: &[u8]| db.get(k).map_err(unavailable);
+    let key = rec_key(id);
+    for _ in 0..2 {
+        let Some(v) = get(&key)? else {
+            return read_record(id, get);
+        };
+        let Some(at) = pointed_at(id, v.as_ref()) else {
+            return Ok(Some((key, v)));
+        };
+        if let Some(r) = get(&at)?.filter(|r| !r.is_empty()) {
+            return Ok(Some((at, r)));
+        }
+    }
+    Err(missing(id))
+}
+
 /// `r/{created_at:be64}{id}`: a record's stored response body (a small one, kept in sled) when
 /// it does not fit in the record's own value ([`split_value`]), and every body of stores from
 /// before; keyed like the record so that it too lands in the newest leaves; a reader of a body
@@ -137,12 +161,7 @@ fn encode_expiring(actions: &[(Millis, String)]) -> Vec<u8> {
     let mut v = Vec::with_capacity(1 + size);
     v.push(EXPIRING_FORM);
     for (at, id) in actions {
-        v.extend_from_slice(&at.to_be_bytes());
-        // Ids are a few dozen bytes; one too long for the length is cut, and its record never
-        // matches it (left for good, not expired early).
-        let id = &id.as_bytes()[..id.len().min(usize::from(u16::MAX))];
-        v.extend_from_slice(&(id.len() as u16).to_be_bytes());
-        v.extend_from_slice(id);
+        push_timed(&mut v, *at, id);
     }
     v
 }
@@ -171,22 +190,15 @@ pub(super) fn expiring(
         .get(at..)
         .and_then(|b| <[u8; 16]>::try_from(b).ok())
         .ok_or_else(|| corrupt("a batch's key without its tag"))?;
-    let Some((&EXPIRING_FORM, mut rest)) = value.split_first() else {
+    let Some((&EXPIRING_FORM, rest)) = value.split_first() else {
         return Err(corrupt("of a form this version does not know"));
     };
-    let mut out = Vec::new();
-    while !rest.is_empty() {
-        let (head, tail) = rest
-            .split_at_checked(10)
-            .ok_or_else(|| corrupt("cut short"))?;
-        let at = Millis::from_be_bytes(head[..8].try_into().unwrap_or_default());
-        let len = usize::from(u16::from_be_bytes([head[8], head[9]]));
-        let (id, tail) = tail
-            .split_at_checked(len)
-            .ok_or_else(|| corrupt("cut short"))?;
-        out.push((at, String::from_utf8_lossy(id).into_owned()));
-        rest = tail;
-    }
+    let out = timed(rest)
+        .map(|e| {
+            e.map(|(at, id, _)| (at, String::from_utf8_lossy(id).into_owned()))
+                .map_err(corrupt)
+        })
+        .collect::<Result<_, _>>()?;
     Ok((Some(tag), out))
 }
 
@@ -252,39 +264,60 @@ pub(super) fn index_keys(r: &Record) -> impl Iterator<Item = Vec<u8>> + '_ {
 }
 
 /// Every key the store writes for `r` with a small stored body: the record (its creation key,
-/// whose value holds the body after the record), the pointer (`a/{id}`, whose value is
-/// [`pointer`]) and the index entries, but for the expiry entry its batch shares (public for the
-/// benches' `sled alone` floor, which writes the same keys).
+/// whose value holds the body after the record) and the index entries, but for its pointer's
+/// bucket ([`bucket_key`]) and the expiry entry its batch shares (public for the benches' `sled
+/// alone` floor, which writes the same keys).
 pub fn action_keys(r: &Record) -> Vec<Vec<u8>> {
-    let mut keys = vec![record_key(r), rec_key(&r.id)];
+    let mut keys = vec![record_key(r)];
     keys.extend(index_keys(r));
     keys
 }
 
 /// The indexes a store opened by an earlier version may lack are built once; this key records it.
 pub(super) const INDEXES_KEY: &[u8] = b"m/indexes";
-pub(super) const INDEXES_VERSION: &[u8] = b"7";
+pub(super) const INDEXES_VERSION: &[u8] = b"8";
+/// The version before pointers moved into buckets: what is left to do is that move.
+const BEFORE_BUCKETS: &[u8] = b"7";
 
 /// Builds the expiry, creation and body-file indexes of a store from before them, from its
 /// records (writing every index entry again is harmless), moves records kept under `a/{id}`
 /// itself under their creation keys (and pointers kept as the whole creation key to the short
 /// form), moves the bodies it keeps under `b/{id}` to their creation keys and keys its expiry
-/// index by time instead of by minute.
+/// index by time instead of by minute; then moves the pointers under `a/{id}` into buckets
+/// ([`pointers::move_to_buckets`]).
 pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
     let marker = db.get(INDEXES_KEY).map_err(|e| e.to_string())?;
-    if marker.as_deref() == Some(INDEXES_VERSION) {
-        return Ok(());
+    let marker = marker.as_deref();
+    if marker != Some(INDEXES_VERSION) && marker != Some(BEFORE_BUCKETS) {
+        build_indexes(db, marker)?;
+        db.insert(INDEXES_KEY, BEFORE_BUCKETS)
+            .map_err(|e| e.to_string())?;
     }
+    // Every open (a scan that finds nothing once they moved): an open that moved them and
+    // crashed before its checkpoint replays the older frames again, `a/` keys included.
+    let pointers = pointers::move_to_buckets(db)?;
+    if marker != Some(INDEXES_VERSION) {
+        db.insert(INDEXES_KEY, INDEXES_VERSION)
+            .map_err(|e| e.to_string())?;
+    }
+    if pointers > 0 {
+        tracing::info!(pointers, "store: moved pointers into buckets");
+    }
+    Ok(())
+}
+
+/// [`migrate_indexes`] up to the version before buckets, from the version `marker` names.
+fn build_indexes(db: &sled::Db, marker: Option<&[u8]>) -> Result<(), String> {
     // A store of version 6 lacks only the move of records and pointers below: its open skips the
     // scans of the state, body and expiry indexes (the last reads every settled record).
-    let only_records = marker.as_deref() == Some(b"6".as_slice());
+    let only_records = marker == Some(b"6".as_slice());
     // Plain inserts, not a sled batch: one batch would put every later read in this process
     // behind sled's global lock. The marker goes last, so an interrupted build starts again.
     let mut n = 0;
     for kv in db.scan_prefix(b"a/") {
         let (k, v) = kv.map_err(|e| e.to_string())?;
         if v.len() == 8 {
-            // A pointer as this version writes it: its record has its indexes.
+            // A pointer as the version before buckets wrote it: its record has its indexes.
             continue;
         }
         if v.starts_with(CREATED_PREFIX) {
@@ -318,8 +351,6 @@ pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
         moved = move_bodies(db)?;
         rekey_expiry(db)?;
     }
-    db.insert(INDEXES_KEY, INDEXES_VERSION)
-        .map_err(|e| e.to_string())?;
     if n > 0 {
         tracing::info!(actions = n, "store: built the expiry index");
     }
@@ -335,7 +366,7 @@ pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
 /// The record of `id` as sled holds it, for the index builds at open (which read the plain
 /// fields only, so no sealer).
 fn stored_record(db: &sled::Db, id: &str) -> Result<Option<Record>, String> {
-    match read_record(id, |key| db.get(key).map_err(unavailable)) {
+    match read_old_record(db, id) {
         Ok(Some((at, v))) => decode(&at, &v, None).map(Some).map_err(|e| e.to_string()),
         Ok(None) => Ok(None),
         Err(e) => Err(e.to_string()),
@@ -455,10 +486,12 @@ pub(super) fn scan(
         }
         return Ok(out);
     }
-    let prefix = match (&filter.task, filter.state) {
-        (Some(task), _) => format!("t/{task}\0"),
-        (None, Some(state)) if state_indexed(state) => format!("s/{}/", state.as_str()),
-        (None, _) => "a/".to_string(),
+    // `timed`: the keys name their action after a creation time.
+    let (prefix, timed) = match (&filter.task, filter.state) {
+        (Some(task), _) => (format!("t/{task}\0"), false),
+        (None, Some(state)) if state_indexed(state) => (format!("s/{}/", state.as_str()), false),
+        // Every action: the creation index.
+        (None, _) => (String::from_utf8_lossy(CREATED_PREFIX).into_owned(), true),
     };
     let mut keys: std::collections::BTreeSet<Vec<u8>> = overlay
         .puts
@@ -473,7 +506,10 @@ pub(super) fn scan(
         }
     }
     for k in keys {
-        let id = String::from_utf8_lossy(&k[prefix.len()..]).into_owned();
+        let id = match timed {
+            true => index_id(&k, CREATED_PREFIX)?,
+            false => String::from_utf8_lossy(&k[prefix.len()..]).into_owned(),
+        };
         if let Some(r) = record(&id)? {
             if filter.matches(&r) {
                 out.push(r);
@@ -494,6 +530,7 @@ mod tests {
     #[test]
     fn keys_keep_their_layout() {
         assert_eq!(rec_key("ab12"), b"a/ab12");
+        assert_eq!(bucket_key("ab12"), b"p/\xab\x12");
         assert_eq!(state_key(State::Unknown, "ab12"), b"s/unknown/ab12");
         assert_eq!(task_key("t-1", "ab12"), b"t/t-1\0ab12");
         assert_eq!(file_key("ffee", "ab12"), b"f/ffee/ab12");

@@ -34,10 +34,11 @@
 //!
 //! Keys (one tree): `c/{created_at:be64}{id}` the record (packed: [`packed`]; then its small
 //! stored body), which is also the creation index
-//! (lists page newest first; new records land in the newest leaves, which sled holds), `a/{id}`
-//! the record's creation time (8 bytes, written once with the record's first version; stores from
-//! before kept there the whole `c/` key, or the record itself with an empty `c/` entry: moved at
-//! open), `r/{created_at:be64}{id}`
+//! (lists page newest first; new records land in the newest leaves, which sled holds), `p/{bucket:be16}`
+//! the pointers of the actions in one of 65,536 buckets, each an id and its record's creation time
+//! (an action's entry written with its record's first version: [`pointers`]; stores from before
+//! kept one `a/{id}` an action, holding the creation time, the whole `c/` key, or the record
+//! itself with an empty `c/` entry: moved at open), `r/{created_at:be64}{id}`
 //! a small stored body too large to share its record's value (most are kept after the record in
 //! that value: [`codec::split_value`]; `b/{id}` before, moved at open), `s/{state}/{id}` state index (all states
 //! but `succeeded`), `t/{task}\0{id}` task index, `e/{earliest:be64}{wal position}` expiry index, one
@@ -87,6 +88,7 @@ mod index;
 mod open;
 mod ops;
 mod packed;
+mod pointers;
 mod shared;
 mod slot;
 mod stats;
@@ -99,7 +101,9 @@ use codec::*;
 pub use codec::{read_value, record_value};
 use drainer::*;
 use ids::Ids;
-pub use index::{action_keys, expiry_entry, pointer};
+pub use index::{action_keys, expiry_entry};
+pub use pointers::{bucket_key, bucket_with};
+use pointers::{push_timed, timed};
 
 use index::*;
 

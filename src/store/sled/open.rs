@@ -280,6 +280,7 @@ impl SledStore {
             shared,
             seq: 0,
             unapplied: HashMap::default(),
+            buckets: HashMap::default(),
             pruned: 0,
             ids,
             sync: sealed_tx,

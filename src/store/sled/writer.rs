@@ -27,6 +27,9 @@ pub(super) struct Writer {
     /// the batch that last changed them), which the writer reads instead of sled.
     pub(super) seq: u64,
     pub(super) unapplied: HashMap<String, Unapplied>,
+    /// Pointer buckets changed by batches not yet applied to sled (with the batch that last
+    /// changed them; `None`: emptied), which the writer reads instead of sled.
+    pub(super) buckets: HashMap<u16, (u64, Option<Vec<u8>>)>,
     /// The last batch sled had applied when `unapplied` was last pruned.
     pub(super) pruned: u64,
     /// Every id the store has held since open, and some it has not: a claim of a new action asks
@@ -84,6 +87,9 @@ pub(super) struct Pending {
     /// The actions this batch gives a new expiry, with it: listed in one expiry index entry
     /// ([`expiring_key`]).
     pub(super) expiring: Expiring,
+    /// The pointers this batch gives (an action's id, its record's creation time) or takes
+    /// away (`None`), in order: written to their buckets once a batch ([`Writer::put_pointers`]).
+    pub(super) pointers: Vec<(String, Option<Millis>)>,
 }
 
 impl Pending {
@@ -170,6 +176,10 @@ impl Writer {
             }
             answers.push(self.apply(op, &mut pending));
         }
+        let buckets = self.put_pointers(&mut pending).unwrap_or_else(|e| {
+            self.shared.fail(&format!("read a pointer bucket: {e}"));
+            HashMap::default()
+        });
         if let Some(first) = pending.log_first.take() {
             self.close_block(&mut pending, first);
             // The database learns the log's head with the entries (`history`): at open, a log
@@ -225,6 +235,9 @@ impl Writer {
                 self.unapplied
                     .insert(id.clone(), (self.seq, r.clone(), framed));
             }
+            for (b, v) in buckets {
+                self.buckets.insert(b, (self.seq, v));
+            }
         }
         let sealed = Sealed {
             seq: self.seq,
@@ -255,6 +268,7 @@ impl Writer {
         let applied = self.shared.applied();
         if applied > self.pruned {
             self.unapplied.retain(|_, (seq, ..)| *seq > applied);
+            self.buckets.retain(|_, (seq, _)| *seq > applied);
             self.pruned = applied;
         }
         if self.wal.wants_checkpoint(self.checkpoint_bytes) {
@@ -309,6 +323,7 @@ impl Writer {
             .map_err(|_| "the syncer thread stopped".to_string())?;
         self.shared.wait_applied(self.seq)?;
         self.unapplied.clear();
+        self.buckets.clear();
         Ok(())
     }
 
@@ -443,7 +458,9 @@ impl Writer {
         // first version only, not again with each change (stores whose records or pointers had
         // another form are brought to this one at open: `migrate_indexes`).
         if old.is_none() || moved.is_some() {
-            pending.put(rec_key(&new.id), pointer(&new));
+            pending
+                .pointers
+                .push((new.id.clone(), Some(new.created_at)));
             self.ids.insert(new.id.as_bytes());
         }
         let framed = match body {
@@ -479,6 +496,36 @@ impl Writer {
         new
     }
 
+    /// Writes the batch's pointers into their buckets: each bucket read once (as the batches
+    /// before left it: from those sled lacks, or from sled) and put once, with every change the
+    /// batch makes to it. Returns the buckets as the batch leaves them.
+    fn put_pointers(
+        &self,
+        pending: &mut Pending,
+    ) -> Result<HashMap<u16, Option<Vec<u8>>>, StoreError> {
+        let mut touched: HashMap<u16, Option<Vec<u8>>> = HashMap::default();
+        for (id, created) in std::mem::take(&mut pending.pointers) {
+            let b = pointers::bucket_of(id.as_bytes());
+            let key = pointers::bucket_key_of(b);
+            let value = match touched.remove(&b) {
+                Some(v) => v,
+                None => match self.buckets.get(&b) {
+                    Some((_, v)) => v.clone(),
+                    None => self.db.get(&key).map_err(unavailable)?.map(|v| v.to_vec()),
+                },
+            };
+            touched.insert(b, pointers::with(&key, value.as_deref(), &id, created)?);
+        }
+        for (b, v) in &touched {
+            let key = pointers::bucket_key_of(*b);
+            match v {
+                Some(v) => pending.put(key, v.clone()),
+                None => pending.del(key),
+            }
+        }
+        Ok(touched)
+    }
+
     /// Moves one action between states in the counts (`None`: absent).
     pub(super) fn count(&mut self, from: Option<State>, to: Option<State>) {
         let c = &mut self.counts;
@@ -492,7 +539,7 @@ impl Writer {
 
     pub(super) fn unstage(&mut self, pending: &mut Pending, old: &Record) {
         self.count(Some(old.state), None);
-        pending.del(rec_key(&old.id));
+        pending.pointers.push((old.id.clone(), None));
         pending.del(record_key(old));
         pending.del(body_key(old));
         for k in index_keys(old) {

@@ -1,6 +1,6 @@
 //! Which action ids the store may hold: a Bloom filter the writer asks before it looks an action
 //! up in sled. A claim of a new action (nearly every write) otherwise walks sled to the random
-//! leaf its pointer `a/{id}` would be in, only to find nothing there: about 6% of the proxy's
+//! bucket its pointer would be in (a random page of sled), only to find nothing there: about 6% of the proxy's
 //! CPU per write.
 //!
 //! The filter answers "certainly not held" or "perhaps held"; only the first skips sled, and it
@@ -19,6 +19,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use foldhash::quality::FixedState;
+
+use super::pointers;
 
 mod saved;
 
@@ -83,14 +85,16 @@ impl Ids {
         }
     }
 
-    /// The filter of the ids of every pointer (`a/{id}`) in `db` (about `expected` of them),
+    /// The filter of the ids of every pointer in `db`'s buckets (about `expected` of them),
     /// sized for twice as many: saved, it is loaded at later opens until it holds more than
     /// about 2.7 times as many ([`LOAD_BITS_PER_ID`]).
     pub(super) fn of(db: &sled::Db, expected: usize) -> Result<Ids, String> {
         let mut ids = Ids::with_capacity(expected.saturating_mul(2));
-        for k in db.scan_prefix(b"a/").keys() {
-            let k = k.map_err(|e| e.to_string())?;
-            ids.insert(&k[2..]);
+        for kv in db.scan_prefix(pointers::POINTERS_PREFIX) {
+            let (k, v) = kv.map_err(|e| e.to_string())?;
+            for id in pointers::ids(&k, &v).map_err(|e| e.to_string())? {
+                ids.insert(id.map_err(|e| e.to_string())?);
+            }
         }
         Ok(ids)
     }

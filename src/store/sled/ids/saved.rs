@@ -23,6 +23,7 @@ use sha2::{Digest, Sha256};
 use super::{Ids, Snapshot, LOAD_BITS_PER_ID, MIN_BITS};
 use crate::store::files;
 use crate::store::sled::codec::{log_lines, log_seq};
+use crate::store::sled::pointers;
 use crate::store::sled::Counts;
 use crate::store::wal::Change;
 
@@ -139,7 +140,14 @@ impl Saved {
         let mut blocks = Vec::new();
         for c in changes {
             if let Change::Put(k, v) = c {
-                if let Some(id) = k.strip_prefix(b"a/") {
+                if k.starts_with(pointers::POINTERS_PREFIX) {
+                    // A bucket as the frame left it: every id in it (a cut or unknown value is
+                    // refused when the store reads it).
+                    for id in pointers::ids(k, v).into_iter().flatten().flatten() {
+                        self.ids.insert(id);
+                    }
+                } else if let Some(id) = k.strip_prefix(b"a/") {
+                    // A frame of a version before buckets.
                     self.ids.insert(id);
                 } else if let Some(first) = log_seq(k) {
                     blocks.push((first, v.as_slice()));
@@ -587,7 +595,10 @@ mod tests {
             let holds = s.holds_all(&now);
             (holds, s.ids.may_hold(b"new"), s.ids.may_hold(b"old"))
         };
-        let pointer = Change::Put(b"a/new".to_vec(), vec![0; 8]);
+        let pointer = Change::Put(
+            pointers::bucket_key("new"),
+            pointers::bucket_with(None, "new", 1),
+        );
         // Replayed again from before the checkpoint, then the frames after it, in two files.
         let whole = [
             vec![block(&log, 5, 10)],
@@ -595,6 +606,12 @@ mod tests {
             vec![block(&log, 13, 30)],
         ];
         assert_eq!(replay(&whole, 30), (Ok(()), true, true));
+        // A frame of a version before buckets, replayed by this one, gives its pointer's id.
+        let old_frame = [vec![
+            block(&log, 11, 30),
+            Change::Put(b"a/new".to_vec(), vec![0; 8]),
+        ]];
+        assert_eq!(replay(&old_frame, 30), (Ok(()), true, true));
         // Blocks that overlap what was replayed before them.
         let overlapping = [vec![block(&log, 8, 20)], vec![block(&log, 15, 30)]];
         assert_eq!(replay(&overlapping, 30).0, Ok(()));
