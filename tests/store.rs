@@ -1025,7 +1025,8 @@ fn older_form(key: &[u8], value: &[u8]) -> (Vec<u8>, Option<Vec<u8>>) {
 
 /// Brings the pointers of a closed store's database back to the form versions before kept
 /// them, one key an action: `a/{id}` holding its record's creation time (this version keeps
-/// them in buckets, `p/{bucket}`, and moves such keys into them at open).
+/// them in buckets, `p/{bucket}`, drawn with a secret it keeps, and moves such keys into them at
+/// open).
 fn older_pointers(db: &::sled::Db) {
     for kv in db.scan_prefix("p/") {
         let (k, v) = kv.unwrap();
@@ -1039,6 +1040,7 @@ fn older_pointers(db: &::sled::Db) {
         }
         db.remove(k).unwrap();
     }
+    db.remove(oncegate::store::sled::BUCKETS_KEY).unwrap();
     db.insert("m/indexes", "7").unwrap();
 }
 
@@ -1046,7 +1048,8 @@ fn older_pointers(db: &::sled::Db) {
 /// `id`, pointing at a record created at `created`.
 fn in_bucket(db: &::sled::Db, id: &str, created: &[u8]) -> bool {
     let created = Millis::from_be_bytes(created.try_into().unwrap());
-    let Some(v) = db.get(oncegate::store::sled::bucket_key(id)).unwrap() else {
+    let buckets = oncegate::store::sled::Buckets::of(db).unwrap().unwrap();
+    let Some(v) = db.get(buckets.key(id)).unwrap() else {
         return false;
     };
     let alone = oncegate::store::sled::bucket_with(None, id, created);
@@ -1281,6 +1284,42 @@ async fn sled_reads_a_pointer_kept_as_the_whole_creation_key() {
     assert_eq!(db.scan_prefix("c/").count(), 1);
 }
 
+/// A client chooses its idempotency keys, so it can grind action ids that share their first
+/// digits (65,536 SHA-256s a hit for four): such ids still spread over the buckets (drawn with the
+/// store's secret), and no bucket, which each new action in it rewrites whole, grows with them.
+#[tokio::test]
+async fn sled_spreads_ids_that_share_a_prefix_over_buckets() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let ids: Vec<String> = (0..2_000).map(|i| format!("0000{i:028x}")).collect();
+    let actions: Vec<_> = ids
+        .iter()
+        .map(|id| (id.as_str(), T0, State::Succeeded))
+        .collect();
+    closed_with(&dir, &actions).await;
+    let sizes = edit_closed(&dir, |db| {
+        db.scan_prefix("p/")
+            .map(|kv| {
+                let (_, v) = kv.unwrap();
+                let (mut rest, mut n) = (&v[1..], 0);
+                while !rest.is_empty() {
+                    let len = usize::from(u16::from_be_bytes([rest[8], rest[9]]));
+                    rest = &rest[10 + len..];
+                    n += 1;
+                }
+                n
+            })
+            .collect::<Vec<usize>>()
+    });
+    assert_eq!(sizes.iter().sum::<usize>(), ids.len());
+    let largest = sizes.iter().max().copied().unwrap_or(0);
+    assert!(largest <= 8, "a bucket lists {largest} of 2,000 ids");
+    let s = open_sled(&dir, Default::default());
+    for id in ids.iter().step_by(97) {
+        assert!(s.get(id).await.unwrap().is_some(), "{id}");
+    }
+}
+
 /// The version before buckets kept one pointer an action, `a/{id}`: opening such a store moves
 /// every one into its bucket, a move cut short by a crash included (an id already in its bucket
 /// and still under `a/`), and every action is found again, never claimed as new, by the writer
@@ -1326,11 +1365,16 @@ async fn sled_moves_the_pointers_of_the_version_before_into_buckets() {
             })
             .collect();
         assert_eq!(created.len(), ids.len());
+        let secret = db.get(oncegate::store::sled::BUCKETS_KEY).unwrap().unwrap();
         older_pointers(db);
         assert_eq!(db.scan_prefix("a/").count(), ids.len());
-        // A move cut short: this pointer reached its bucket, its old key is still there.
+        // A move cut short: the open drew its buckets' secret, this pointer reached its bucket,
+        // its old key is still there.
+        db.insert(oncegate::store::sled::BUCKETS_KEY, secret)
+            .unwrap();
         let id = &ids[7];
-        let bucket = oncegate::store::sled::bucket_key(id);
+        let buckets = oncegate::store::sled::Buckets::of(db).unwrap().unwrap();
+        let bucket = buckets.key(id);
         let at = Millis::from_be_bytes(created[id].clone().try_into().unwrap());
         db.insert(&bucket, oncegate::store::sled::bucket_with(None, id, at))
             .unwrap();

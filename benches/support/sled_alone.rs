@@ -1,7 +1,7 @@
 //! The floor under the embedded store: sled 0.34.7, configured as the store configures it, making
 //! only the sled operations one durable write ends in, on one thread: the insert of the record
 //! with its small body after it (under its creation key), then the read and write of the bucket
-//! its pointer goes in, with the keys the store derives (`action_keys`, `bucket_key`) and a value of the store's own form (`record_value`: the packed record of a
+//! its pointer goes in, with the keys the store derives (`action_keys`, `Buckets::key`) and a value of the store's own form (`record_value`: the packed record of a
 //! write like the side-by-side bench's, about 450 bytes, and its body), and an expiry index
 //! entry for every [`EXPIRIES_A_BATCH`] writes (`expiry_entry`). No write-ahead log, fsync,
 //! encoding, write log or HTTP. Its CPU per write is what no store on
@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use oncegate::action::{now_millis, Attempt, BodyRef, Record, Source, State, StoredResponse, Try};
-use oncegate::store::sled::{action_keys, bucket_key, bucket_with};
+use oncegate::store::sled::{action_keys, bucket_with, Buckets};
 
 use super::proc;
 
@@ -107,6 +107,8 @@ fn run(duration: Duration, rate: Option<f64>) -> Floor {
     let db = oncegate::store::sled::sled_config(&tmp.path().join("s"))
         .open()
         .unwrap();
+    // Buckets drawn with a secret, as a store draws its own.
+    let buckets = Buckets::new(rand::random());
     // A record and its body: one value, as the store keeps them.
     let record = oncegate::store::sled::record_value(
         &a_write(),
@@ -131,8 +133,7 @@ fn run(duration: Duration, rate: Option<f64>) -> Floor {
     let mut action = Record::new(String::new(), String::new());
     action.state = State::Succeeded;
     while started.elapsed() < duration {
-        // Uniform ids, as the store's (SHA-256 digests in hex): the multiplication by an odd
-        // constant, modulo 2^128, spreads every bit of the count over the leading digits.
+        // Ids of the store's form (32 hex digits); their buckets are spread by the secret.
         action.id = format!(
             "{:032x}",
             u128::from(writes).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835)
@@ -147,7 +148,7 @@ fn run(duration: Duration, rate: Option<f64>) -> Floor {
             unreachable!("action_keys names the record");
         };
         db.insert(rec, record.as_slice()).unwrap();
-        let bucket = bucket_key(&action.id);
+        let bucket = buckets.key(&action.id);
         let listed = db.get(&bucket).unwrap();
         let value = bucket_with(listed.as_deref(), &action.id, action.created_at);
         db.insert(bucket, value).unwrap();

@@ -223,6 +223,7 @@ impl Writer {
                     let nothing = Overlay::take(&self.shared, |_| false)?;
                     scan(
                         &self.db,
+                        &self.shared.buckets,
                         &nothing,
                         &filter,
                         usize::MAX,

@@ -51,9 +51,10 @@ fn pointed_at(id: &str, v: &[u8]) -> Option<Vec<u8>> {
 /// keys): read again, once.
 pub(super) fn read_record<V: AsRef<[u8]>>(
     id: &str,
+    buckets: &Buckets,
     mut get: impl FnMut(&[u8]) -> Result<Option<V>, StoreError>,
 ) -> Result<Option<(Vec<u8>, V)>, StoreError> {
-    let bucket = bucket_key(id);
+    let bucket = buckets.key(id);
     for _ in 0..2 {
         let Some(v) = get(&bucket)? else {
             return Ok(None);
@@ -79,12 +80,16 @@ fn missing(id: &str) -> StoreError {
 /// [`read_record`] in a store whose pointers versions before kept under `a/{id}` (while its
 /// indexes are built at open, before they move into buckets): the `a/` entry, then, when that is
 /// a pointer, the record it points at.
-fn read_old_record(db: &sled::Db, id: &str) -> Result<Option<(Vec<u8>, sled::IVec)>, StoreError> {
+fn read_old_record(
+    db: &sled::Db,
+    buckets: &Buckets,
+    id: &str,
+) -> Result<Option<(Vec<u8>, sled::IVec)>, StoreError> {
     let get = |k: &[u8]| db.get(k).map_err(unavailable);
     let key = rec_key(id);
     for _ in 0..2 {
         let Some(v) = get(&key)? else {
-            return read_record(id, get);
+            return read_record(id, buckets, get);
         };
         let Some(at) = pointed_at(id, v.as_ref()) else {
             return Ok(Some((key, v)));
@@ -265,7 +270,7 @@ pub(super) fn index_keys(r: &Record) -> impl Iterator<Item = Vec<u8>> + '_ {
 
 /// Every key the store writes for `r` with a small stored body: the record (its creation key,
 /// whose value holds the body after the record) and the index entries, but for its pointer's
-/// bucket ([`bucket_key`]) and the expiry entry its batch shares (public for the benches' `sled
+/// bucket ([`Buckets::key`]) and the expiry entry its batch shares (public for the benches' `sled
 /// alone` floor, which writes the same keys).
 pub fn action_keys(r: &Record) -> Vec<Vec<u8>> {
     let mut keys = vec![record_key(r)];
@@ -285,17 +290,17 @@ const BEFORE_BUCKETS: &[u8] = b"7";
 /// form), moves the bodies it keeps under `b/{id}` to their creation keys and keys its expiry
 /// index by time instead of by minute; then moves the pointers under `a/{id}` into buckets
 /// ([`pointers::move_to_buckets`]).
-pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
+pub(super) fn migrate_indexes(db: &sled::Db, buckets: &Buckets) -> Result<(), String> {
     let marker = db.get(INDEXES_KEY).map_err(|e| e.to_string())?;
     let marker = marker.as_deref();
     if marker != Some(INDEXES_VERSION) && marker != Some(BEFORE_BUCKETS) {
-        build_indexes(db, marker)?;
+        build_indexes(db, marker, buckets)?;
         db.insert(INDEXES_KEY, BEFORE_BUCKETS)
             .map_err(|e| e.to_string())?;
     }
     // Every open (a scan that finds nothing once they moved): an open that moved them and
     // crashed before its checkpoint replays the older frames again, `a/` keys included.
-    let pointers = pointers::move_to_buckets(db)?;
+    let pointers = pointers::move_to_buckets(db, buckets)?;
     if marker != Some(INDEXES_VERSION) {
         db.insert(INDEXES_KEY, INDEXES_VERSION)
             .map_err(|e| e.to_string())?;
@@ -307,7 +312,7 @@ pub(super) fn migrate_indexes(db: &sled::Db) -> Result<(), String> {
 }
 
 /// [`migrate_indexes`] up to the version before buckets, from the version `marker` names.
-fn build_indexes(db: &sled::Db, marker: Option<&[u8]>) -> Result<(), String> {
+fn build_indexes(db: &sled::Db, marker: Option<&[u8]>, buckets: &Buckets) -> Result<(), String> {
     // A store of version 6 lacks only the move of records and pointers below: its open skips the
     // scans of the state, body and expiry indexes (the last reads every settled record).
     let only_records = marker == Some(b"6".as_slice());
@@ -348,8 +353,8 @@ fn build_indexes(db: &sled::Db, marker: Option<&[u8]>) -> Result<(), String> {
             db.remove(k.map_err(|e| e.to_string())?)
                 .map_err(|e| e.to_string())?;
         }
-        moved = move_bodies(db)?;
-        rekey_expiry(db)?;
+        moved = move_bodies(db, buckets)?;
+        rekey_expiry(db, buckets)?;
     }
     if n > 0 {
         tracing::info!(actions = n, "store: built the expiry index");
@@ -365,8 +370,8 @@ fn build_indexes(db: &sled::Db, marker: Option<&[u8]>) -> Result<(), String> {
 
 /// The record of `id` as sled holds it, for the index builds at open (which read the plain
 /// fields only, so no sealer).
-fn stored_record(db: &sled::Db, id: &str) -> Result<Option<Record>, String> {
-    match read_old_record(db, id) {
+fn stored_record(db: &sled::Db, buckets: &Buckets, id: &str) -> Result<Option<Record>, String> {
+    match read_old_record(db, buckets, id) {
         Ok(Some((at, v))) => decode(&at, &v, None).map(Some).map_err(|e| e.to_string()),
         Ok(None) => Ok(None),
         Err(e) => Err(e.to_string()),
@@ -377,7 +382,7 @@ fn stored_record(db: &sled::Db, id: &str) -> Result<Option<Record>, String> {
 /// the record rather than the old key, so an entry already moved (by a run interrupted before the
 /// marker) stays as it is: the new key first, then the old one goes. An entry whose record is gone
 /// or no longer expires goes.
-fn rekey_expiry(db: &sled::Db) -> Result<(), String> {
+fn rekey_expiry(db: &sled::Db, buckets: &Buckets) -> Result<(), String> {
     for kv in db.scan_prefix(EXPIRY_PREFIX) {
         let (k, v) = kv.map_err(|e| e.to_string())?;
         if !v.is_empty() {
@@ -385,7 +390,7 @@ fn rekey_expiry(db: &sled::Db) -> Result<(), String> {
             continue;
         }
         let id = index_id(&k, EXPIRY_PREFIX).map_err(|e| e.to_string())?;
-        let due = stored_record(db, &id)?.and_then(|r| r.expires_at);
+        let due = stored_record(db, buckets, &id)?.and_then(|r| r.expires_at);
         let key = due.map(|e| expiry_key(e, &id));
         if key.as_deref() == Some(&k[..]) {
             continue;
@@ -401,12 +406,12 @@ fn rekey_expiry(db: &sled::Db) -> Result<(), String> {
 /// Moves each body under `b/{id}` to [`body_key`] of its record: the new key first, then the old
 /// one goes, so an interrupted move starts again with nothing lost. A body whose record is gone
 /// goes with nothing to move to.
-fn move_bodies(db: &sled::Db) -> Result<usize, String> {
+fn move_bodies(db: &sled::Db, buckets: &Buckets) -> Result<usize, String> {
     let mut n = 0;
     for kv in db.scan_prefix(OLD_BODY_PREFIX) {
         let (k, body) = kv.map_err(|e| e.to_string())?;
         let id = String::from_utf8_lossy(&k[OLD_BODY_PREFIX.len()..]).into_owned();
-        if let Some(r) = stored_record(db, &id)? {
+        if let Some(r) = stored_record(db, buckets, &id)? {
             db.insert(body_key(&r), body).map_err(|e| e.to_string())?;
             n += 1;
         }
@@ -425,6 +430,7 @@ pub(super) fn log_key(seq: u64) -> Vec<u8> {
 /// its way out or in never shows a record in a state it is not in.
 pub(super) fn scan(
     db: &sled::Db,
+    buckets: &Buckets,
     overlay: &Overlay,
     filter: &Filter,
     limit: usize,
@@ -432,7 +438,7 @@ pub(super) fn scan(
 ) -> Result<Vec<Record>, StoreError> {
     let mut out = Vec::new();
     let record = |id: &str| -> Result<Option<Record>, StoreError> {
-        read_record(id, |k| overlay.get(db, k))?
+        read_record(id, buckets, |k| overlay.get(db, k))?
             .map(|(key, v)| decode(&key, &v, sealer))
             .transpose()
     };
@@ -530,7 +536,6 @@ mod tests {
     #[test]
     fn keys_keep_their_layout() {
         assert_eq!(rec_key("ab12"), b"a/ab12");
-        assert_eq!(bucket_key("ab12"), b"p/\xab\x12");
         assert_eq!(state_key(State::Unknown, "ab12"), b"s/unknown/ab12");
         assert_eq!(task_key("t-1", "ab12"), b"t/t-1\0ab12");
         assert_eq!(file_key("ffee", "ab12"), b"f/ffee/ab12");

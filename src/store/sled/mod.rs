@@ -35,7 +35,8 @@
 //! Keys (one tree): `c/{created_at:be64}{id}` the record (packed: [`packed`]; then its small
 //! stored body), which is also the creation index
 //! (lists page newest first; new records land in the newest leaves, which sled holds), `p/{bucket:be16}`
-//! the pointers of the actions in one of 65,536 buckets, each an id and its record's creation time
+//! the pointers of the actions in one of 65,536 buckets (which one: SHA-256 over a secret the
+//! store draws once, `m/buckets`, and the id), each an id and its record's creation time
 //! (an action's entry written with its record's first version: [`pointers`]; stores from before
 //! kept one `a/{id}` an action, holding the creation time, the whole `c/` key, or the record
 //! itself with an empty `c/` entry: moved at open), `r/{created_at:be64}{id}`
@@ -102,7 +103,7 @@ pub use codec::{read_value, record_value};
 use drainer::*;
 use ids::Ids;
 pub use index::{action_keys, expiry_entry};
-pub use pointers::{bucket_key, bucket_with};
+pub use pointers::{bucket_with, Buckets, BUCKETS_KEY};
 use pointers::{push_timed, timed};
 
 use index::*;
@@ -474,7 +475,7 @@ impl Store for SledStore {
     fn get<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         Box::pin(async move {
             let db = self.db()?;
-            match read_record(id, |k| read_key(&self.shared, &db, k))? {
+            match read_record(id, &self.shared.buckets, |k| read_key(&self.shared, &db, k))? {
                 Some((key, v)) => decode(&key, &v, self.sealer.as_deref()).map(Some),
                 None => Ok(None),
             }
@@ -527,8 +528,9 @@ impl Store for SledStore {
             let sealer = self.sealer.clone();
             // Records, bodies and indexes durable but not yet in sled (not the log's blocks).
             let overlay = Overlay::take(&self.shared, |k| log_seq(k).is_none())?;
+            let buckets = self.shared.buckets;
             tokio::task::spawn_blocking(move || {
-                scan(&db, &overlay, &filter, limit, sealer.as_deref())
+                scan(&db, &buckets, &overlay, &filter, limit, sealer.as_deref())
             })
             .await
             .map_err(unavailable)?

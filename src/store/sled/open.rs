@@ -197,7 +197,9 @@ impl SledStore {
         check_key(&db, options.sealer.as_deref()).map_err(|e| {
             StoreError::Unavailable(format!("cannot open the store at {}: {e}", dir.display()))
         })?;
-        migrate_indexes(&db).map_err(|e| fail("build the expiry index", &e))?;
+        let buckets =
+            Buckets::open(&db).map_err(|e| fail("read the pointer buckets' secret", &e))?;
+        migrate_indexes(&db, &buckets).map_err(|e| fail("build the expiry index", &e))?;
         let head = log_head(&logfiles).map_err(|e| fail("read write log", &e))?;
         let (counts, kept) = open_counts(&db);
         // Every pointer sled holds, now that the log is replayed and older layouts moved: the
@@ -227,7 +229,7 @@ impl SledStore {
         let notes = Arc::new(Mutex::new(Vec::new()));
         let cache = Arc::new(Mutex::new(Cache::default()));
         let placing = Arc::new(Mutex::new(HashMap::default()));
-        let shared = Arc::new(Shared::new(logfiles, counts, head.clone(), loaded));
+        let shared = Arc::new(Shared::new(logfiles, counts, head.clone(), loaded, buckets));
         let reader_view = shared.clone();
         let (drain_tx, drain_rx) = mpsc::channel::<(Arc<Changes>, u64)>();
         let drainer = {

@@ -1,15 +1,15 @@
 //! Pointers: where the record of an action is found by its id.
 //!
 //! `p/{bucket:be16}`: the pointers of the actions whose ids fall in one of 65,536 buckets
-//! ([`bucket_of`]), each an id with its record's creation time, which with the id names the key
+//! ([`Buckets`]), each an id with its record's creation time, which with the id names the key
 //! the record lives under (`c/{created_at:be64}{id}`). One key an action (`a/{id}`, as versions
 //! before kept them) put every new action into a random leaf of a tree as large as the store,
 //! and sled keeps state for every page it has held (about 240 bytes a page, a leaf of some 12
 //! pointers): with the store's size that tree came to most of the proxy's growth in memory and
 //! a fifth of a write's CPU (docs/decisions.md, "Pointers in buckets"). Buckets are a fixed
 //! number of keys whatever the store's size (about 5,500 leaves); the price is that a new action
-//! rewrites its bucket (about 250 bytes with 380,000 actions stored, growing with the store). Opening a store moves the pointers of versions before into buckets
-//! ([`move_to_buckets`]).
+//! rewrites its bucket (about 250 bytes with 380,000 actions stored, growing with the store).
+//! Opening a store moves the pointers of versions before into buckets ([`move_to_buckets`]).
 
 use super::*;
 
@@ -17,27 +17,77 @@ pub(super) const POINTERS_PREFIX: &[u8] = b"p/";
 /// The first byte of a bucket's value: its form's version.
 const BUCKET_FORM: u8 = 1;
 
-/// The bucket of `id`: its first four hex digits (action ids are SHA-256 digests in hex, so these
-/// are uniform, and the pointers of a/ keys read in order fall in buckets in order), or, for an
-/// id that does not start so, a hash of it (FNV-1a, fixed here for good: a bucket is on disk).
-pub(super) fn bucket_of(id: &[u8]) -> u16 {
-    let hex = id.get(..4).and_then(|d| {
-        d.iter().try_fold(0u16, |n, &c| {
-            let v = (c as char).to_digit(16)?;
-            Some(n << 4 | v as u16)
-        })
-    });
-    hex.unwrap_or_else(|| {
-        let h = id.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-        });
-        (h ^ h >> 16 ^ h >> 32 ^ h >> 48) as u16
-    })
+/// Where the store keeps the secret its buckets are drawn with ([`Buckets`]).
+pub const BUCKETS_KEY: &[u8] = b"m/buckets";
+/// The first byte of [`BUCKETS_KEY`]'s value: its form's version.
+const SALT_FORM: u8 = 1;
+
+/// Which bucket an id's pointer goes in: the first two bytes of SHA-256 over a secret the store
+/// draws once (kept under [`BUCKETS_KEY`]) and the id. Not the id's own first digits: a client
+/// chooses its idempotency keys, and at 65,536 SHA-256s a hit it could grind ids that all fall in
+/// one bucket, which every new action then rewrites whole (a million of the benches' ids, made
+/// from counters, fell in one bucket that way). The secret is on disk and in backups with the
+/// buckets it placed; it never leaves the store.
+#[derive(Clone, Copy)]
+pub struct Buckets {
+    salt: [u8; 16],
 }
 
-/// The key of the bucket `id` falls in (public for the benches' `sled alone` floor).
-pub fn bucket_key(id: &str) -> Vec<u8> {
-    bucket_key_of(bucket_of(id.as_bytes()))
+impl std::fmt::Debug for Buckets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Buckets(..)")
+    }
+}
+
+impl Buckets {
+    /// Buckets drawn with `salt` (for the benches' `sled alone` floor and tests).
+    pub fn new(salt: [u8; 16]) -> Buckets {
+        Buckets { salt }
+    }
+
+    /// The buckets of the store whose database is `db`, as it saved them; `None` in a store that
+    /// has not placed a pointer in a bucket yet (for tools and tests that read a closed store).
+    pub fn of(db: &sled::Db) -> Result<Option<Buckets>, String> {
+        let Some(v) = db.get(BUCKETS_KEY).map_err(|e| e.to_string())? else {
+            return Ok(None);
+        };
+        match v.split_first() {
+            Some((&SALT_FORM, salt)) => salt
+                .try_into()
+                .map(|salt| Some(Buckets { salt }))
+                .map_err(|_| "m/buckets: cut short".to_string()),
+            _ => Err("m/buckets: of a form this version does not know".into()),
+        }
+    }
+
+    /// The store's buckets, drawn and made durable at its first open under this version (before
+    /// any pointer goes in one: a pointer placed with a secret a crash then lost would not be
+    /// found again).
+    pub(super) fn open(db: &sled::Db) -> Result<Buckets, String> {
+        if let Some(b) = Buckets::of(db)? {
+            return Ok(b);
+        }
+        let b = Buckets::new(rand::random());
+        db.insert(BUCKETS_KEY, [&[SALT_FORM][..], &b.salt].concat())
+            .map_err(|e| e.to_string())?;
+        db.flush().map_err(|e| e.to_string())?;
+        Ok(b)
+    }
+
+    /// The bucket of `id`.
+    pub(super) fn of_id(&self, id: &[u8]) -> u16 {
+        use sha2::Digest;
+        let d = sha2::Sha256::new()
+            .chain_update(self.salt)
+            .chain_update(id)
+            .finalize();
+        u16::from_be_bytes([d[0], d[1]])
+    }
+
+    /// The key of the bucket `id` falls in.
+    pub fn key(&self, id: &str) -> Vec<u8> {
+        bucket_key_of(self.of_id(id.as_bytes()))
+    }
 }
 
 pub(super) fn bucket_key_of(bucket: u16) -> Vec<u8> {
@@ -147,7 +197,7 @@ pub(super) fn ids<'a>(
     Ok(entries(key, value)?.map(|e| e.map(|(_, id, _)| id)))
 }
 
-/// Where a bucket write goes: `value` for `bucket_key(id)`, for the benches' `sled alone`
+/// Where a bucket write goes: `value` for [`Buckets::key`], for the benches' `sled alone`
 /// floor, which makes the store's own read and write of a new action's bucket.
 pub fn bucket_with(value: Option<&[u8]>, id: &str, created: Millis) -> Vec<u8> {
     with(b"", value, id, Some(created))
@@ -159,12 +209,17 @@ pub fn bucket_with(value: Option<&[u8]>, id: &str, created: Millis) -> Vec<u8> {
 /// Moves every pointer kept under `a/{id}` (8 bytes: its record's creation time, the form every
 /// older one is brought to first) into its bucket: the buckets first, then the old keys go, so
 /// an interrupted move starts again with nothing lost (an id already in its bucket is listed
-/// once). At most [`MOVE_STEP`] pointers are held at a time.
-pub(super) fn move_to_buckets(db: &sled::Db) -> Result<usize, String> {
-    let mut moved = 0;
-    loop {
-        let mut step: Vec<(sled::IVec, Millis)> = Vec::new();
-        for kv in db.scan_prefix(b"a/").take(MOVE_STEP) {
+/// once). Each bucket is written once: the pointers are read in as many passes as it takes to
+/// hold at most [`MOVE_STEP`] of them at a time, each pass building one range of buckets whole,
+/// in key order.
+pub(super) fn move_to_buckets(db: &sled::Db, buckets: &Buckets) -> Result<usize, String> {
+    move_to_buckets_in(db, buckets, MOVE_STEP)
+}
+
+/// [`move_to_buckets`] holding at most `step` pointers at a time.
+fn move_to_buckets_in(db: &sled::Db, buckets: &Buckets, step: usize) -> Result<usize, String> {
+    let old = || {
+        db.scan_prefix(b"a/").map(|kv| {
             let (k, v) = kv.map_err(|e| e.to_string())?;
             let created = <[u8; 8]>::try_from(&v[..]).map_err(|_| {
                 format!(
@@ -172,56 +227,147 @@ pub(super) fn move_to_buckets(db: &sled::Db) -> Result<usize, String> {
                     String::from_utf8_lossy(&k)
                 )
             })?;
-            step.push((k, Millis::from_be_bytes(created)));
-        }
-        if step.is_empty() {
-            return Ok(moved);
-        }
-        let mut by_bucket: std::collections::BTreeMap<u16, Vec<(String, Millis)>> =
-            Default::default();
-        for (k, created) in &step {
-            let id = String::from_utf8_lossy(&k[2..]).into_owned();
-            by_bucket
-                .entry(bucket_of(id.as_bytes()))
-                .or_default()
-                .push((id, *created));
-        }
-        for (bucket, listed) in by_bucket {
-            let key = bucket_key_of(bucket);
-            let mut value = db.get(&key).map_err(|e| e.to_string())?.map(|v| v.to_vec());
-            for (id, created) in listed {
-                value =
-                    with(&key, value.as_deref(), &id, Some(created)).map_err(|e| e.to_string())?;
+            Ok::<_, String>((k, Millis::from_be_bytes(created)))
+        })
+    };
+    let count = old().try_fold(0usize, |n, kv| kv.map(|_| n + 1))?;
+    if count == 0 {
+        return Ok(0);
+    }
+    tracing::info!(
+        pointers = count,
+        "store: moving pointers into buckets (once, after an upgrade: about 10 s a million)"
+    );
+    let passes = count.div_ceil(step);
+    let span = (1usize << 16).div_ceil(passes);
+    for pass in 0..passes {
+        let range = pass * span..((pass + 1) * span).min(1 << 16);
+        // Each bucket of the range as its entries to be (a bucket's value, no more).
+        let mut building: std::collections::BTreeMap<u16, Vec<u8>> = Default::default();
+        for kv in old() {
+            let (k, created) = kv?;
+            let id = &k[2..];
+            let b = buckets.of_id(id);
+            if range.contains(&usize::from(b)) {
+                let v = building.entry(b).or_insert_with(|| vec![BUCKET_FORM]);
+                push_timed(v, created, &String::from_utf8_lossy(id));
             }
-            if let Some(v) = value {
-                db.insert(key, v).map_err(|e| e.to_string())?;
-            }
         }
-        for (k, _) in step {
-            db.remove(k).map_err(|e| e.to_string())?;
-            moved += 1;
+        for (b, listed) in building {
+            let key = bucket_key_of(b);
+            let value = match db.get(&key).map_err(|e| e.to_string())? {
+                Some(old) => merged(&key, &old, &listed).map_err(|e| e.to_string())?,
+                None => listed,
+            };
+            db.insert(key, value).map_err(|e| e.to_string())?;
         }
     }
+    let mut moved = 0;
+    for kv in db.scan_prefix(b"a/").keys() {
+        db.remove(kv.map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
+        moved += 1;
+    }
+    Ok(moved)
 }
 
-/// Pointers one step of [`move_to_buckets`] holds.
-const MOVE_STEP: usize = 100_000;
+/// A bucket's value `old` with the entries of `new` (a bucket's value too), each replacing the
+/// entry `old` has for its id.
+fn merged(key: &[u8], old: &[u8], new: &[u8]) -> Result<Vec<u8>, StoreError> {
+    let ids = entries(key, new)?
+        .map(|e| e.map(|(_, id, _)| id))
+        .collect::<Result<HashSet<&[u8]>, _>>()?;
+    let mut out = Vec::with_capacity(old.len() + new.len());
+    out.push(BUCKET_FORM);
+    for e in entries(key, old)? {
+        let (_, id, r) = e?;
+        if !ids.contains(id) {
+            out.extend_from_slice(&old[r]);
+        }
+    }
+    out.extend_from_slice(&new[1..]);
+    Ok(out)
+}
+
+/// Pointers one pass of [`move_to_buckets`] holds (some 45 bytes each).
+const MOVE_STEP: usize = 250_000;
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Buckets are on disk: an id's bucket never changes.
+    /// Buckets are on disk: an id's bucket never changes for a store's secret, and differs
+    /// across secrets (ids a client ground to share a prefix do not share a bucket).
     #[test]
     fn buckets_keep_their_layout() {
-        assert_eq!(bucket_of(b"ab12cdef"), 0xab12);
-        assert_eq!(bucket_of(b"0000"), 0);
-        assert_eq!(bucket_of(b"ffff0123"), 0xffff);
-        assert_eq!(bucket_of(b"x"), bucket_of(b"x"));
-        assert_ne!(bucket_of(b"x"), bucket_of(b"y"));
-        assert_eq!(bucket_key("ab12cdef"), b"p/\xab\x12");
+        let b = Buckets::new(*b"0123456789abcdef");
+        assert_eq!(b.of_id(b"ab12cdef"), GOLDEN);
+        assert_eq!(b.key("ab12cdef"), bucket_key_of(GOLDEN));
+        assert_eq!(bucket_key_of(0xab12), b"p/\xab\x12");
+        let other = Buckets::new(*b"fedcba9876543210");
+        let ids = ["ab120000", "ab120001", "ab120002", "ab120003"];
+        assert!(ids
+            .iter()
+            .any(|id| other.of_id(id.as_bytes()) != b.of_id(id.as_bytes())));
+        let spread: HashSet<u16> = ids.iter().map(|id| b.of_id(id.as_bytes())).collect();
+        assert!(spread.len() > 1, "ids with one prefix spread over buckets");
         let v = bucket_with(None, "ab", 258);
         assert_eq!(v, b"\x01\0\0\0\0\0\0\x01\x02\0\x02ab");
+    }
+
+    /// The bucket of `ab12cdef` under the secret `0123456789abcdef`: the first two bytes of
+    /// SHA-256 over the two, computed apart from this code (Python's `hashlib`).
+    const GOLDEN: u16 = 0xc50d;
+
+    #[test]
+    fn a_store_keeps_its_secret() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let db = sled_config(dir.path()).open().expect("open");
+        assert!(Buckets::of(&db).expect("read").is_none());
+        let drawn = Buckets::open(&db).expect("draw");
+        let again = Buckets::open(&db).expect("read");
+        assert_eq!(drawn.salt, again.salt);
+        let saved = Buckets::of(&db).expect("read").expect("saved");
+        assert_eq!(saved.salt, drawn.salt);
+        db.insert(BUCKETS_KEY, b"\x02abc".as_slice())
+            .expect("insert");
+        assert!(
+            Buckets::open(&db).is_err(),
+            "a form this version does not know"
+        );
+        db.insert(BUCKETS_KEY, b"\x01abc".as_slice())
+            .expect("insert");
+        assert!(Buckets::open(&db).is_err(), "cut short");
+    }
+
+    /// The move builds every bucket once and leaves no old key, keeping an entry a move cut
+    /// short already put in its bucket listed once.
+    #[test]
+    fn the_move_puts_every_pointer_in_its_bucket() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let db = sled_config(dir.path()).open().expect("open");
+        let b = Buckets::open(&db).expect("draw");
+        let all: Vec<String> = (0..3_000).map(|i| format!("{i:032x}")).collect();
+        for (i, id) in all.iter().enumerate() {
+            db.insert(rec_key(id), &(i as u64 + 1).to_be_bytes())
+                .expect("insert");
+        }
+        let key = b.key(&all[7]);
+        db.insert(&key, bucket_with(None, &all[7], 8))
+            .expect("insert");
+        assert_eq!(move_to_buckets_in(&db, &b, 1_000).expect("move"), 3_000);
+        assert_eq!(db.scan_prefix(b"a/").count(), 0);
+        let mut listed = 0;
+        for kv in db.scan_prefix(POINTERS_PREFIX) {
+            let (k, v) = kv.expect("read");
+            listed += ids(&k, &v).expect("read").count();
+        }
+        assert_eq!(listed, 3_000);
+        for (i, id) in all.iter().enumerate() {
+            let v = db.get(b.key(id)).expect("read").expect("its bucket");
+            assert_eq!(find(&b.key(id), &v, id).expect("read"), Some(i as u64 + 1));
+        }
+        assert_eq!(move_to_buckets(&db, &b).expect("move"), 0);
     }
 
     #[test]

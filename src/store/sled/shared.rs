@@ -5,6 +5,8 @@ use super::*;
 
 /// What the writer and the syncer share.
 pub(super) struct Shared {
+    /// Which bucket each action's pointer is in.
+    pub(super) buckets: Buckets,
     /// Set when a change could not be made durable or applied: from then on every change fails
     /// (the write-ahead log may end in a torn frame, and sled may lack a durable batch) until the
     /// proxy restarts and replays the log.
@@ -157,8 +159,10 @@ impl Shared {
         counts: Counts,
         head: (u64, String),
         ids_loaded: bool,
+        buckets: Buckets,
     ) -> Shared {
         Shared {
+            buckets,
             head: Mutex::new(head),
             forced_drains: AtomicU64::new(0),
             paced: AtomicU64::new(0),

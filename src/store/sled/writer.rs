@@ -358,7 +358,9 @@ impl Writer {
         // claim fast path may answer from it next time (the generation guards the fill all the
         // same).
         let gen = self.cache.lock().map(|c| c.generation(id)).ok();
-        match read_record(id, |k| self.db.get(k).map_err(unavailable))? {
+        match read_record(id, &self.shared.buckets, |k| {
+            self.db.get(k).map_err(unavailable)
+        })? {
             Some((key, v)) => {
                 let r = Arc::new(decode(&key, &v, self.sealer.as_deref())?);
                 if let (Some(gen), Ok(mut c)) = (gen, self.cache.lock()) {
@@ -505,7 +507,7 @@ impl Writer {
     ) -> Result<HashMap<u16, Option<Vec<u8>>>, StoreError> {
         let mut touched: HashMap<u16, Option<Vec<u8>>> = HashMap::default();
         for (id, created) in std::mem::take(&mut pending.pointers) {
-            let b = pointers::bucket_of(id.as_bytes());
+            let b = self.shared.buckets.of_id(id.as_bytes());
             let key = pointers::bucket_key_of(b);
             let value = match touched.remove(&b) {
                 Some(v) => v,

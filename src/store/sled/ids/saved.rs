@@ -596,7 +596,7 @@ mod tests {
             (holds, s.ids.may_hold(b"new"), s.ids.may_hold(b"old"))
         };
         let pointer = Change::Put(
-            pointers::bucket_key("new"),
+            pointers::Buckets::new([7; 16]).key("new"),
             pointers::bucket_with(None, "new", 1),
         );
         // Replayed again from before the checkpoint, then the frames after it, in two files.
