@@ -19,6 +19,36 @@ const YIELD_EVERY: usize = 16;
 ///
 /// The log files are locked for their append alone, not across the sled inserts: readers of the
 /// log and the checkpoint's fsync of the files do not wait for a drain.
+/// A key and its new value (`None`: removed).
+pub(super) type KeyChange = (Vec<u8>, Option<Vec<u8>>);
+
+/// A batch the write-ahead log replays, as sled takes it: each bucket change made of the bucket
+/// as the batch's changes before it left it, or else as sled holds it (every batch before is
+/// applied by then).
+pub(super) fn replayed(db: &sled::Db, changes: Vec<Change>) -> Result<Vec<KeyChange>, String> {
+    let mut out: Vec<KeyChange> = Vec::with_capacity(changes.len());
+    for c in changes {
+        out.push(match c {
+            Change::Put(k, v) => (k, Some(v)),
+            Change::Del(k) => (k, None),
+            Change::Merge(k, change) => {
+                let before = out.iter().rev().find(|(key, _)| *key == k);
+                let old = match before {
+                    Some((_, v)) => v.clone(),
+                    None => db
+                        .get(&k)
+                        .map_err(|e| format!("read a pointer bucket: {e}"))?
+                        .map(|v| v.to_vec()),
+                };
+                let new = pointers::changed(&k, old.as_deref(), &change)
+                    .map_err(|e| format!("change a pointer bucket: {e}"))?;
+                (k, new)
+            }
+        });
+    }
+    Ok(out)
+}
+
 pub(super) fn apply_changes<'a>(
     db: &sled::Db,
     files: &Mutex<LogFiles>,
@@ -97,7 +127,13 @@ mod tests {
     /// Claims and settles `n` new actions named `{prefix}{i}`.
     async fn writes(store: Arc<SledStore>, prefix: String, n: usize) {
         for i in 0..n {
-            let id = format!("{prefix}{i}");
+            write(&store, format!("{prefix}{i}")).await;
+        }
+    }
+
+    /// Claims and settles the new action `id`.
+    async fn write(store: &SledStore, id: String) {
+        {
             let fresh = Record {
                 id: id.clone(),
                 key: format!("key-{id}"),
@@ -198,6 +234,59 @@ mod tests {
                 .expect("test step")
                 .expect("test step");
             assert_eq!(r.state, State::Succeeded);
+        }
+        store.close().await.expect("test step");
+    }
+
+    /// A batch's pointers go into their buckets as changes that read nothing, which the syncer
+    /// makes into buckets: actions whose ids share a bucket, each in a batch of its own, are
+    /// each found while only the durable changes waiting for sled have them, never claimed
+    /// again, and again after a crash left them only in the write-ahead log.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn actions_sharing_a_bucket_are_found_before_sled_has_them_and_after_a_crash() {
+        let tmp = tempfile::tempdir().expect("test step");
+        let dir = tmp.path().join("s");
+        let store = SledStore::open(&dir, Default::default()).expect("test step");
+        let buckets = store.shared.buckets;
+        let bucket = buckets.of_id(b"same-0");
+        let ids: Vec<String> = (0..)
+            .map(|i| format!("same-{i}"))
+            .filter(|id| buckets.of_id(id.as_bytes()) == bucket)
+            .take(5)
+            .collect();
+        for id in &ids {
+            write(&store, id.clone()).await;
+        }
+        let waiting = |store: &SledStore| {
+            let m = store.shared.mem.read().expect("test step");
+            m.get(&buckets.key(&ids[0])).is_some()
+        };
+        assert!(waiting(&store), "the bucket waits for a drain");
+        for id in &ids {
+            let r = store.get(id).await.expect("test step").expect("found");
+            assert_eq!(r.state, State::Succeeded, "{id}");
+        }
+        // A crash: nothing but the write-ahead log has the last of them.
+        drop(store);
+        let store = SledStore::open(&dir, Default::default()).expect("test step");
+        for id in &ids {
+            let fresh = Record {
+                id: id.clone(),
+                key: format!("key-{id}"),
+                ..crate::action::tests::fresh("f")
+            };
+            let claim = store
+                .claim(ClaimRequest {
+                    fresh,
+                    key_source: KeySource::Header,
+                    max_attempts: 2,
+                    owner: "test".into(),
+                    lease: 10_000,
+                    now: now_millis(),
+                })
+                .await
+                .expect("test step");
+            assert!(matches!(claim, Claim::Existing(_)), "{id}: {claim:?}");
         }
         store.close().await.expect("test step");
     }

@@ -179,7 +179,12 @@ impl SledStore {
             if let Some(s) = saved_ids.as_mut() {
                 s.replayed(&changes);
             }
-            apply_changes(&db, &logfiles, changes.iter().map(Change::as_pair))
+            let changes = replayed(&db, changes)?;
+            apply_changes(
+                &db,
+                &logfiles,
+                changes.iter().map(|(k, v)| (k.as_slice(), v.as_deref())),
+            )
         })
         .map_err(|e| fail("replay the write-ahead log", &e))?;
         let mut logfiles = logfiles
@@ -241,6 +246,7 @@ impl SledStore {
         };
         let sync = Arc::new(Syncer {
             shared: shared.clone(),
+            db: db.clone(),
             cache: cache.clone(),
             flushes: flushes.clone(),
             flush_latency: options.flush_latency.clone(),
@@ -282,7 +288,6 @@ impl SledStore {
             shared,
             seq: 0,
             unapplied: HashMap::default(),
-            buckets: HashMap::default(),
             pruned: 0,
             ids,
             sync: sealed_tx,

@@ -9,6 +9,10 @@
 //! a fifth of a write's CPU (docs/decisions.md, "Pointers in buckets"). Buckets are a fixed
 //! number of keys whatever the store's size (about 5,500 leaves); the price is that a new action
 //! rewrites its bucket (about 250 bytes with 380,000 actions stored, growing with the store).
+//! The writer does not read it to do so: a batch logs a change of each bucket it touches
+//! ([`change_value`], a `Change::Merge` in its frame), and the syncer makes the bucket of it
+//! ([`changed`]), from the bucket the durable changes waiting for sled hold, or sled's; a replay
+//! makes it from sled's.
 //! Opening a store moves the pointers of versions before into buckets ([`move_to_buckets`]).
 
 use super::*;
@@ -165,28 +169,90 @@ pub(super) fn find(key: &[u8], value: &[u8], id: &str) -> Result<Option<Millis>,
     Ok(None)
 }
 
-/// `value` (a bucket's, `None`: none yet) with `id` pointing at a record created at `created`
-/// (its entry replaced if it has one) or, `created` `None`, without `id`; `None` when nothing is
-/// left in it (its key goes).
-pub(super) fn with(
+/// The first byte of a bucket change's value (the value of a [`Change::Merge`] of a bucket):
+/// its form's version.
+const CHANGES_FORM: u8 = 2;
+/// The time of a change's entry that takes its id's pointer away.
+const GONE: Millis = Millis::MAX;
+
+/// The value of a change to one bucket: the pointers a batch gives (an id with its record's
+/// creation time) or takes away (`None`), in order. The writer sends it instead of the bucket
+/// it would have to read first; the bucket is made of it where the change is kept until sled
+/// has it ([`changed`]).
+pub(super) fn change_value<'a>(
+    changes: impl IntoIterator<Item = (&'a str, Option<Millis>)>,
+) -> Vec<u8> {
+    let mut v = vec![CHANGES_FORM];
+    for (id, created) in changes {
+        push_timed(&mut v, created.unwrap_or(GONE), id);
+    }
+    v
+}
+
+/// An entry of a bucket change: an id and its record's creation time (`None`: taken away).
+type ChangeEntry<'a> = Result<(&'a [u8], Option<Millis>), StoreError>;
+
+/// The entries of a bucket change's value, the last entry of an id the one that counts.
+fn change_entries<'a>(
+    key: &'a [u8],
+    value: &'a [u8],
+) -> Result<impl Iterator<Item = ChangeEntry<'a>>, StoreError> {
+    let Some((&CHANGES_FORM, rest)) = value.split_first() else {
+        return Err(corrupt(
+            key,
+            "a change of a form this version does not know",
+        ));
+    };
+    Ok(timed(rest).map(move |e| {
+        e.map(|(at, id, _)| (id, (at != GONE).then_some(at)))
+            .map_err(|why| corrupt(key, why))
+    }))
+}
+
+/// The bucket `old` (`None`: none yet) with the change `change` ([`change_value`]) made: each
+/// id it names points where its last entry there says, or nowhere; `None` when nothing is left
+/// in it (its key goes).
+pub(super) fn changed(
     key: &[u8],
-    value: Option<&[u8]>,
-    id: &str,
-    created: Option<Millis>,
+    old: Option<&[u8]>,
+    change: &[u8],
 ) -> Result<Option<Vec<u8>>, StoreError> {
-    let value = value.unwrap_or(&[BUCKET_FORM]);
-    let mut out = Vec::with_capacity(value.len() + 10 + id.len());
-    out.push(BUCKET_FORM);
-    for e in entries(key, value)? {
-        let (_, listed, r) = e?;
-        if listed != id.as_bytes() {
-            out.extend_from_slice(&value[r]);
+    let mut last: HashMap<&[u8], Option<Millis>> = HashMap::default();
+    let mut order = Vec::new();
+    for e in change_entries(key, change)? {
+        let (id, at) = e?;
+        if last.insert(id, at).is_none() {
+            order.push(id);
         }
     }
-    if let Some(at) = created {
-        push_timed(&mut out, at, id);
+    let old = old.unwrap_or(&[BUCKET_FORM]);
+    let mut out = Vec::with_capacity(old.len() + change.len());
+    out.push(BUCKET_FORM);
+    for e in entries(key, old)? {
+        let (_, id, r) = e?;
+        if !last.contains_key(id) {
+            out.extend_from_slice(&old[r]);
+        }
+    }
+    for id in order {
+        if let Some(at) = last[id] {
+            push_timed(&mut out, at, &String::from_utf8_lossy(id));
+        }
     }
     Ok((out.len() > 1).then_some(out))
+}
+
+/// The ids a bucket change gives a pointer (for the filter of held ids, as the write-ahead log
+/// replays).
+pub(super) fn changed_ids<'a>(
+    key: &'a [u8],
+    change: &'a [u8],
+) -> Result<impl Iterator<Item = Result<&'a [u8], StoreError>>, StoreError> {
+    Ok(change_entries(key, change)?.filter_map(|e| match e {
+        Ok((id, Some(_))) => Some(Ok(id)),
+        Ok((_, None)) => None,
+        Err(e) => Some(Err(e)),
+    }))
 }
 
 /// The ids a bucket lists (for the filter of held ids).
@@ -200,7 +266,7 @@ pub(super) fn ids<'a>(
 /// Where a bucket write goes: `value` for [`Buckets::key`], for the benches' `sled alone`
 /// floor, which makes the store's own read and write of a new action's bucket.
 pub fn bucket_with(value: Option<&[u8]>, id: &str, created: Millis) -> Vec<u8> {
-    with(b"", value, id, Some(created))
+    changed(b"", value, &change_value([(id, Some(created))]))
         .ok()
         .flatten()
         .unwrap_or_default()
@@ -242,24 +308,23 @@ fn move_to_buckets_in(db: &sled::Db, buckets: &Buckets, step: usize) -> Result<u
     let span = (1usize << 16).div_ceil(passes);
     for pass in 0..passes {
         let range = pass * span..((pass + 1) * span).min(1 << 16);
-        // Each bucket of the range as its entries to be (a bucket's value, no more).
+        // Each bucket of the range as the change that puts its pointers in it.
         let mut building: std::collections::BTreeMap<u16, Vec<u8>> = Default::default();
         for kv in old() {
             let (k, created) = kv?;
             let id = &k[2..];
             let b = buckets.of_id(id);
             if range.contains(&usize::from(b)) {
-                let v = building.entry(b).or_insert_with(|| vec![BUCKET_FORM]);
+                let v = building.entry(b).or_insert_with(|| vec![CHANGES_FORM]);
                 push_timed(v, created, &String::from_utf8_lossy(id));
             }
         }
         for (b, listed) in building {
             let key = bucket_key_of(b);
-            let value = match db.get(&key).map_err(|e| e.to_string())? {
-                Some(old) => merged(&key, &old, &listed).map_err(|e| e.to_string())?,
-                None => listed,
-            };
-            db.insert(key, value).map_err(|e| e.to_string())?;
+            let old = db.get(&key).map_err(|e| e.to_string())?;
+            if let Some(v) = changed(&key, old.as_deref(), &listed).map_err(|e| e.to_string())? {
+                db.insert(key, v).map_err(|e| e.to_string())?;
+            }
         }
     }
     let mut moved = 0;
@@ -269,24 +334,6 @@ fn move_to_buckets_in(db: &sled::Db, buckets: &Buckets, step: usize) -> Result<u
         moved += 1;
     }
     Ok(moved)
-}
-
-/// A bucket's value `old` with the entries of `new` (a bucket's value too), each replacing the
-/// entry `old` has for its id.
-fn merged(key: &[u8], old: &[u8], new: &[u8]) -> Result<Vec<u8>, StoreError> {
-    let ids = entries(key, new)?
-        .map(|e| e.map(|(_, id, _)| id))
-        .collect::<Result<HashSet<&[u8]>, _>>()?;
-    let mut out = Vec::with_capacity(old.len() + new.len());
-    out.push(BUCKET_FORM);
-    for e in entries(key, old)? {
-        let (_, id, r) = e?;
-        if !ids.contains(id) {
-            out.extend_from_slice(&old[r]);
-        }
-    }
-    out.extend_from_slice(&new[1..]);
-    Ok(out)
 }
 
 /// Pointers one pass of [`move_to_buckets`] holds (some 45 bytes each).
@@ -374,7 +421,7 @@ mod tests {
     fn a_bucket_finds_replaces_and_drops_its_ids() {
         let key = b"p/xx".as_slice();
         let put = |v: Option<&[u8]>, id: &str, at: Option<Millis>| {
-            with(key, v, id, at).expect("a bucket this version wrote")
+            changed(key, v, &change_value([(id, at)])).expect("a bucket this version wrote")
         };
         let look = |v: &[u8], id: &str| find(key, v, id).expect("a bucket this version wrote");
         let long = "b".repeat(40);
@@ -399,5 +446,44 @@ mod tests {
         assert!(find(key, &v[..v.len() - 1], "zz").is_err());
         assert!(find(key, b"\x02", "a1").is_err());
         assert!(find(key, b"", "a1").is_err());
+    }
+
+    /// One change carries a batch's pointers for a bucket, in order: an id's last entry is the
+    /// one that counts, and making it again (a write-ahead log replayed over what sled already
+    /// has) changes nothing.
+    #[test]
+    fn a_change_makes_a_bucket_once_and_again() {
+        let key = b"p/xx".as_slice();
+        let old = bucket_with(None, "kept", 1);
+        let old = bucket_with(Some(&old), "gone", 2);
+        let change = change_value([
+            ("new", Some(3)),
+            ("gone", None),
+            ("again", Some(4)),
+            ("again", None),
+            ("again", Some(5)),
+        ]);
+        let once = changed(key, Some(&old), &change)
+            .expect("read")
+            .expect("not empty");
+        let twice = changed(key, Some(&once), &change)
+            .expect("read")
+            .expect("not empty");
+        assert_eq!(once, twice);
+        let look = |id: &str| find(key, &once, id).expect("read");
+        assert_eq!(
+            [look("kept"), look("new"), look("gone"), look("again")],
+            [Some(1), Some(3), None, Some(5)]
+        );
+        let given: Vec<&[u8]> = changed_ids(key, &change)
+            .expect("read")
+            .collect::<Result<_, _>>()
+            .expect("read");
+        assert_eq!(given, [&b"new"[..], b"again", b"again"]);
+        // Taking every pointer away takes the bucket away; a change of another form is refused.
+        let all_gone = change_value([("kept", None), ("new", None), ("again", None)]);
+        assert_eq!(changed(key, Some(&once), &all_gone).expect("read"), None);
+        assert!(changed(key, Some(&once), &old).is_err());
+        assert!(changed(key, Some(&change), &change).is_err());
     }
 }

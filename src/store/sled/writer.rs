@@ -27,9 +27,6 @@ pub(super) struct Writer {
     /// the batch that last changed them), which the writer reads instead of sled.
     pub(super) seq: u64,
     pub(super) unapplied: HashMap<String, Unapplied>,
-    /// Pointer buckets changed by batches not yet applied to sled (with the batch that last
-    /// changed them; `None`: emptied), which the writer reads instead of sled.
-    pub(super) buckets: HashMap<u16, (u64, Option<Vec<u8>>)>,
     /// The last batch sled had applied when `unapplied` was last pruned.
     pub(super) pruned: u64,
     /// Every id the store has held since open, and some it has not: a claim of a new action asks
@@ -98,6 +95,9 @@ impl Pending {
     }
     pub(super) fn del(&mut self, key: impl Into<Vec<u8>>) {
         self.changes.push(Change::Del(key.into()));
+    }
+    pub(super) fn merge(&mut self, key: impl Into<Vec<u8>>, change: impl Into<Vec<u8>>) {
+        self.changes.push(Change::Merge(key.into(), change.into()));
     }
 }
 
@@ -176,10 +176,7 @@ impl Writer {
             }
             answers.push(self.apply(op, &mut pending));
         }
-        let buckets = self.put_pointers(&mut pending).unwrap_or_else(|e| {
-            self.shared.fail(&format!("read a pointer bucket: {e}"));
-            HashMap::default()
-        });
+        self.put_pointers(&mut pending);
         if let Some(first) = pending.log_first.take() {
             self.close_block(&mut pending, first);
             // The database learns the log's head with the entries (`history`): at open, a log
@@ -235,9 +232,6 @@ impl Writer {
                 self.unapplied
                     .insert(id.clone(), (self.seq, r.clone(), framed));
             }
-            for (b, v) in buckets {
-                self.buckets.insert(b, (self.seq, v));
-            }
         }
         let sealed = Sealed {
             seq: self.seq,
@@ -268,7 +262,6 @@ impl Writer {
         let applied = self.shared.applied();
         if applied > self.pruned {
             self.unapplied.retain(|_, (seq, ..)| *seq > applied);
-            self.buckets.retain(|_, (seq, _)| *seq > applied);
             self.pruned = applied;
         }
         if self.wal.wants_checkpoint(self.checkpoint_bytes) {
@@ -323,7 +316,6 @@ impl Writer {
             .map_err(|_| "the syncer thread stopped".to_string())?;
         self.shared.wait_applied(self.seq)?;
         self.unapplied.clear();
-        self.buckets.clear();
         Ok(())
     }
 
@@ -498,34 +490,21 @@ impl Writer {
         new
     }
 
-    /// Writes the batch's pointers into their buckets: each bucket read once (as the batches
-    /// before left it: from those sled lacks, or from sled) and put once, with every change the
-    /// batch makes to it. Returns the buckets as the batch leaves them.
-    fn put_pointers(
-        &self,
-        pending: &mut Pending,
-    ) -> Result<HashMap<u16, Option<Vec<u8>>>, StoreError> {
-        let mut touched: HashMap<u16, Option<Vec<u8>>> = HashMap::default();
+    /// Writes the batch's pointers into their buckets: one change a bucket, with every change
+    /// the batch makes to it, in order ([`pointers::change_value`]). Nothing is read here: the
+    /// syncer makes the bucket of the change, where it keeps durable changes until sled has them
+    /// (an id the batch gives a pointer is in [`Writer::unapplied`] until then, which the
+    /// writer's own lookups ask first).
+    fn put_pointers(&self, pending: &mut Pending) {
+        let mut by_bucket: HashMap<u16, Vec<(String, Option<Millis>)>> = HashMap::default();
         for (id, created) in std::mem::take(&mut pending.pointers) {
             let b = self.shared.buckets.of_id(id.as_bytes());
-            let key = pointers::bucket_key_of(b);
-            let value = match touched.remove(&b) {
-                Some(v) => v,
-                None => match self.buckets.get(&b) {
-                    Some((_, v)) => v.clone(),
-                    None => self.db.get(&key).map_err(unavailable)?.map(|v| v.to_vec()),
-                },
-            };
-            touched.insert(b, pointers::with(&key, value.as_deref(), &id, created)?);
+            by_bucket.entry(b).or_default().push((id, created));
         }
-        for (b, v) in &touched {
-            let key = pointers::bucket_key_of(*b);
-            match v {
-                Some(v) => pending.put(key, v.clone()),
-                None => pending.del(key),
-            }
+        for (b, changes) in by_bucket {
+            let change = pointers::change_value(changes.iter().map(|(id, at)| (id.as_str(), *at)));
+            pending.merge(pointers::bucket_key_of(b), change);
         }
-        Ok(touched)
     }
 
     /// Moves one action between states in the counts (`None`: absent).

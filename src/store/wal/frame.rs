@@ -4,6 +4,7 @@ use std::io::{self, Read};
 
 const PUT: u8 = 1;
 const DEL: u8 = 2;
+const MERGE: u8 = 3;
 pub(super) const HEADER: usize = 8;
 
 /// One change of a batch.
@@ -11,16 +12,9 @@ pub(super) const HEADER: usize = 8;
 pub enum Change {
     Put(Vec<u8>, Vec<u8>),
     Del(Vec<u8>),
-}
-
-impl Change {
-    /// `(key, Some(value))` for a put, `(key, None)` for a removal.
-    pub fn as_pair(&self) -> (&[u8], Option<&[u8]>) {
-        match self {
-            Change::Put(k, v) => (k, Some(v)),
-            Change::Del(k) => (k, None),
-        }
-    }
+    /// A change to the value a key holds, which the store makes of that value and this
+    /// (a pointer bucket's entries added or taken away), so that writing it reads nothing.
+    Merge(Vec<u8>, Vec<u8>),
 }
 
 /// Encodes a batch as one frame, its header left for [`super::Wal::append`] to fill in (the checksum
@@ -41,6 +35,13 @@ pub fn encode(changes: &[Change], out: &mut Vec<u8>) {
                 out.push(DEL);
                 out.extend_from_slice(&(k.len() as u32).to_le_bytes());
                 out.extend_from_slice(k);
+            }
+            Change::Merge(k, v) => {
+                out.push(MERGE);
+                out.extend_from_slice(&(k.len() as u32).to_le_bytes());
+                out.extend_from_slice(k);
+                out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+                out.extend_from_slice(v);
             }
         }
     }
@@ -92,6 +93,10 @@ fn decode_payload(mut p: &[u8]) -> Option<Vec<Change>> {
                 out.push(Change::Put(key, take(&mut p, vlen)?.to_vec()));
             }
             DEL => out.push(Change::Del(key)),
+            MERGE => {
+                let vlen = take_u32(&mut p)?;
+                out.push(Change::Merge(key, take(&mut p, vlen)?.to_vec()));
+            }
             _ => return None,
         }
     }
@@ -189,7 +194,11 @@ mod tests {
     #[test]
     fn frames_round_trip() {
         let a = vec![put("a/1", "one"), Change::Del(b"s/x".to_vec())];
-        let b = vec![put("a/2", ""), put("", "empty key")];
+        let b = vec![
+            put("a/2", ""),
+            put("", "empty key"),
+            Change::Merge(b"p/\x01\x02".to_vec(), b"\x02entries".to_vec()),
+        ];
         let mut bytes = frame(&a);
         bytes.extend(frame(&b));
         let n = bytes.len();

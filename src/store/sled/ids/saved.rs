@@ -139,14 +139,17 @@ impl Saved {
     pub(in crate::store::sled) fn replayed(&mut self, changes: &[Change]) {
         let mut blocks = Vec::new();
         for c in changes {
-            if let Change::Put(k, v) = c {
-                if k.starts_with(pointers::POINTERS_PREFIX) {
-                    // A bucket as the frame left it: every id in it (a cut or unknown value is
-                    // refused when the store reads it).
-                    for id in pointers::ids(k, v).into_iter().flatten().flatten() {
-                        self.ids.insert(id);
-                    }
-                } else if let Some(id) = k.strip_prefix(b"a/") {
+            if let Change::Merge(k, change) = c {
+                // A bucket change: the ids it gives a pointer.
+                for id in pointers::changed_ids(k, change)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                {
+                    self.ids.insert(id);
+                }
+            } else if let Change::Put(k, v) = c {
+                if let Some(id) = k.strip_prefix(b"a/") {
                     // A frame of a version before buckets.
                     self.ids.insert(id);
                 } else if let Some(first) = log_seq(k) {
@@ -595,9 +598,9 @@ mod tests {
             let holds = s.holds_all(&now);
             (holds, s.ids.may_hold(b"new"), s.ids.may_hold(b"old"))
         };
-        let pointer = Change::Put(
+        let pointer = Change::Merge(
             pointers::Buckets::new([7; 16]).key("new"),
-            pointers::bucket_with(None, "new", 1),
+            pointers::change_value([("gone", None), ("new", Some(1))]),
         );
         // Replayed again from before the checkpoint, then the frames after it, in two files.
         let whole = [
