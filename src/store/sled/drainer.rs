@@ -131,44 +131,47 @@ mod tests {
         }
     }
 
+    /// Claims the action `id` (new or not) at `now`.
+    async fn claim(store: &SledStore, id: &str, now: Millis) -> Claim {
+        let fresh = Record {
+            id: id.to_string(),
+            key: format!("key-{id}"),
+            ..crate::action::tests::fresh("f")
+        };
+        store
+            .claim(ClaimRequest {
+                fresh,
+                key_source: KeySource::Header,
+                max_attempts: 2,
+                owner: "test".into(),
+                lease: 10_000,
+                now,
+            })
+            .await
+            .expect("test step")
+    }
+
     /// Claims and settles the new action `id`.
     async fn write(store: &SledStore, id: String) {
-        {
-            let fresh = Record {
-                id: id.clone(),
-                key: format!("key-{id}"),
-                ..crate::action::tests::fresh("f")
-            };
-            let now = now_millis();
-            let claim = store
-                .claim(ClaimRequest {
-                    fresh,
-                    key_source: KeySource::Header,
-                    max_attempts: 2,
-                    owner: "test".into(),
-                    lease: 10_000,
-                    now,
-                })
-                .await
-                .expect("test step");
-            assert!(matches!(claim, Claim::Claimed(_)), "{id}: {claim:?}");
-            let response = StoredResponse {
-                status: 201,
-                headers: vec![],
-                size: 2,
-                body: BodyRef::Inline,
-                source: Source::Upstream,
-            };
-            store
-                .settle(SettleRequest {
-                    id,
-                    attempt: 1,
-                    settlement: Settlement::succeeded(now, response),
-                    body: Some(Bytes::from_static(b"{}")),
-                })
-                .await
-                .expect("test step");
-        }
+        let now = now_millis();
+        let claimed = claim(store, &id, now).await;
+        assert!(matches!(claimed, Claim::Claimed(_)), "{id}: {claimed:?}");
+        let response = StoredResponse {
+            status: 201,
+            headers: vec![],
+            size: 2,
+            body: BodyRef::Inline,
+            source: Source::Upstream,
+        };
+        store
+            .settle(SettleRequest {
+                id,
+                attempt: 1,
+                settlement: Settlement::succeeded(now, response),
+                body: Some(Bytes::from_static(b"{}")),
+            })
+            .await
+            .expect("test step");
     }
 
     /// A drainer behind the writer sets the pace: with the drainer held in a drain (the log
@@ -270,23 +273,8 @@ mod tests {
         drop(store);
         let store = SledStore::open(&dir, Default::default()).expect("test step");
         for id in &ids {
-            let fresh = Record {
-                id: id.clone(),
-                key: format!("key-{id}"),
-                ..crate::action::tests::fresh("f")
-            };
-            let claim = store
-                .claim(ClaimRequest {
-                    fresh,
-                    key_source: KeySource::Header,
-                    max_attempts: 2,
-                    owner: "test".into(),
-                    lease: 10_000,
-                    now: now_millis(),
-                })
-                .await
-                .expect("test step");
-            assert!(matches!(claim, Claim::Existing(_)), "{id}: {claim:?}");
+            let again = claim(&store, id, now_millis()).await;
+            assert!(matches!(again, Claim::Existing(_)), "{id}: {again:?}");
         }
         store.close().await.expect("test step");
     }

@@ -23,26 +23,17 @@ pub fn encode(changes: &[Change], out: &mut Vec<u8>) {
     out.clear();
     out.extend_from_slice(&[0; HEADER]);
     for c in changes {
-        match c {
-            Change::Put(k, v) => {
-                out.push(PUT);
-                out.extend_from_slice(&(k.len() as u32).to_le_bytes());
-                out.extend_from_slice(k);
-                out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-                out.extend_from_slice(v);
-            }
-            Change::Del(k) => {
-                out.push(DEL);
-                out.extend_from_slice(&(k.len() as u32).to_le_bytes());
-                out.extend_from_slice(k);
-            }
-            Change::Merge(k, v) => {
-                out.push(MERGE);
-                out.extend_from_slice(&(k.len() as u32).to_le_bytes());
-                out.extend_from_slice(k);
-                out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-                out.extend_from_slice(v);
-            }
+        let (tag, k, v) = match c {
+            Change::Put(k, v) => (PUT, k, Some(v)),
+            Change::Del(k) => (DEL, k, None),
+            Change::Merge(k, v) => (MERGE, k, Some(v)),
+        };
+        out.push(tag);
+        out.extend_from_slice(&(k.len() as u32).to_le_bytes());
+        out.extend_from_slice(k);
+        if let Some(v) = v {
+            out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+            out.extend_from_slice(v);
         }
     }
 }
