@@ -1030,18 +1030,26 @@ fn older_form(key: &[u8], value: &[u8]) -> (Vec<u8>, Option<Vec<u8>>) {
 fn older_pointers(db: &::sled::Db) {
     for kv in db.scan_prefix("p/") {
         let (k, v) = kv.unwrap();
-        let mut rest = &v[1..];
-        assert_eq!(v[0], 1, "a bucket of the form this version writes");
-        while !rest.is_empty() {
-            let len = usize::from(u16::from_be_bytes([rest[8], rest[9]]));
-            let id = &rest[10..10 + len];
-            db.insert([&b"a/"[..], id].concat(), &rest[..8]).unwrap();
-            rest = &rest[10 + len..];
+        for (created, id) in bucket_entries(&v) {
+            db.insert([&b"a/"[..], id].concat(), created).unwrap();
         }
         db.remove(k).unwrap();
     }
     db.remove(oncegate::store::sled::BUCKETS_KEY).unwrap();
     db.insert("m/indexes", "7").unwrap();
+}
+
+/// The entries of a bucket's value, as this version writes it: each record's creation time (8
+/// bytes) and its id.
+fn bucket_entries(v: &[u8]) -> Vec<(&[u8], &[u8])> {
+    assert_eq!(v[0], 1, "a bucket of the form this version writes");
+    let (mut rest, mut out) = (&v[1..], Vec::new());
+    while !rest.is_empty() {
+        let len = usize::from(u16::from_be_bytes([rest[8], rest[9]]));
+        out.push((&rest[..8], &rest[10..10 + len]));
+        rest = &rest[10 + len..];
+    }
+    out
 }
 
 /// The bucket `id`'s pointer is in, as a closed store's database holds it: whether it lists
@@ -1299,16 +1307,7 @@ async fn sled_spreads_ids_that_share_a_prefix_over_buckets() {
     closed_with(&dir, &actions).await;
     let sizes = edit_closed(&dir, |db| {
         db.scan_prefix("p/")
-            .map(|kv| {
-                let (_, v) = kv.unwrap();
-                let (mut rest, mut n) = (&v[1..], 0);
-                while !rest.is_empty() {
-                    let len = usize::from(u16::from_be_bytes([rest[8], rest[9]]));
-                    rest = &rest[10 + len..];
-                    n += 1;
-                }
-                n
-            })
+            .map(|kv| bucket_entries(&kv.unwrap().1).len())
             .collect::<Vec<usize>>()
     });
     assert_eq!(sizes.iter().sum::<usize>(), ids.len());
@@ -1329,7 +1328,7 @@ async fn sled_spreads_ids_that_share_a_prefix_over_buckets() {
 async fn sled_moves_the_pointers_of_the_version_before_into_buckets() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
-    // Action ids as the proxy makes them (hex digests), and others, which buckets hash.
+    // Action ids as the proxy makes them (hex digests), and ids of another form.
     let ids: Vec<String> = (0..120u128)
         .map(|i| {
             format!(
@@ -1397,16 +1396,10 @@ async fn sled_moves_the_pointers_of_the_version_before_into_buckets() {
     let db = oncegate::store::sled::sled_config(&dir).open().unwrap();
     assert_eq!(db.scan_prefix("a/").count(), 0, "every pointer moved");
     assert_eq!(db.get("m/indexes").unwrap().unwrap().to_vec(), b"8");
-    let mut listed = 0;
-    for kv in db.scan_prefix("p/") {
-        let (_, v) = kv.unwrap();
-        let mut rest = &v[1..];
-        while !rest.is_empty() {
-            let len = usize::from(u16::from_be_bytes([rest[8], rest[9]]));
-            listed += 1;
-            rest = &rest[10 + len..];
-        }
-    }
+    let listed: usize = db
+        .scan_prefix("p/")
+        .map(|kv| bucket_entries(&kv.unwrap().1).len())
+        .sum();
     // The unknown actions (every third) and the new one are left, each listed once.
     assert_eq!(listed, 50 + 1);
     for (i, id) in ids.iter().enumerate() {

@@ -1,11 +1,12 @@
 //! The floor under the embedded store: sled 0.34.7, configured as the store configures it, making
 //! only the sled operations one durable write ends in, on one thread: the insert of the record
 //! with its small body after it (under its creation key), then the read and write of the bucket
-//! its pointer goes in, with the keys the store derives (`action_keys`, `Buckets::key`) and a value of the store's own form (`record_value`: the packed record of a
-//! write like the side-by-side bench's, about 450 bytes, and its body), and an expiry index
-//! entry for every [`EXPIRIES_A_BATCH`] writes (`expiry_entry`). No write-ahead log, fsync,
-//! encoding, write log or HTTP. Its CPU per write is what no store on
-//! sled can go below, and its RSS what sled alone holds.
+//! its pointer goes in, with the keys the store derives (`action_keys`, `Buckets::key`) and a
+//! value of the store's own form (`record_value`: the packed record of a write like the
+//! side-by-side bench's, about 450 bytes, and its body), and an expiry index entry for every
+//! [`EXPIRIES_A_BATCH`] writes (`expiry_entry`). No write-ahead log, fsync, encoding, write log
+//! or HTTP. Its CPU per write is what no store on sled can go below, and its RSS what sled alone
+//! holds.
 //!
 //! Run it in a process of its own (the benches start themselves again with `BENCH_SLED_ALONE`), so
 //! the RSS is sled's and the allocator's only.

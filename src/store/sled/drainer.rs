@@ -6,19 +6,6 @@ use super::*;
 /// see [`drain_loop`].
 const YIELD_EVERY: usize = 16;
 
-/// Applies durable changes one by one to sled, then appends their log blocks (in order) to the
-/// log files, all in one call ([`LogFiles::append_blocks`]: one write for a drain's blocks, not
-/// one per batch). (Removing a log block is what a store from before the log files did to prune;
-/// the anchor says where the log starts, so it is nothing to do here.)
-///
-/// Not as a `sled::Batch`: the write-ahead log already makes the batch atomic (a crash replays it
-/// whole), and sled 0.34 pays for batch atomicity twice: it seals and writes its I/O buffer after
-/// every batch (a `pwrite` on one of its threads), and once a batch has been used it puts every
-/// read behind one global lock. Readers may see a batch half applied for a moment; each key they
-/// read is a durable value.
-///
-/// The log files are locked for their append alone, not across the sled inserts: readers of the
-/// log and the checkpoint's fsync of the files do not wait for a drain.
 /// A key and its new value (`None`: removed).
 pub(super) type KeyChange = (Vec<u8>, Option<Vec<u8>>);
 
@@ -49,6 +36,19 @@ pub(super) fn replayed(db: &sled::Db, changes: Vec<Change>) -> Result<Vec<KeyCha
     Ok(out)
 }
 
+/// Applies durable changes one by one to sled, then appends their log blocks (in order) to the
+/// log files, all in one call ([`LogFiles::append_blocks`]: one write for a drain's blocks, not
+/// one per batch). (Removing a log block is what a store from before the log files did to prune;
+/// the anchor says where the log starts, so it is nothing to do here.)
+///
+/// Not as a `sled::Batch`: the write-ahead log already makes the batch atomic (a crash replays it
+/// whole), and sled 0.34 pays for batch atomicity twice: it seals and writes its I/O buffer after
+/// every batch (a `pwrite` on one of its threads), and once a batch has been used it puts every
+/// read behind one global lock. Readers may see a batch half applied for a moment; each key they
+/// read is a durable value.
+///
+/// The log files are locked for their append alone, not across the sled inserts: readers of the
+/// log and the checkpoint's fsync of the files do not wait for a drain.
 pub(super) fn apply_changes<'a>(
     db: &sled::Db,
     files: &Mutex<LogFiles>,
@@ -243,8 +243,9 @@ mod tests {
 
     /// A batch's pointers go into their buckets as changes that read nothing, which the syncer
     /// makes into buckets: actions whose ids share a bucket, each in a batch of its own, are
-    /// each found while only the durable changes waiting for sled have them, never claimed
-    /// again, and again after a crash left them only in the write-ahead log.
+    /// each found while only the durable changes waiting for sled have them, and never claimed
+    /// again after the store is dropped without a close and opened again. (A replay of bucket
+    /// changes: `a_replay_makes_each_bucket_of_its_changes_in_order`, and the SIGKILL tests.)
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn actions_sharing_a_bucket_are_found_before_sled_has_them_and_after_a_crash() {
         let tmp = tempfile::tempdir().expect("test step");
@@ -277,5 +278,43 @@ mod tests {
             assert!(matches!(again, Claim::Existing(_)), "{id}: {again:?}");
         }
         store.close().await.expect("test step");
+    }
+
+    /// A replayed frame's bucket changes are made of the bucket as sled holds it, or as a change
+    /// before them in the same frame left it: none is lost, an id taken away is gone, and a
+    /// bucket left empty is removed.
+    #[test]
+    fn a_replay_makes_each_bucket_of_its_changes_in_order() {
+        let tmp = tempfile::tempdir().expect("test step");
+        let db = sled_config(tmp.path()).open().expect("test step");
+        let (k, emptied) = (b"p/\x00\x01".to_vec(), b"p/\x00\x02".to_vec());
+        db.insert(&k, pointers::bucket_with(None, "held", 1))
+            .expect("test step");
+        db.insert(&emptied, pointers::bucket_with(None, "last", 2))
+            .expect("test step");
+        let change = |id: &str, at: Option<Millis>| {
+            Change::Merge(k.clone(), pointers::change_value([(id, at)]))
+        };
+        let frame = vec![
+            change("a", Some(3)),
+            Change::Put(b"c/x".to_vec(), b"record".to_vec()),
+            change("b", Some(4)),
+            change("a", None),
+            Change::Merge(emptied.clone(), pointers::change_value([("last", None)])),
+        ];
+        let made = replayed(&db, frame).expect("test step");
+        let (last_k, last) = made
+            .iter()
+            .rev()
+            .find(|(key, _)| *key == k)
+            .expect("the bucket is written");
+        let last = last.as_deref().expect("not empty");
+        let find = |id: &str| pointers::find(last_k, last, id).expect("test step");
+        assert_eq!(
+            [find("held"), find("a"), find("b")],
+            [Some(1), None, Some(4)]
+        );
+        assert_eq!(made.last(), Some(&(emptied, None)));
+        assert_eq!(made[1], (b"c/x".to_vec(), Some(b"record".to_vec())));
     }
 }

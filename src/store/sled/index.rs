@@ -166,7 +166,7 @@ fn encode_expiring(actions: &[(Millis, String)]) -> Vec<u8> {
     let mut v = Vec::with_capacity(1 + size);
     v.push(EXPIRING_FORM);
     for (at, id) in actions {
-        push_timed(&mut v, *at, id);
+        push_timed(&mut v, *at, id.as_bytes());
     }
     v
 }
@@ -492,8 +492,8 @@ pub(super) fn scan(
         }
         return Ok(out);
     }
-    // `timed`: the keys name their action after a creation time.
-    let (prefix, timed) = match (&filter.task, filter.state) {
+    // `by_creation`: the keys name their action after a creation time.
+    let (prefix, by_creation) = match (&filter.task, filter.state) {
         (Some(task), _) => (format!("t/{task}\0"), false),
         (None, Some(state)) if state_indexed(state) => (format!("s/{}/", state.as_str()), false),
         // Every action: the creation index.
@@ -512,7 +512,7 @@ pub(super) fn scan(
         }
     }
     for k in keys {
-        let id = match timed {
+        let id = match by_creation {
             true => index_id(&k, CREATED_PREFIX)?,
             false => String::from_utf8_lossy(&k[prefix.len()..]).into_owned(),
         };

@@ -101,11 +101,11 @@ pub(super) fn bucket_key_of(bucket: u16) -> Vec<u8> {
 /// A value listing actions, each with a time: a bucket's (when each record was created) and an
 /// expiry index entry's (when each expires). After the form's byte, each action's time (be64),
 /// id length (u16, be) and id.
-pub(super) fn push_timed(v: &mut Vec<u8>, at: Millis, id: &str) {
+pub(super) fn push_timed(v: &mut Vec<u8>, at: Millis, id: &[u8]) {
     v.extend_from_slice(&at.to_be_bytes());
     // Ids are a few dozen bytes (action ids 32); one too long for the length is cut, and never
     // matches its action.
-    let id = &id.as_bytes()[..id.len().min(usize::from(u16::MAX))];
+    let id = &id[..id.len().min(usize::from(u16::MAX))];
     v.extend_from_slice(&(id.len() as u16).to_be_bytes());
     v.extend_from_slice(id);
 }
@@ -184,7 +184,7 @@ pub(super) fn change_value<'a>(
 ) -> Vec<u8> {
     let mut v = vec![CHANGES_FORM];
     for (id, created) in changes {
-        push_timed(&mut v, created.unwrap_or(GONE), id);
+        push_timed(&mut v, created.unwrap_or(GONE), id.as_bytes());
     }
     v
 }
@@ -236,7 +236,7 @@ pub(super) fn changed(
     }
     for id in order {
         if let Some(at) = last[id] {
-            push_timed(&mut out, at, &String::from_utf8_lossy(id));
+            push_timed(&mut out, at, id);
         }
     }
     Ok((out.len() > 1).then_some(out))
@@ -316,7 +316,7 @@ fn move_to_buckets_in(db: &sled::Db, buckets: &Buckets, step: usize) -> Result<u
             let b = buckets.of_id(id);
             if range.contains(&usize::from(b)) {
                 let v = building.entry(b).or_insert_with(|| vec![CHANGES_FORM]);
-                push_timed(v, created, &String::from_utf8_lossy(id));
+                push_timed(v, created, id);
             }
         }
         for (b, listed) in building {
