@@ -109,12 +109,21 @@ async fn another_stores_database_does_not_open_in_its_place() {
     let store_a = a_store_with_a_charge(&up, a.path()).await;
     let other = FakeUpstream::start().await;
     let store_b = a_store_with_a_charge(&other, b.path()).await;
-    // B's database (and its snapshots) in A's folder: A's write log and id stay.
+    // B's database (and its snapshots) in A's folder: A's write log and id stay. A's own
+    // snapshots go first: their names carry a log position, and sled reads the latest; one of
+    // A's left beside B's database describes a log B's does not hold, and sled refuses that as
+    // corrupt before the store can read whose database it is (CI, stop 52).
+    let sled_file = |name: &str| name == "db" || name == "conf" || name.starts_with("snap.");
+    for e in std::fs::read_dir(&store_a).unwrap() {
+        let p = e.unwrap().path();
+        if sled_file(&p.file_name().unwrap().to_string_lossy()) {
+            std::fs::remove_file(&p).unwrap();
+        }
+    }
     for e in std::fs::read_dir(&store_b).unwrap() {
         let p = e.unwrap().path();
         let name = p.file_name().unwrap().to_string_lossy().to_string();
-        if name == "db" || name == "conf" || name.starts_with("snap.") {
-            let _ = std::fs::remove_file(store_a.join(&name));
+        if sled_file(&name) {
             std::fs::copy(&p, store_a.join(&name)).unwrap();
         }
     }
