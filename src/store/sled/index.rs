@@ -45,21 +45,19 @@ fn pointed_at(id: &str, v: &[u8]) -> Option<Vec<u8>> {
     }
 }
 
-/// Reads the record of `id` through `get` (one key at a time): the bucket its pointer is in,
-/// then the record its entry there names. `Some((key, value))`: the key the value was read at.
-/// A pointer whose record is gone was read across a change (a reader is not atomic over two
-/// keys): read again, once.
+/// Reads the record of `id`: its pointer through `pointer` (which reads it in the bucket it is
+/// given), then the record the pointer names through `get`. `Some((key, value))`: the key the
+/// value was read at. A pointer whose record is gone was read across a change (a reader is not
+/// atomic over two keys): read again, once.
 pub(super) fn read_record<V: AsRef<[u8]>>(
     id: &str,
     buckets: &Buckets,
+    mut pointer: impl FnMut(&[u8], &str) -> Result<Option<Millis>, StoreError>,
     mut get: impl FnMut(&[u8]) -> Result<Option<V>, StoreError>,
 ) -> Result<Option<(Vec<u8>, V)>, StoreError> {
     let bucket = buckets.key(id);
     for _ in 0..2 {
-        let Some(v) = get(&bucket)? else {
-            return Ok(None);
-        };
-        let Some(created) = pointers::find(&bucket, v.as_ref(), id)? else {
+        let Some(created) = pointer(&bucket, id)? else {
             return Ok(None);
         };
         let at = created_key(created, id);
@@ -89,7 +87,7 @@ fn read_old_record(
     let key = rec_key(id);
     for _ in 0..2 {
         let Some(v) = get(&key)? else {
-            return read_record(id, buckets, get);
+            return read_record(id, buckets, |k, id| pointers::in_sled(db, k, id), get);
         };
         let Some(at) = pointed_at(id, v.as_ref()) else {
             return Ok(Some((key, v)));
@@ -438,9 +436,14 @@ pub(super) fn scan(
 ) -> Result<Vec<Record>, StoreError> {
     let mut out = Vec::new();
     let record = |id: &str| -> Result<Option<Record>, StoreError> {
-        read_record(id, buckets, |k| overlay.get(db, k))?
-            .map(|(key, v)| decode(&key, &v, sealer))
-            .transpose()
+        read_record(
+            id,
+            buckets,
+            |k, id| overlay.pointer(db, k, id),
+            |k| overlay.get(db, k),
+        )?
+        .map(|(key, v)| decode(&key, &v, sealer))
+        .transpose()
     };
     if filter.newest_first {
         // Streamed from the creation index, newest first, until the page is full: a page costs

@@ -475,7 +475,13 @@ impl Store for SledStore {
     fn get<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         Box::pin(async move {
             let db = self.db()?;
-            match read_record(id, &self.shared.buckets, |k| read_key(&self.shared, &db, k))? {
+            let shared = &self.shared;
+            match read_record(
+                id,
+                &shared.buckets,
+                |k, id| read_pointer(shared, &db, k, id),
+                |k| read_key(shared, &db, k),
+            )? {
                 Some((key, v)) => decode(&key, &v, self.sealer.as_deref()).map(Some),
                 None => Ok(None),
             }

@@ -179,12 +179,11 @@ impl SledStore {
             if let Some(s) = saved_ids.as_mut() {
                 s.replayed(&changes);
             }
-            let changes = replayed(&db, changes)?;
-            apply_changes(
-                &db,
-                &logfiles,
-                changes.iter().map(|(k, v)| (k.as_slice(), v.as_deref())),
-            )
+            let changes = changes
+                .iter()
+                .map(replayed)
+                .collect::<Result<Vec<_>, _>>()?;
+            apply_changes(&db, &logfiles, changes.into_iter())
         })
         .map_err(|e| fail("replay the write-ahead log", &e))?;
         let mut logfiles = logfiles
@@ -246,7 +245,6 @@ impl SledStore {
         };
         let sync = Arc::new(Syncer {
             shared: shared.clone(),
-            db: db.clone(),
             cache: cache.clone(),
             flushes: flushes.clone(),
             flush_latency: options.flush_latency.clone(),

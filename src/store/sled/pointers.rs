@@ -10,9 +10,10 @@
 //! number of keys whatever the store's size (about 5,500 leaves); the price is that a new action
 //! rewrites its bucket (about 250 bytes with 380,000 actions stored, growing with the store).
 //! The writer does not read it to do so: a batch logs a change of each bucket it touches
-//! ([`change_value`], a `Change::Merge` in its frame), and the syncer makes the bucket of it
-//! ([`changed`]), from the bucket the durable changes waiting for sled hold, or sled's; a replay
-//! makes it from sled's.
+//! ([`change_value`], a `Change::Merge` in its frame). The changes wait for sled with the
+//! batch's other durable changes, a bucket's joined into one ([`join`]), where readers ask them
+//! first ([`change_of`]); the drainer makes the bucket of them and sled's copy ([`changed`]),
+//! once a drain, off the request's path. A replay makes it the same way, a change at a time.
 //! Opening a store moves the pointers of versions before into buckets ([`move_to_buckets`]).
 
 use super::*;
@@ -240,6 +241,44 @@ pub(super) fn changed(
         }
     }
     Ok((out.len() > 1).then_some(out))
+}
+
+/// `change` with the change `later` after it (their entries in order: an id's last entry
+/// counts). Both are the writer's own ([`change_value`]); a change of another form is refused
+/// when it is made into a bucket ([`changed`]).
+pub(super) fn join(change: &mut Vec<u8>, later: &[u8]) {
+    change.extend_from_slice(later.get(1..).unwrap_or_default());
+}
+
+/// What the change `change` (of the bucket `key`) says of the pointer of `id`: given (the
+/// creation time of its record), taken away (`Some(None)`), or nothing (`None`).
+pub(super) fn change_of(
+    key: &[u8],
+    change: &[u8],
+    id: &str,
+) -> Result<Option<Option<Millis>>, StoreError> {
+    let mut said = None;
+    for e in change_entries(key, change)? {
+        let (listed, at) = e?;
+        if listed == id.as_bytes() {
+            said = Some(at);
+        }
+    }
+    Ok(said)
+}
+
+/// Whether `key` is a bucket's: the durable changes waiting for sled keep a change of it, not
+/// the bucket ([`change_value`]), which the drainer makes into the bucket ([`changed`]).
+pub(super) fn is_bucket(key: &[u8]) -> bool {
+    key.starts_with(POINTERS_PREFIX)
+}
+
+/// When the record of `id` was created, as sled's copy of its bucket `key` says.
+pub(super) fn in_sled(db: &sled::Db, key: &[u8], id: &str) -> Result<Option<Millis>, StoreError> {
+    match db.get(key).map_err(unavailable)? {
+        Some(v) => find(key, &v, id),
+        None => Ok(None),
+    }
 }
 
 /// The ids a bucket change gives a pointer (for the filter of held ids, as the write-ahead log

@@ -112,11 +112,39 @@ pub(super) struct Mem {
 }
 
 impl Mem {
+    /// The newest value of `key` waiting for sled (`Some(None)`: removed). Not for a bucket's
+    /// key, whose changes wait here ([`Mem::pointer`]).
     pub(super) fn get(&self, key: &[u8]) -> Option<Option<Vec<u8>>> {
         self.active
             .get(key)
             .or_else(|| self.frozen.get(key))
             .cloned()
+    }
+
+    /// What the changes of the bucket `key` waiting for sled say of the pointer of `id`
+    /// ([`pointers::change_of`]): the newest first.
+    pub(super) fn pointer(
+        &self,
+        key: &[u8],
+        id: &str,
+    ) -> Result<Option<Option<Millis>>, StoreError> {
+        for changes in [&self.active, &*self.frozen] {
+            if let Some(Some(change)) = changes.get(key) {
+                if let Some(said) = pointers::change_of(key, change, id)? {
+                    return Ok(Some(said));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Keeps a change of the bucket `key` (made durable) after those waiting already.
+    pub(super) fn merge(&mut self, key: Vec<u8>, change: Vec<u8>) {
+        self.bytes += key.len() + change.len();
+        match self.active.get_mut(&key) {
+            Some(Some(earlier)) => pointers::join(earlier, &change),
+            _ => drop(self.active.insert(key, Some(change))),
+        }
     }
 }
 
@@ -150,6 +178,25 @@ pub(super) fn read_key(
     match pending {
         Some(v) => Ok(v.map(sled::IVec::from)),
         None => db.get(key).map_err(unavailable),
+    }
+}
+
+/// When the record of `id` was created, as its pointer in the bucket `key` says: the durable
+/// changes of the bucket not yet in sled first, then sled's copy.
+pub(super) fn read_pointer(
+    shared: &Shared,
+    db: &sled::Db,
+    key: &[u8],
+    id: &str,
+) -> Result<Option<Millis>, StoreError> {
+    let pending = shared
+        .mem
+        .read()
+        .map_err(|_| unavailable("store lock poisoned"))?
+        .pointer(key, id)?;
+    match pending {
+        Some(said) => Ok(said),
+        None => pointers::in_sled(db, key, id),
     }
 }
 
@@ -226,11 +273,13 @@ impl Shared {
 }
 
 /// What a reader sees of the durable changes not yet in sled, taken at one moment: the keys put
-/// (newest value) and the keys removed, among those `wanted` keeps. Frozen changes first, then
-/// the active ones over them.
+/// (newest value) and the keys removed, and the changes of buckets, among those `wanted` keeps.
+/// Frozen changes first, then the active ones over them.
 pub(super) struct Overlay {
     pub(super) puts: std::collections::BTreeMap<Vec<u8>, Vec<u8>>,
     pub(super) dels: HashSet<Vec<u8>>,
+    /// Each bucket's changes, the frozen ones then the active ones ([`pointers::join`]).
+    pub(super) buckets: HashMap<Vec<u8>, Vec<u8>>,
 }
 
 impl Overlay {
@@ -245,9 +294,19 @@ impl Overlay {
         let mut o = Overlay {
             puts: Default::default(),
             dels: HashSet::default(),
+            buckets: HashMap::default(),
         };
         for changes in [&*m.frozen, &m.active] {
             for (k, v) in changes.iter().filter(|(k, _)| wanted(k)) {
+                if pointers::is_bucket(k) {
+                    if let Some(change) = v {
+                        match o.buckets.get_mut(k) {
+                            Some(earlier) => pointers::join(earlier, change),
+                            None => drop(o.buckets.insert(k.clone(), change.clone())),
+                        }
+                    }
+                    continue;
+                }
                 match v {
                     Some(v) => {
                         o.dels.remove(k);
@@ -274,6 +333,22 @@ impl Overlay {
         Ok(db.get(key).map_err(unavailable)?.map(|v| v.to_vec()))
     }
 
+    /// When the record of `id` was created, as its pointer in the bucket `key` says: the
+    /// overlay's changes of the bucket, else sled's copy.
+    pub(super) fn pointer(
+        &self,
+        db: &sled::Db,
+        key: &[u8],
+        id: &str,
+    ) -> Result<Option<Millis>, StoreError> {
+        if let Some(change) = self.buckets.get(key) {
+            if let Some(said) = pointers::change_of(key, change, id)? {
+                return Ok(said);
+            }
+        }
+        pointers::in_sled(db, key, id)
+    }
+
     /// The write-log entries of the overlay's log blocks with `seq >= from`, in order.
     pub(super) fn log_entries(&self, from: u64) -> Vec<Result<Entry, u64>> {
         let mut out = Vec::new();
@@ -288,5 +363,60 @@ impl Overlay {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bucket's changes waiting for sled answer for the ids they name, the newest over the
+    /// older (a change gathering for the next drain over the one a drain applies, a later
+    /// change over an earlier one), and for no other id: that one is sled's to answer. A
+    /// reader's overlay answers the same.
+    #[test]
+    fn a_buckets_waiting_changes_answer_for_the_ids_they_name_newest_first() {
+        let key = b"p/\x00\x07".to_vec();
+        let change = |entries: &[(&str, Option<Millis>)]| {
+            pointers::change_value(entries.iter().map(|&(id, at)| (id, at)))
+        };
+        let mut m = Mem::default();
+        m.merge(key.clone(), change(&[("a", Some(1)), ("b", Some(2))]));
+        m.frozen = Arc::new(std::mem::take(&mut m.active));
+        m.merge(key.clone(), change(&[("a", None)]));
+        m.merge(key.clone(), change(&[("c", Some(3)), ("c", Some(4))]));
+        let said = |id: &str| m.pointer(&key, id).expect("test step");
+        assert_eq!(
+            [said("a"), said("b"), said("c"), said("d")],
+            [Some(None), Some(Some(2)), Some(Some(4)), None]
+        );
+        assert_eq!(m.pointer(b"p/\x00\x08", "a").expect("test step"), None);
+
+        let shared = Shared::new(
+            LogFiles::open(
+                &tempfile::tempdir().expect("test step").path().join("log"),
+                crate::store::logfiles::SEGMENT_BYTES,
+            )
+            .expect("test step"),
+            Counts::default(),
+            (0, String::new()),
+            false,
+            Buckets::new([0; 16]),
+        );
+        *shared.mem.write().expect("test step") = m;
+        let tmp = tempfile::tempdir().expect("test step");
+        let db = sled_config(tmp.path()).open().expect("test step");
+        db.insert(&key, pointers::bucket_with(None, "d", 5))
+            .expect("test step");
+        let overlay = Overlay::take(&shared, |_| true).expect("test step");
+        let found = |id: &str| {
+            (
+                overlay.pointer(&db, &key, id).expect("test step"),
+                read_pointer(&shared, &db, &key, id).expect("test step"),
+            )
+        };
+        for (id, at) in [("a", None), ("b", Some(2)), ("c", Some(4)), ("d", Some(5))] {
+            assert_eq!(found(id), (at, at), "{id}");
+        }
     }
 }

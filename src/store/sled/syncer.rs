@@ -54,8 +54,6 @@ impl Delivery {
 /// wake-up and a context switch on each side) cost as much as the fdatasync.
 pub(super) struct Syncer {
     pub(super) shared: Arc<Shared>,
-    /// Where bucket changes read the bucket they change, when no durable change waits for it.
-    pub(super) db: sled::Db,
     pub(super) cache: Arc<Mutex<Cache>>,
     pub(super) flushes: Arc<AtomicU64>,
     pub(super) flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
@@ -155,49 +153,6 @@ impl Syncer {
         }
     }
 
-    /// Makes each bucket change of `group` ([`Change::Merge`]) the bucket it leaves: of the
-    /// bucket as the changes before it left it (in the group, else the durable changes waiting
-    /// for sled), or else as sled holds it, read without holding readers up. Only this, the one
-    /// thread syncing, adds changes: a bucket no change waits for stays as sled has it meanwhile.
-    fn make_buckets(&self, group: &mut [Sealed]) -> Result<(), String> {
-        let mut made: HashMap<Vec<u8>, Option<Vec<u8>>> = HashMap::default();
-        for b in group.iter_mut() {
-            for c in b.changes.iter_mut() {
-                let Change::Merge(k, change) = c else {
-                    continue;
-                };
-                let old = match made.remove(k.as_slice()) {
-                    Some(v) => v,
-                    None => {
-                        let waiting = self
-                            .shared
-                            .mem
-                            .read()
-                            .map_err(|_| "store lock poisoned".to_string())?
-                            .get(k);
-                        match waiting {
-                            Some(v) => v,
-                            None => self
-                                .db
-                                .get(&k)
-                                .map_err(|e| format!("read a pointer bucket: {e}"))?
-                                .map(|v| v.to_vec()),
-                        }
-                    }
-                };
-                let new = pointers::changed(k, old.as_deref(), change)
-                    .map_err(|e| format!("change a pointer bucket: {e}"))?;
-                let k = std::mem::take(k);
-                made.insert(k.clone(), new.clone());
-                *c = match new {
-                    Some(v) => Change::Put(k, v),
-                    None => Change::Del(k),
-                };
-            }
-        }
-        Ok(())
-    }
-
     /// Counts a batch on its way to the syncer thread (before it is sent).
     pub(super) fn handing_over(&self) {
         self.queued.fetch_add(1, Ordering::SeqCst);
@@ -237,9 +192,6 @@ impl Syncer {
                 st.lazy = Some(b.file.clone());
             }
         }
-        if result.is_ok() {
-            result = self.make_buckets(&mut group);
-        }
         if let Err(e) = &result {
             self.shared.fail(e);
         }
@@ -270,7 +222,7 @@ impl Syncer {
                                     m.active.insert(k, None);
                                 }
                             }
-                            Change::Merge(..) => unreachable!("made a put by make_buckets"),
+                            Change::Merge(k, change) => m.merge(k, change),
                         }
                     }
                 }

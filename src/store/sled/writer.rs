@@ -350,9 +350,12 @@ impl Writer {
         // claim fast path may answer from it next time (the generation guards the fill all the
         // same).
         let gen = self.cache.lock().map(|c| c.generation(id)).ok();
-        match read_record(id, &self.shared.buckets, |k| {
-            self.db.get(k).map_err(unavailable)
-        })? {
+        match read_record(
+            id,
+            &self.shared.buckets,
+            |k, id| pointers::in_sled(&self.db, k, id),
+            |k| self.db.get(k).map_err(unavailable),
+        )? {
             Some((key, v)) => {
                 let r = Arc::new(decode(&key, &v, self.sealer.as_deref())?);
                 if let (Some(gen), Ok(mut c)) = (gen, self.cache.lock()) {
@@ -492,9 +495,9 @@ impl Writer {
 
     /// Writes the batch's pointers into their buckets: one change a bucket, with every change
     /// the batch makes to it, in order ([`pointers::change_value`]). Nothing is read here: the
-    /// syncer makes the bucket of the change, where it keeps durable changes until sled has them
-    /// (an id the batch gives a pointer is in [`Writer::unapplied`] until then, which the
-    /// writer's own lookups ask first).
+    /// drainer makes the bucket of the change when it applies it to sled (an id the batch gives
+    /// a pointer is in [`Writer::unapplied`] until then, which the writer's own lookups ask
+    /// first).
     fn put_pointers(&self, pending: &mut Pending) {
         let mut by_bucket: HashMap<u16, Vec<(String, Option<Millis>)>> = HashMap::default();
         for (id, created) in std::mem::take(&mut pending.pointers) {
