@@ -392,9 +392,10 @@ mod tests {
         );
         assert_eq!(m.pointer(b"p/\x00\x08", "a").expect("test step"), None);
 
+        let tmp = tempfile::tempdir().expect("test step");
         let shared = Shared::new(
             LogFiles::open(
-                &tempfile::tempdir().expect("test step").path().join("log"),
+                &tmp.path().join("log"),
                 crate::store::logfiles::SEGMENT_BYTES,
             )
             .expect("test step"),
@@ -404,8 +405,9 @@ mod tests {
             Buckets::new([0; 16]),
         );
         *shared.mem.write().expect("test step") = m;
-        let tmp = tempfile::tempdir().expect("test step");
-        let db = sled_config(tmp.path()).open().expect("test step");
+        let db = sled_config(&tmp.path().join("db"))
+            .open()
+            .expect("test step");
         db.insert(&key, pointers::bucket_with(None, "d", 5))
             .expect("test step");
         let overlay = Overlay::take(&shared, |_| true).expect("test step");
