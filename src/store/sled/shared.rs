@@ -91,9 +91,11 @@ pub(super) fn count_states(db: &sled::Db) -> Counts {
 
 pub(super) type Changes = HashMap<Vec<u8>, Option<Vec<u8>>>;
 
-/// Durable changes on their way into sled, newest value per key (`None`: removed). Point reads
-/// look here before sled; sled gets them in bulk, so that an action's claim and its outcome,
-/// made durable moments apart, cost sled one write of the record instead of two.
+/// Durable changes on their way into sled, newest value per key (`None`: removed), and under a
+/// bucket's key the bucket's changes, joined in order ([`Mem::merge`]), which the drainer makes
+/// into the bucket. Point reads look here before sled; sled gets them in bulk, so that an
+/// action's claim and its outcome, made durable moments apart, cost sled one write of the record
+/// instead of two, and a bucket many batches changed one rewrite.
 #[derive(Default)]
 pub(super) struct Mem {
     /// Changes since the last drain started.
