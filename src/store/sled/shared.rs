@@ -131,10 +131,8 @@ impl Mem {
         id: &str,
     ) -> Result<Option<Option<Millis>>, StoreError> {
         for changes in [&self.active, &*self.frozen] {
-            if let Some(Some(change)) = changes.get(key) {
-                if let Some(said) = pointers::change_of(key, change, id)? {
-                    return Ok(Some(said));
-                }
+            if let Some(said) = pending_pointer(changes, key, id)? {
+                return Ok(Some(said));
             }
         }
         Ok(None)
@@ -143,10 +141,29 @@ impl Mem {
     /// Keeps a change of the bucket `key` (made durable) after those waiting already.
     pub(super) fn merge(&mut self, key: Vec<u8>, change: Vec<u8>) {
         self.bytes += key.len() + change.len();
-        match self.active.get_mut(&key) {
-            Some(Some(earlier)) => pointers::join(earlier, &change),
-            _ => drop(self.active.insert(key, Some(change))),
-        }
+        merge_change(&mut self.active, key, change);
+    }
+}
+
+/// Keeps the change `change` of the bucket `key` in `changes`, after the one it holds for that
+/// bucket already ([`pointers::join`]).
+fn merge_change(changes: &mut Changes, key: Vec<u8>, change: Vec<u8>) {
+    match changes.get_mut(&key) {
+        Some(Some(earlier)) => pointers::join(earlier, &change),
+        _ => drop(changes.insert(key, Some(change))),
+    }
+}
+
+/// What the change `changes` holds for the bucket `key` says of the pointer of `id`
+/// ([`pointers::change_of`]); `None`: no change of the bucket, or none naming `id`.
+fn pending_pointer(
+    changes: &Changes,
+    key: &[u8],
+    id: &str,
+) -> Result<Option<Option<Millis>>, StoreError> {
+    match changes.get(key) {
+        Some(Some(change)) => pointers::change_of(key, change, id),
+        _ => Ok(None),
     }
 }
 
@@ -280,8 +297,8 @@ impl Shared {
 pub(super) struct Overlay {
     pub(super) puts: std::collections::BTreeMap<Vec<u8>, Vec<u8>>,
     pub(super) dels: HashSet<Vec<u8>>,
-    /// Each bucket's changes, the frozen ones then the active ones ([`pointers::join`]).
-    pub(super) buckets: HashMap<Vec<u8>, Vec<u8>>,
+    /// Each bucket's changes, the frozen ones then the active ones ([`merge_change`]).
+    pub(super) buckets: Changes,
 }
 
 impl Overlay {
@@ -302,10 +319,7 @@ impl Overlay {
             for (k, v) in changes.iter().filter(|(k, _)| wanted(k)) {
                 if pointers::is_bucket(k) {
                     if let Some(change) = v {
-                        match o.buckets.get_mut(k) {
-                            Some(earlier) => pointers::join(earlier, change),
-                            None => drop(o.buckets.insert(k.clone(), change.clone())),
-                        }
+                        merge_change(&mut o.buckets, k.clone(), change.clone());
                     }
                     continue;
                 }
@@ -343,12 +357,10 @@ impl Overlay {
         key: &[u8],
         id: &str,
     ) -> Result<Option<Millis>, StoreError> {
-        if let Some(change) = self.buckets.get(key) {
-            if let Some(said) = pointers::change_of(key, change, id)? {
-                return Ok(said);
-            }
+        match pending_pointer(&self.buckets, key, id)? {
+            Some(said) => Ok(said),
+            None => pointers::in_sled(db, key, id),
         }
-        pointers::in_sled(db, key, id)
     }
 
     /// The write-log entries of the overlay's log blocks with `seq >= from`, in order.
