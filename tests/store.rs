@@ -1055,13 +1055,11 @@ fn bucket_entries(v: &[u8]) -> Vec<(&[u8], &[u8])> {
 /// The bucket `id`'s pointer is in, as a closed store's database holds it: whether it lists
 /// `id`, pointing at a record created at `created`.
 fn in_bucket(db: &::sled::Db, id: &str, created: &[u8]) -> bool {
-    let created = Millis::from_be_bytes(created.try_into().unwrap());
     let buckets = oncegate::store::sled::Buckets::of(db).unwrap().unwrap();
     let Some(v) = db.get(buckets.key(id)).unwrap() else {
         return false;
     };
-    let alone = oncegate::store::sled::bucket_with(None, id, created);
-    v.windows(alone.len() - 1).any(|w| w == &alone[1..])
+    bucket_entries(&v).contains(&(created, id.as_bytes()))
 }
 
 /// A sled store at `dir`, closed, holding `actions`: `(id, claimed at, outcome)`, each settled a
