@@ -109,10 +109,24 @@ async fn another_stores_database_does_not_open_in_its_place() {
     let store_a = a_store_with_a_charge(&up, a.path()).await;
     let other = FakeUpstream::start().await;
     let store_b = a_store_with_a_charge(&other, b.path()).await;
+    // A's charge retried (each replay a write-log entry), so that A's sled log, and so its last
+    // snapshot's name, goes well past B's (as it did by chance on CI, stop 52).
+    let proxy = ChildProxy::spawn(&a.path().join("oncegate.toml"));
+    for _ in 0..50 {
+        let r = TestClient::default()
+            .post(
+                &proxy.url("/pay/v1/charges"),
+                &[(KEY, "charge-1")],
+                "amount=5",
+            )
+            .await;
+        assert_eq!(r.header("oncegate-outcome"), Some("replayed"));
+    }
+    assert!(proxy.terminate().success());
     // B's database (and its snapshots) in A's folder: A's write log and id stay. A's own
     // snapshots go first: their names carry a log position, and sled reads the latest; one of
     // A's left beside B's database describes a log B's does not hold, and sled refuses that as
-    // corrupt before the store can read whose database it is (CI, stop 52).
+    // corrupt before the store can read whose database it is.
     let sled_file = |name: &str| name == "db" || name == "conf" || name.starts_with("snap.");
     for e in std::fs::read_dir(&store_a).unwrap() {
         let p = e.unwrap().path();
