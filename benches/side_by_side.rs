@@ -1904,7 +1904,7 @@ fn targets_report(
             .find(|(s, _)| s.workload == w && s.conns == conns)
             .map(|(_, p)| p)
     };
-    let verdict = |ok: bool| if ok { "met" } else { "not met" };
+    let verdict = |ok: bool| (if ok { "met" } else { "not met" }).to_string();
     let mut rows: Vec<[String; 4]> = Vec::new();
     // oncegate's throughput against the peer without persistence, in a workload at 64
     // connections, as a row with its bound.
@@ -1917,7 +1917,7 @@ fn targets_report(
             rows.push([
                 target.into(),
                 format!("{r:.2}×"),
-                verdict(r >= bound).into(),
+                verdict(r >= bound),
                 "-".into(),
             ]);
         }
@@ -1955,7 +1955,7 @@ fn targets_report(
         rows.push([
             "CPU per unique write ≤ 100 µs".into(),
             format!("{cpu:.0} µs"),
-            verdict(cpu <= 100.0).into(),
+            verdict(cpu <= 100.0),
             floor,
         ]);
     }
@@ -1972,13 +1972,27 @@ fn targets_report(
                 })
             };
             let bound = p50_bound(probe);
+            // A bound below what bare hyper with the two durable appends measured, in the same
+            // run, is out of reach of any proxy on this stack: that floor does no work of its own.
+            let p50 = og.q(0.5);
+            let p50_verdict = match durable.map(|d| d.q(0.5)) {
+                _ if p50 <= bound => "met".to_string(),
+                Some(f) if f > bound => format!(
+                    "not met; out of reach in this run: `{BARE_DURABLE}` measured {:.0} µs over the bound",
+                    f - bound
+                ),
+                _ => "not met".to_string(),
+            };
+            let over = durable.map_or(String::new(), |d| {
+                format!("; oncegate {:+.0} µs over it", p50 - d.q(0.5))
+            });
             rows.push([
                 format!("1 connection: p50 ≤ 2 × fdatasync median + 100 µs = {bound:.0} µs"),
-                format!("{:.0} µs", og.q(0.5)),
-                verdict(og.q(0.5) <= bound).into(),
+                format!("{p50:.0} µs"),
+                p50_verdict,
                 bare.map_or("-".into(), |b| {
                     format!(
-                        "{:.0} µs (two fdatasync medians and bare hyper's p50){}",
+                        "{:.0} µs (two fdatasync medians and bare hyper's p50){}{over}",
                         2.0 * median + b.q(0.5),
                         measured(0.5)
                     )
@@ -1987,7 +2001,7 @@ fn targets_report(
             rows.push([
                 "1 connection: p99 ≤ 1.5 ms".into(),
                 format!("{:.0} µs", og.q(0.99)),
-                verdict(og.q(0.99) <= 1500.0).into(),
+                verdict(og.q(0.99) <= 1500.0),
                 bare.map_or("-".into(), |b| {
                     format!(
                         "bare hyper's own p99 {:.0} µs; fdatasync p99 {p99:.0} µs, two per write{}",
@@ -2007,7 +2021,7 @@ fn targets_report(
         rows.push([
             format!("peak RSS ≤ 96 MiB in writes, replays and mixed at 64 connections ({actions:.0} actions stored at the end)"),
             format!("{peak:.0} MiB"),
-            verdict(peak <= 96.0).into(),
+            verdict(peak <= 96.0),
             floor.map_or("-".into(), |f| format!("sled alone: {:.0} MiB peak", f.peak_rss_mib)),
         ]);
     }
