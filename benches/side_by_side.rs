@@ -1112,6 +1112,8 @@ async fn preload(dir: &Path, n: usize) {
                         owner: "preload".into(),
                         lease: 1000,
                         now,
+                        twin: None,
+                        window: None,
                     })
                     .await
                     .unwrap();

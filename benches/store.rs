@@ -75,6 +75,8 @@ async fn one_write(s: &dyn Store) {
         owner: "b".into(),
         lease: 60_000,
         now,
+        twin: None,
+        window: None,
     })
     .await
     .unwrap();

@@ -217,6 +217,15 @@ pub struct Record {
     /// evidence's body excerpts, sealed (`store::seal`). `None` in every record a caller sees.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sealed: Option<String>,
+    /// The client's own `Idempotency-Key` when it was not the action's key (task and step
+    /// outranked it, or `client_keys = "per-call"`): evidence (SPEC §4.1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_key: Option<String>,
+    /// Guarded by the unsettled-twin guard: while unsettled, this action stops an identical
+    /// write under another key (SPEC §4.1). `false` for a declared twin and where the guard is
+    /// off.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub twin: bool,
 }
 
 /// Who settled an unknown action, how and why.
@@ -344,7 +353,26 @@ impl Record {
             response: None,
             resolution: None,
             sealed: None,
+            client_key: None,
+            twin: false,
         }
+    }
+
+    /// Whether this action stops its twins now: guarded and unsettled (SPEC §4.1).
+    pub fn holds_twin(&self) -> bool {
+        self.twin && !self.is_settled()
+    }
+
+    /// The key its twins share ([`crate::identity::twin_key`]).
+    pub fn twin_key(&self) -> String {
+        crate::identity::twin_key(&self.upstream, &self.principal, &self.fingerprint)
+    }
+
+    /// When it settled: `retention` before its expiry.
+    pub fn settled_at(&self) -> Option<Millis> {
+        self.expires_at
+            .filter(|_| self.is_settled())
+            .map(|e| e.saturating_sub(self.retention_ms))
     }
 
     /// Whether the action has settled: `succeeded` or `failed`.
@@ -419,6 +447,15 @@ pub enum KeySource {
     Fingerprint,
 }
 
+/// The unsettled-twin guard of a claim (SPEC §4.1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TwinGuard {
+    /// [`crate::identity::twin_key`] of the write: what its twins share.
+    pub key: String,
+    /// The unsettled action this write knowingly repeats (`Oncegate-Allow-Twin`).
+    pub allow: Option<String>,
+}
+
 /// A request to claim an action for a new attempt (SPEC §5 step 2).
 #[derive(Debug, Clone)]
 pub struct ClaimRequest {
@@ -429,6 +466,11 @@ pub struct ClaimRequest {
     pub owner: String,
     pub lease: Millis,
     pub now: Millis,
+    /// The unsettled-twin guard, when on for this write.
+    pub twin: Option<TwinGuard>,
+    /// `fingerprint_window`, for a fingerprint key: how long after it settled an identical
+    /// keyless write is still this action (SPEC §4.1 rule 3). `None`: the retention.
+    pub window: Option<Millis>,
 }
 
 impl ClaimRequest {
@@ -436,6 +478,23 @@ impl ClaimRequest {
     /// `key-reused`). Under a task-step key a different body is the same action (SPEC §4.1).
     pub fn reuses_key(&self, existing: &Record) -> bool {
         self.key_source != KeySource::TaskStep && existing.fingerprint != self.fresh.fingerprint
+    }
+
+    /// Whether `existing` gives way to a new action under its key: its retention passed, or,
+    /// under a fingerprint key, its `fingerprint_window` since it settled.
+    pub fn replaces(&self, existing: &Record) -> bool {
+        existing.is_expired(self.now)
+            || (self.key_source == KeySource::Fingerprint
+                && self.window.is_some_and(|w| {
+                    existing
+                        .settled_at()
+                        .is_some_and(|at| self.now >= at.saturating_add(w))
+                }))
+    }
+
+    /// The guard's key, when the guard is on for this request.
+    pub fn twin_key(&self) -> Option<&str> {
+        self.twin.as_ref().map(|t| t.key.as_str())
     }
 }
 
@@ -451,13 +510,19 @@ pub enum Claim {
     KeyReused(Arc<Record>),
     /// `failed` with no attempts left.
     Exhausted(Arc<Record>),
+    /// Not sent: an identical write under another key is unsettled (this is that action).
+    Twin(Arc<Record>),
 }
 
 impl Claim {
     /// The record the claim found or wrote.
     pub fn record(&self) -> &Arc<Record> {
         match self {
-            Claim::Claimed(r) | Claim::Existing(r) | Claim::KeyReused(r) | Claim::Exhausted(r) => r,
+            Claim::Claimed(r)
+            | Claim::Existing(r)
+            | Claim::KeyReused(r)
+            | Claim::Exhausted(r)
+            | Claim::Twin(r) => r,
         }
     }
 
@@ -468,16 +533,23 @@ impl Claim {
             Claim::Existing(_) => Claim::Existing(r),
             Claim::KeyReused(_) => Claim::KeyReused(r),
             Claim::Exhausted(_) => Claim::Exhausted(r),
+            Claim::Twin(_) => Claim::Twin(r),
         }
     }
 }
 
-/// Decides a claim against the current record. Returns the answer and the record to write, if
-/// any. Every backend calls this (or [`decide_claim_owned`]) inside its atomic section.
-pub fn decide_claim(current: Option<Record>, req: &ClaimRequest) -> (Claim, Option<Record>) {
-    let (claim, write) = match current.filter(|r| !r.is_expired(req.now)) {
-        None => claim_new(req.fresh.clone(), &req.owner, req.lease, req.now),
-        Some(r) => claim_existing(r, req),
+/// Decides a claim against the current record and, when the guard is on, the action holding
+/// the write's twin slot (`twin`: [`TwinGuard::key`]'s holder, if any). Returns the answer and
+/// the record to write, if any. Every backend calls this (or [`decide_claim_owned`]) inside its
+/// atomic section.
+pub fn decide_claim(
+    current: Option<Record>,
+    twin: Option<Arc<Record>>,
+    req: &ClaimRequest,
+) -> (Claim, Option<Record>) {
+    let (claim, write) = match current.filter(|r| !req.replaces(r)) {
+        None => claim_new(req.fresh.clone(), twin, req),
+        Some(r) => claim_existing(r, twin, req),
     };
     let write = write.then(|| Record::clone(claim.record()));
     (claim, write)
@@ -486,34 +558,67 @@ pub fn decide_claim(current: Option<Record>, req: &ClaimRequest) -> (Claim, Opti
 /// [`decide_claim`] for a caller that owns the request: a new action's record is the request's
 /// own fresh record, moved rather than copied, and the record to write is the claim's own
 /// (`true`: [`Claim::record`] is to be written), shared rather than copied.
-pub fn decide_claim_owned(current: Option<Record>, req: ClaimRequest) -> (Claim, bool) {
-    match current.filter(|r| !r.is_expired(req.now)) {
-        None => claim_new(req.fresh, &req.owner, req.lease, req.now),
-        Some(r) => claim_existing(r, &req),
+pub fn decide_claim_owned(
+    current: Option<Record>,
+    twin: Option<Arc<Record>>,
+    mut req: ClaimRequest,
+) -> (Claim, bool) {
+    match current.filter(|r| !req.replaces(r)) {
+        None => {
+            let fresh = std::mem::replace(&mut req.fresh, Record::new("", ""));
+            claim_new(fresh, twin, &req)
+        }
+        Some(r) => claim_existing(r, twin, &req),
     }
 }
 
-/// A new action (or one whose record expired): its first attempt, claimed.
-fn claim_new(mut r: Record, owner: &str, lease: Millis, now: Millis) -> (Claim, bool) {
+/// What the unsettled-twin guard says of a claim that would send (SPEC §4.1), given the holder
+/// of its twin slot: `Err` with the unsettled twin that stops it, or whether its attempt takes
+/// the slot (`false` where the guard is off, and for a declared twin of a live holder, which
+/// keeps it).
+fn twin_slot(twin: Option<Arc<Record>>, req: &ClaimRequest) -> Result<bool, Arc<Record>> {
+    let Some(guard) = &req.twin else {
+        return Ok(false);
+    };
+    match twin.filter(|t| t.id != req.fresh.id && t.holds_twin()) {
+        None => Ok(true),
+        Some(t) if guard.allow.as_deref() == Some(t.id.as_str()) => Ok(false),
+        Some(t) => Err(t),
+    }
+}
+
+/// A new action (or one whose record expired): its first attempt, claimed, unless an
+/// unsettled twin stops it.
+fn claim_new(mut r: Record, twin: Option<Arc<Record>>, req: &ClaimRequest) -> (Claim, bool) {
+    let slot = match twin_slot(twin, req) {
+        Ok(slot) => slot,
+        Err(t) => return (Claim::Twin(t), false),
+    };
     r.v = RECORD_VERSION;
     r.attempts = 0;
     r.evidence.clear();
     r.response = None;
     r.resolution = None;
     r.external_id = None;
-    r.created_at = now;
-    r.start_attempt(owner, lease, now);
+    r.created_at = req.now;
+    r.twin = slot;
+    r.start_attempt(&req.owner, req.lease, req.now);
     (Claim::Claimed(Arc::new(r)), true)
 }
 
 /// An action that exists and has not expired.
-fn claim_existing(r: Record, req: &ClaimRequest) -> (Claim, bool) {
+fn claim_existing(r: Record, twin: Option<Arc<Record>>, req: &ClaimRequest) -> (Claim, bool) {
     match r {
         r if req.reuses_key(&r) => (Claim::KeyReused(Arc::new(r)), false),
         r if r.state == State::Failed && r.attempts >= req.max_attempts => {
             (Claim::Exhausted(Arc::new(r)), false)
         }
         mut r if r.state == State::Failed => {
+            // A new attempt is a send like a first one: an unsettled twin stops it too.
+            r.twin = match twin_slot(twin, req) {
+                Ok(slot) => slot,
+                Err(t) => return (Claim::Twin(t), false),
+            };
             r.start_attempt(&req.owner, req.lease, req.now);
             (Claim::Claimed(Arc::new(r)), true)
         }
@@ -646,7 +751,13 @@ pub(crate) mod tests {
             owner: "me".into(),
             lease: 100,
             now,
+            twin: None,
+            window: None,
         }
+    }
+
+    fn decide_claim_t(current: Option<Record>, req: &ClaimRequest) -> (Claim, Option<Record>) {
+        decide_claim(current, None, req)
     }
 
     fn settle(state: State, now: Millis) -> Settlement {
@@ -670,7 +781,7 @@ pub(crate) mod tests {
 
     #[test]
     fn claim_lifecycle() {
-        let (c, w) = decide_claim(None, &req("f", 10));
+        let (c, w) = decide_claim_t(None, &req("f", 10));
         let Claim::Claimed(r) = c else {
             panic!("new action is claimed")
         };
@@ -680,35 +791,35 @@ pub(crate) mod tests {
         );
         let w = w.expect("a claim writes");
         // In flight: a duplicate sees it and writes nothing.
-        let (c, w2) = decide_claim(Some(w.clone()), &req("f", 11));
+        let (c, w2) = decide_claim_t(Some(w.clone()), &req("f", 11));
         assert!(matches!(c, Claim::Existing(_)) && w2.is_none());
         // Different fingerprint: key reused, whatever the state.
         assert!(matches!(
-            decide_claim(Some(w.clone()), &req("g", 11)).0,
+            decide_claim_t(Some(w.clone()), &req("g", 11)).0,
             Claim::KeyReused(_)
         ));
         // Failed with attempts left: attempt 2.
         let failed = apply_settle(Some(w), "id1", 1, settle(State::Failed, 12)).expect("settles");
-        let (c, w) = decide_claim(Some(failed), &req("f", 13));
+        let (c, w) = decide_claim_t(Some(failed), &req("f", 13));
         assert!(matches!(c, Claim::Claimed(ref r) if r.attempts == 2));
         let failed = apply_settle(w, "id1", 2, settle(State::Failed, 14)).expect("settles");
         // No attempts left.
         assert!(matches!(
-            decide_claim(Some(failed.clone()), &req("f", 15)).0,
+            decide_claim_t(Some(failed.clone()), &req("f", 15)).0,
             Claim::Exhausted(_)
         ));
         // Expired: a new action, attempt 1.
-        let (c, _) = decide_claim(Some(failed), &req("f", 14 + 1000));
+        let (c, _) = decide_claim_t(Some(failed), &req("f", 14 + 1000));
         assert!(matches!(c, Claim::Claimed(ref r) if r.attempts == 1 && r.evidence.len() == 1));
     }
 
     #[test]
     fn the_owned_claim_decides_as_the_borrowed_one() {
-        let (_, w) = decide_claim(None, &req("f", 10));
+        let (_, w) = decide_claim_t(None, &req("f", 10));
         let running = w.expect("a claim writes");
         let failed = apply_settle(Some(running.clone()), "id1", 1, settle(State::Failed, 12))
             .expect("settles");
-        let (_, w) = decide_claim(Some(failed.clone()), &req("f", 13));
+        let (_, w) = decide_claim_t(Some(failed.clone()), &req("f", 13));
         let exhausted = apply_settle(w, "id1", 2, settle(State::Failed, 14)).expect("settles");
         let mut lease_gone = running.clone();
         lease_gone.lease_until = Some(11);
@@ -723,8 +834,8 @@ pub(crate) mod tests {
             (Some(failed), req("g", 14 + 1000)),
         ];
         for (current, req) in cases {
-            let (claim, write) = decide_claim(current.clone(), &req);
-            let (owned, writes) = decide_claim_owned(current, req);
+            let (claim, write) = decide_claim_t(current.clone(), &req);
+            let (owned, writes) = decide_claim_owned(current, None, req);
             assert_eq!(owned, claim);
             assert_eq!(writes.then(|| Record::clone(owned.record())), write);
         }
@@ -733,15 +844,15 @@ pub(crate) mod tests {
     #[test]
     fn unsettled_actions_never_expire_and_retention_counts_from_the_settlement() {
         // Retention 1000 ms. An attempt still running long after it: a duplicate waits on it.
-        let (_, w) = decide_claim(None, &req("f", 10));
+        let (_, w) = decide_claim_t(None, &req("f", 10));
         let running = w.expect("claim writes");
         let mut long = req("f", 10 + 5_000);
         long.lease = 100_000;
-        let (c, w) = decide_claim(Some(running.clone()), &req("f", 10 + 50));
+        let (c, w) = decide_claim_t(Some(running.clone()), &req("f", 10 + 50));
         assert!(matches!(c, Claim::Existing(_)) && w.is_none());
         let mut live = running.clone();
         live.lease_until = Some(1_000_000);
-        let (c, w) = decide_claim(Some(live), &long);
+        let (c, w) = decide_claim_t(Some(live), &long);
         assert!(
             matches!(c, Claim::Existing(ref r) if r.state == State::InFlight) && w.is_none(),
             "an attempt running past retention is not claimed again: {c:?}"
@@ -750,7 +861,7 @@ pub(crate) mod tests {
         let unknown =
             apply_settle(Some(running), "id1", 1, settle(State::Unknown, 20)).expect("settles");
         assert_eq!(unknown.expires_at, None);
-        let (c, w) = decide_claim(Some(unknown.clone()), &req("f", 3_600_000));
+        let (c, w) = decide_claim_t(Some(unknown.clone()), &req("f", 3_600_000));
         assert!(
             matches!(c, Claim::Existing(ref r) if r.state == State::Unknown) && w.is_none(),
             "{c:?}"
@@ -783,24 +894,24 @@ pub(crate) mod tests {
 
     #[test]
     fn a_task_step_key_is_one_action_whatever_the_body() {
-        let (_, w) = decide_claim(None, &req("f", 10));
+        let (_, w) = decide_claim_t(None, &req("f", 10));
         let done = apply_settle(w, "id1", 1, settle(State::Succeeded, 11)).expect("settles");
         let mut regenerated = req("a regenerated body", 12);
         regenerated.key_source = KeySource::TaskStep;
         assert!(
-            matches!(decide_claim(Some(done.clone()), &regenerated).0, Claim::Existing(ref r) if r.state == State::Succeeded)
+            matches!(decide_claim_t(Some(done.clone()), &regenerated).0, Claim::Existing(ref r) if r.state == State::Succeeded)
         );
         // The same under a client's key is a reuse.
         regenerated.key_source = KeySource::Header;
         assert!(matches!(
-            decide_claim(Some(done), &regenerated).0,
+            decide_claim_t(Some(done), &regenerated).0,
             Claim::KeyReused(_)
         ));
     }
 
     #[test]
     fn not_found_settles_not_applied_only_after_absent_after() {
-        let (_, w) = decide_claim(None, &req("f", 10));
+        let (_, w) = decide_claim_t(None, &req("f", 10));
         let unknown = apply_settle(w, "id1", 1, settle(State::Unknown, 2_000)).expect("settles");
         assert_eq!(unknown.last_sent(), Some(2_000));
         let absent = |now| Resolve {
@@ -823,7 +934,7 @@ pub(crate) mod tests {
 
     #[test]
     fn settle_refuses_stale_attempts_and_recover_marks_unknown() {
-        let (_, w) = decide_claim(None, &req("f", 10));
+        let (_, w) = decide_claim_t(None, &req("f", 10));
         let w = w.expect("claim writes");
         assert!(matches!(
             apply_settle(Some(w.clone()), "id1", 2, settle(State::Succeeded, 11)),
@@ -840,6 +951,82 @@ pub(crate) mod tests {
         assert!(matches!(
             apply_settle(Some(done), "id1", 1, settle(State::Failed, 12)),
             Err(SettleError::Stale { .. })
+        ));
+    }
+
+    fn guarded(fp: &str, id: &str, now: Millis, allow: Option<&str>) -> ClaimRequest {
+        let mut r = req(fp, now);
+        r.fresh.id = id.into();
+        r.twin = Some(TwinGuard {
+            key: "tw-1".into(),
+            allow: allow.map(str::to_string),
+        });
+        r
+    }
+
+    #[test]
+    fn an_unsettled_twin_stops_a_new_key_until_it_settles() {
+        let (_, w) = decide_claim_t(None, &guarded("f", "a", 10, None));
+        let first = w.expect("claims");
+        assert!(first.twin && first.holds_twin());
+        let holder = Some(Arc::new(first.clone()));
+        // Another key, same write: not sent, the answer names the first.
+        let (c, w) = decide_claim(None, holder.clone(), &guarded("f", "b", 11, None));
+        assert!(
+            matches!(c, Claim::Twin(ref t) if t.id == "a") && w.is_none(),
+            "{c:?}"
+        );
+        // A failed action's new attempt is stopped the same way.
+        let mut failed = fresh("f");
+        failed.id = "c".into();
+        failed.state = State::Failed;
+        failed.attempts = 1;
+        let (c, _) = decide_claim(Some(failed), holder.clone(), &guarded("f", "c", 11, None));
+        assert!(matches!(c, Claim::Twin(_)), "{c:?}");
+        // Declared: sent, and the first keeps the slot.
+        let (c, w) = decide_claim(None, holder.clone(), &guarded("f", "b", 11, Some("a")));
+        assert!(matches!(c, Claim::Claimed(_)));
+        assert!(!w.expect("claims").twin);
+        // Naming another action declares nothing.
+        let (c, _) = decide_claim(None, holder.clone(), &guarded("f", "b", 11, Some("zz")));
+        assert!(matches!(c, Claim::Twin(_)));
+        // Unknown stops it too; settled does not.
+        let unknown =
+            apply_settle(Some(first.clone()), "a", 1, settle(State::Unknown, 12)).expect("settles");
+        assert!(unknown.holds_twin());
+        let (c, _) = decide_claim(None, Some(Arc::new(unknown)), &guarded("f", "b", 13, None));
+        assert!(matches!(c, Claim::Twin(_)));
+        let done =
+            apply_settle(Some(first), "a", 1, settle(State::Succeeded, 12)).expect("settles");
+        assert!(!done.holds_twin());
+        let (c, w) = decide_claim(None, Some(Arc::new(done)), &guarded("f", "b", 13, None));
+        assert!(matches!(c, Claim::Claimed(_)) && w.expect("claims").twin);
+        // With the guard off, nothing is checked and no slot taken.
+        let (c, w) = decide_claim(None, holder, &req("f", 11));
+        assert!(matches!(c, Claim::Claimed(_)) && !w.expect("claims").twin);
+    }
+
+    #[test]
+    fn a_fingerprint_key_is_a_new_action_after_its_window() {
+        let mut r = req("f", 10);
+        r.key_source = KeySource::Fingerprint;
+        r.window = Some(100);
+        let (_, w) = decide_claim_t(None, &r);
+        let done = apply_settle(w, "id1", 1, settle(State::Succeeded, 20)).expect("settles");
+        assert_eq!(done.settled_at(), Some(20));
+        r.now = 119;
+        assert!(matches!(
+            decide_claim_t(Some(done.clone()), &r).0,
+            Claim::Existing(_)
+        ));
+        r.now = 120;
+        let (c, _) = decide_claim_t(Some(done.clone()), &r);
+        assert!(matches!(c, Claim::Claimed(ref n) if n.attempts == 1 && n.created_at == 120));
+        // A client's key is not bound by the window: the retention decides.
+        r.key_source = KeySource::Header;
+        assert!(matches!(
+            decide_claim_t(Some(done), &r).0,
+            Claim::Existing(_)
         ));
     }
 }

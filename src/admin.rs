@@ -146,6 +146,9 @@ pub fn record_view(r: &Record, redactor: &crate::redact::Redactor) -> Value {
     v["principal"] = json!(principal_short(&r.principal));
     v["fingerprint"] = json!(r.fingerprint);
     v["needs_decision"] = json!(r.needs_decision);
+    // The client's own key when it was not the action's (SPEC §4.1): evidence.
+    v["client_key"] = json!(r.client_key);
+    v["twin_guard"] = json!(r.twin);
     v["request"] = json!({
         "headers": r.request.headers,
         "body_size": r.request.body_size,

@@ -292,7 +292,8 @@ pub async fn actions_lookup(c: &AdminClient, id: &str, as_json: bool) -> Result<
         .json(
             Method::POST,
             &format!("/v1/actions/{}/lookup", enc(id)),
-            None,
+            // The admin API takes POST bodies as JSON only (a web page cannot forge one).
+            Some(serde_json::json!({})),
         )
         .await?;
     Ok(if as_json {

@@ -106,6 +106,10 @@ pub enum ProxyError {
     },
     #[error("this action failed on every one of its attempts")]
     AttemptsExhausted(Box<ActionCtx>),
+    /// An identical write under another key is `in_flight` or `unknown` (the unsettled-twin
+    /// guard, SPEC §4.1); the context is that action.
+    #[error("an identical write under another key is not settled: action {}", .0.record.id)]
+    PossibleDuplicate(Box<ActionCtx>),
     #[error("could not reach the upstream: {error}")]
     UpstreamUnreachable {
         ctx: Option<Box<ActionCtx>>,
@@ -180,6 +184,32 @@ pub fn evidence_json(r: &Record) -> Value {
     )
 }
 
+/// What a problem is about, as the model reading it knows it: the tool it called, or the
+/// request it made.
+fn what(c: &ActionCtx) -> String {
+    match &c.record.tool {
+        Some(tool) => format!("The tool call {tool}"),
+        None => format!("The request {} {}", c.record.method, c.record.path),
+    }
+}
+
+/// [`what`], inside a sentence.
+fn what_bare(c: &ActionCtx) -> String {
+    match &c.record.tool {
+        Some(tool) => format!("call of the tool {tool}"),
+        None => format!("request {} {}", c.record.method, c.record.path),
+    }
+}
+
+/// How to ask again for an action's result: the same call, or the same request.
+fn again(c: &ActionCtx) -> &'static str {
+    if c.record.tool.is_some() {
+        "Call it again with the same arguments"
+    } else {
+        "Send the same request again"
+    }
+}
+
 struct Shape {
     name: &'static str,
     title: &'static str,
@@ -198,6 +228,7 @@ impl ProxyError {
             | ProxyError::InFlight { ctx: c, .. }
             | ProxyError::OutcomeUnknown { ctx: c, .. }
             | ProxyError::AttemptsExhausted(c)
+            | ProxyError::PossibleDuplicate(c)
             | ProxyError::AlreadyApplied(c) => Some(c),
             ProxyError::UpstreamUnreachable { ctx, .. }
             | ProxyError::StoreUnavailable { ctx, .. } => ctx.as_deref(),
@@ -292,9 +323,9 @@ impl ProxyError {
                 Outcome::Rejected,
                 c.record.state != State::Failed,
                 Retry::AfterCorrection,
-                "This key already names a different request. A retry of the same write must send the same request again (or name the step with Oncegate-Task and Oncegate-Step, under which a regenerated body is the same action); a new key is only for a genuinely different write, since the first may have been applied.",
+                &format!("{} was not sent: an earlier, different request was made under the same identity, and it may have been applied. Send exactly the earlier request again to get its result; do not change this one to get past this, and tell the user if unsure.", what(c)),
             ),
-            ProxyError::InFlight { .. } => Shape {
+            ProxyError::InFlight { ctx, .. } => Shape {
                 no_retry_headers: false,
                 ..s(
                     "in-flight",
@@ -303,10 +334,19 @@ impl ProxyError {
                     Outcome::InFlight,
                     true,
                     Retry::Later,
-                    "Wait and send the same request again with the same key: it will get this attempt's result.",
+                    &format!("{} is still running and its result is not in yet. {} in a few seconds to get that result; never change it to get past this.", what(ctx), again(ctx)),
                 )
             },
-            ProxyError::OutcomeUnknown { lost_now, .. } => s(
+            ProxyError::PossibleDuplicate(c) => s(
+                "possible-duplicate",
+                "Possible duplicate",
+                StatusCode::CONFLICT,
+                Outcome::Rejected,
+                true,
+                Retry::AfterResolution,
+                &format!("An identical {} made at {} may have been applied, and its outcome is not known yet, so this one was not sent: it could have done the same thing twice. Do not send it again in another form; tell the user it may already have happened. Only if a second, identical one is truly meant, send it with the header Oncegate-Allow-Twin: {}.", what_bare(c), rfc3339(c.record.created_at), c.record.id),
+            ),
+            ProxyError::OutcomeUnknown { lost_now, ctx, .. } => s(
                 "outcome-unknown",
                 "Outcome unknown",
                 if *lost_now {
@@ -317,16 +357,16 @@ impl ProxyError {
                 Outcome::Unknown,
                 true,
                 Retry::AfterResolution,
-                "Do not send this write again under a new key. Check at the service whether it happened (by its key), then settle it: POST /v1/actions/{id}/lookup or /resolve on the admin API.",
+                &format!("{} may have been applied: its answer was lost, so whether it happened is not known, and it will not be sent again until that is settled. {} later to get its result; never change it to get past this, and if it stays unknown, tell the user it may have happened.", what(ctx), again(ctx)),
             ),
-            ProxyError::AttemptsExhausted(_) => s(
+            ProxyError::AttemptsExhausted(c) => s(
                 "attempts-exhausted",
                 "Attempts exhausted",
                 StatusCode::CONFLICT,
                 Outcome::Rejected,
                 false,
                 Retry::AfterCorrection,
-                "Every attempt failed without applying the write; read the evidence, correct the request, and send it with a new key.",
+                &format!("{} failed on each of its attempts and was not applied; it will not be tried again as it is. Tell the user what failed (the evidence has the service's answers) before changing anything.", what(c)),
             ),
             ProxyError::UpstreamUnreachable { .. } => s(
                 "upstream-unreachable",
@@ -355,14 +395,17 @@ impl ProxyError {
                 Retry::Later,
                 "The connection to the service failed during this read; try again later.",
             ),
-            ProxyError::AlreadyApplied(_) => s(
+            ProxyError::AlreadyApplied(c) => s(
                 "already-applied",
                 "Already applied",
                 StatusCode::CONFLICT,
                 Outcome::Applied,
                 true,
                 Retry::Never,
-                "This write was applied; use its external_id instead of sending it again.",
+                &match &c.record.external_id {
+                    Some(x) => format!("{} was already applied (its result is {x}); do not send it again.", what(c)),
+                    None => format!("{} was already applied; do not send it again.", what(c)),
+                },
             ),
             ProxyError::StoreUnavailable { ctx, .. } => Shape {
                 no_retry_headers: false,
@@ -403,9 +446,7 @@ impl ProxyError {
     pub fn problem_json(&self) -> Value {
         let shape = self.shape();
         let ctx = self.ctx();
-        let next_step = shape
-            .next_step
-            .replace("{id}", ctx.map(|c| c.record.id.as_str()).unwrap_or("ID"));
+        let next_step = shape.next_step;
         let mut body = json!({
             "type": format!("urn:oncegate:problem:{}", shape.name),
             "title": shape.title,
@@ -422,8 +463,24 @@ impl ProxyError {
             },
             "next_step": next_step,
         });
-        if let ProxyError::OutcomeUnknown { reason, .. } = &self {
-            body["detail"] = Value::String(format!("{self}: {reason}"));
+        match &self {
+            ProxyError::OutcomeUnknown { reason, ctx, .. } => {
+                body["detail"] = Value::String(format!(
+                    "{self}: {reason}. For an operator: check at the service whether it happened (key {}), then settle it with POST /v1/actions/{}/lookup or /resolve on the admin API (oncegate actions lookup|resolve).",
+                    ctx.record.key, ctx.record.id
+                ));
+            }
+            ProxyError::PossibleDuplicate(ctx) => {
+                body["detail"] = Value::String(format!(
+                    "{self}, {} since {}, under key {}. This write was not sent. For an operator: settle that action (POST /v1/actions/{}/lookup or /resolve on the admin API); a client that means a second, identical write sends Oncegate-Allow-Twin: {}.",
+                    ctx.record.state.as_str(),
+                    rfc3339(ctx.record.created_at),
+                    ctx.record.key,
+                    ctx.record.id,
+                    ctx.record.id
+                ));
+            }
+            _ => {}
         }
         if let Some(c) = ctx {
             body["action"] = action_json(&c.record);

@@ -4,7 +4,7 @@ use http::HeaderMap;
 use sha2::{Digest, Sha256};
 
 use crate::canonical;
-use crate::config::Policy;
+use crate::config::{ClientKeys, Policy};
 
 pub const ANONYMOUS: &str = "anonymous";
 
@@ -30,6 +30,46 @@ pub struct Identity {
     pub fingerprint: String,
     /// 32 hex characters (SPEC §4.4).
     pub action_id: String,
+    /// The client's own `Idempotency-Key` when it is not the action's key (task and step
+    /// outrank it, or the upstream's `client_keys` is `per-call`): kept as evidence.
+    pub client_key: Option<String>,
+    /// `Oncegate-Allow-Twin`: the id of the unsettled action this write knowingly repeats.
+    pub allow_twin: Option<String>,
+}
+
+impl Identity {
+    /// The key of the unsettled-twin guard (SPEC §4.1): the same caller's identical write to
+    /// the same upstream, whatever its key.
+    pub fn twin_key(&self, upstream: &str) -> String {
+        twin_key(upstream, &self.principal, &self.fingerprint)
+    }
+}
+
+/// `tw-` and 32 hex characters of SHA-256(upstream, principal, fingerprint): what two twins
+/// share (SPEC §4.1, the unsettled-twin guard).
+pub fn twin_key(upstream: &str, principal: &str, fingerprint: &str) -> String {
+    let d = sha256_parts(&[
+        b"twin",
+        upstream.as_bytes(),
+        principal.as_bytes(),
+        fingerprint.as_bytes(),
+    ]);
+    format!("tw-{}", hex32(&d))
+}
+
+/// `Oncegate-Allow-Twin`: an action id (32 hex characters), or none.
+pub(crate) fn allow_twin(headers: &HeaderMap) -> Result<Option<String>, KeyError> {
+    match headers.get("oncegate-allow-twin") {
+        None => Ok(None),
+        Some(v) => match v.to_str().map(str::trim) {
+            Ok(s) if s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit()) => {
+                Ok(Some(s.to_ascii_lowercase()))
+            }
+            _ => Err(KeyError::Invalid(
+                "Oncegate-Allow-Twin must name the action it repeats: its id, 32 hex characters (the possible-duplicate answer's action.id)".into(),
+            )),
+        },
+    }
 }
 
 pub(crate) fn sha256_parts(parts: &[&[u8]]) -> [u8; 32] {
@@ -280,6 +320,36 @@ pub(crate) fn header_key(headers: &HeaderMap) -> Result<Option<String>, KeyError
     first.map(|v| parse_key(v.as_bytes())).transpose()
 }
 
+/// The key of a write and where it came from (SPEC §4.1), in order: task and step; the
+/// client's key (unless `per-call`); the fingerprint. Returns the client's key too when it is
+/// not the action's key, as evidence.
+pub(crate) fn choose_key(
+    upstream: &str,
+    principal: &str,
+    fingerprint: &str,
+    task_step: Option<(&str, &str)>,
+    client_key: Option<String>,
+    client_keys: ClientKeys,
+    require_key: bool,
+) -> Result<(String, KeySource, Option<String>), KeyError> {
+    match client_key {
+        Some(k) if task_step.is_none() && client_keys == ClientKeys::Stable => {
+            Ok((k, KeySource::Header, None))
+        }
+        // A client's key that is not the action's still satisfies `require_key`: the client
+        // sent one, and the proxy sends its own stable key in its place.
+        Some(k) => {
+            let (key, source) = derived_key(upstream, principal, fingerprint, task_step, false)?;
+            Ok((key, source, Some(k)))
+        }
+        None => {
+            let (key, source) =
+                derived_key(upstream, principal, fingerprint, task_step, require_key)?;
+            Ok((key, source, None))
+        }
+    }
+}
+
 /// Derives the identity of a write (SPEC §4.1).
 pub fn identify(req: &WriteRequest<'_>, policy: &Policy) -> Result<Identity, KeyError> {
     let principal = req.principal.to_string();
@@ -293,17 +363,15 @@ pub fn identify(req: &WriteRequest<'_>, policy: &Policy) -> Result<Identity, Key
     );
     let task = header_str(req.headers, "oncegate-task")?.map(str::to_string);
     let step = header_str(req.headers, "oncegate-step")?.map(str::to_string);
-    let (key, source) = if let Some(key) = header_key(req.headers)? {
-        (key, KeySource::Header)
-    } else {
-        derived_key(
-            req.upstream,
-            &principal,
-            &fingerprint,
-            task.as_deref().zip(step.as_deref()),
-            policy.require_key,
-        )?
-    };
+    let (key, source, client_key) = choose_key(
+        req.upstream,
+        &principal,
+        &fingerprint,
+        task.as_deref().zip(step.as_deref()),
+        header_key(req.headers)?,
+        policy.client_keys,
+        policy.require_key,
+    )?;
     let action_id = action_id(req.upstream, &principal, &key);
     Ok(Identity {
         key,
@@ -313,6 +381,8 @@ pub fn identify(req: &WriteRequest<'_>, policy: &Policy) -> Result<Identity, Key
         principal,
         fingerprint,
         action_id,
+        client_key,
+        allow_twin: allow_twin(req.headers)?,
     })
 }
 
@@ -444,7 +514,7 @@ mod tests {
     }
 
     #[test]
-    fn key_order_header_then_task_step_then_fingerprint() {
+    fn key_order_task_step_then_header_then_fingerprint() {
         let p = policy();
         let req = |h: &HeaderMap| {
             identify(
@@ -466,15 +536,21 @@ mod tests {
             ("oncegate-step", "s"),
         ]);
         let id = req(&h).expect("ok");
-        assert_eq!((id.key.as_str(), id.source), ("k1", KeySource::Header));
-        assert_eq!(id.task.as_deref(), Some("t"));
-        let h = headers(&[("oncegate-task", "t"), ("oncegate-step", "s")]);
-        let id = req(&h).expect("ok");
+        // Task and step name the agent's intent: they outrank the SDK's key, kept as evidence.
         assert!(
             id.key.starts_with("ts-") && id.key.len() == 35,
             "{}",
             id.key
         );
+        assert_eq!(id.source, KeySource::TaskStep);
+        assert_eq!(id.client_key.as_deref(), Some("k1"));
+        assert_eq!(id.task.as_deref(), Some("t"));
+        let h2 = headers(&[("oncegate-task", "t"), ("oncegate-step", "s")]);
+        let id2 = req(&h2).expect("ok");
+        assert_eq!((id2.key.as_str(), id2.client_key), (id.key.as_str(), None));
+        let h = headers(&[("idempotency-key", "k1")]);
+        let id = req(&h).expect("ok");
+        assert_eq!((id.key.as_str(), id.source), ("k1", KeySource::Header));
         let h = headers(&[("oncegate-task", "t")]);
         let id = req(&h).expect("ok");
         assert!(id.key.starts_with("fp-") && id.key.len() == 35);
@@ -507,5 +583,56 @@ mod tests {
             &strict,
         );
         assert_eq!(id, Err(KeyError::Required));
+    }
+
+    #[test]
+    fn per_call_keys_are_evidence_and_the_fingerprint_is_the_key() {
+        let mut p = policy();
+        assert_eq!(p.client_keys, ClientKeys::Stable);
+        p.client_keys = ClientKeys::PerCall;
+        let req_with = |h: &HeaderMap, p: &Policy| {
+            identify(
+                &WriteRequest {
+                    upstream: "a",
+                    method: "POST",
+                    rest: "/c",
+                    query: "",
+                    headers: h,
+                    body: b"amount=5",
+                    principal: ANONYMOUS,
+                },
+                p,
+            )
+            .expect("ok")
+        };
+        let req = |h: &HeaderMap| req_with(h, &p);
+        // stripe-python draws a new key for every call: two calls, one action.
+        let a = req(&headers(&[("idempotency-key", "sdk-1")]));
+        let b = req(&headers(&[("idempotency-key", "sdk-2")]));
+        assert!(a.key.starts_with("fp-"), "{}", a.key);
+        assert_eq!(
+            (a.key.as_str(), a.source),
+            (b.key.as_str(), KeySource::Fingerprint)
+        );
+        assert_eq!(a.client_key.as_deref(), Some("sdk-1"));
+        assert_eq!(b.client_key.as_deref(), Some("sdk-2"));
+        // `require_key` is met by the client's key, even when it is only evidence.
+        let mut strict = p.clone();
+        strict.require_key = true;
+        assert!(req_with(&headers(&[("idempotency-key", "sdk-3")]), &strict)
+            .key
+            .starts_with("fp-"));
+        // The twin key is the caller's identical write to this upstream, whatever the key.
+        let mut stable = p.clone();
+        stable.client_keys = ClientKeys::Stable;
+        let c = req_with(&headers(&[("idempotency-key", "sdk-4")]), &stable);
+        assert_eq!(c.key, "sdk-4");
+        assert_eq!(c.twin_key("a"), a.twin_key("a"));
+        assert_ne!(c.twin_key("a"), a.twin_key("b"));
+        let allow = headers(&[("oncegate-allow-twin", "0123456789ABCDEF0123456789abcdef")]);
+        assert_eq!(
+            req(&allow).allow_twin.as_deref(),
+            Some("0123456789abcdef0123456789abcdef")
+        );
     }
 }

@@ -416,3 +416,53 @@ async fn database_restarts_mid_load_lose_nothing_and_duplicate_nothing() {
         }
     }
 }
+
+/// The unsettled-twin guard across a fleet (SPEC §4.1): twenty identical charges under twenty
+/// keys (a tool loop whose SDK draws a key per call), sent at once half to each proxy, while the
+/// first is in flight: one reaches the upstream, every other is told it may be a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
+async fn identical_writes_under_new_keys_racing_on_two_proxies_are_sent_once() {
+    let up = FakeUpstream::start().await;
+    let f = fleet(&up, "").await;
+    let (a, b) = (f.proxy().await, f.proxy().await);
+    let gate = Arc::new(Notify::new());
+    up.set_default(Behavior::Gate(
+        gate.clone(),
+        Box::new(Behavior::json(201, r#"{"id":"ch_twin"}"#)),
+    ));
+    let mut tasks = Vec::new();
+    for i in 0..20 {
+        let url = if i % 2 == 0 {
+            a.url("/pay/v1/charges")
+        } else {
+            b.url("/pay/v1/charges")
+        };
+        tasks.push(tokio::spawn(async move {
+            TestClient::default()
+                .post(&url, &[(KEY, &format!("sdk-key-{i}"))], "amount=4200")
+                .await
+        }));
+    }
+    up.wait_for(1).await;
+    let mut stopped = 0;
+    // Every request but the one sent is answered while that one is still held at the gate.
+    while stopped < 19 {
+        let mut still = Vec::new();
+        for t in tasks {
+            if t.is_finished() {
+                let r = t.await.unwrap();
+                assert_eq!(r.problem(), "possible-duplicate", "{r:?}");
+                stopped += 1;
+            } else {
+                still.push(t);
+            }
+        }
+        tasks = still;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    gate.notify_one();
+    let sent = tasks.pop().unwrap().await.unwrap();
+    assert_eq!(sent.status, 201, "{sent:?}");
+    assert_eq!(up.count(), 1, "one charge across the fleet");
+}

@@ -627,3 +627,78 @@ async fn the_cli_lists_and_resolves_unknown_actions() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("401"));
 }
+
+/// Every subcommand that speaks to the admin API, run against a real proxy: `actions list`,
+/// `show`, `lookup` (which answered 415 for every call: it posted no JSON body), `resolve`, and
+/// `log export` and `log verify`.
+#[tokio::test]
+async fn every_cli_subcommand_works_against_the_admin_api() {
+    let (up, proxy, id) = unknown_write(LOOKUP, "k-cli-all").await;
+    let (_up2, _other, id2) = unknown_write("timeout = \"300ms\"", "k-cli-2").await;
+    let admin = proxy.admin_url("");
+    let bin = env!("CARGO_BIN_EXE_oncegate");
+    let run = |args: Vec<String>| {
+        let admin = admin.clone();
+        tokio::task::spawn_blocking(move || {
+            let out = std::process::Command::new(bin)
+                .args([args[0].as_str(), "--admin", &admin])
+                .args(&args[1..])
+                .env("ONCEGATE_ADMIN_TOKEN", ADMIN_TOKEN)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "oncegate {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8(out.stdout).unwrap()
+        })
+    };
+    let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let list = run(args(&["actions", "list", "--json"])).await.unwrap();
+    assert!(list.contains(&id), "{list}");
+    let shown = run(args(&["actions", "show", &id])).await.unwrap();
+    assert!(shown.contains("unknown"), "{shown}");
+    // The runbook's first settling step: the lookup finds the charge.
+    up.on("/v1/lookup/", Behavior::json(200, r#"{"id":"ch_cli"}"#));
+    let looked = run(args(&["actions", "lookup", &id])).await.unwrap();
+    assert!(looked.contains("lookup of"), "{looked}");
+    let v: Value = serde_json::from_str(
+        &run(args(&["actions", "show", &id, "--json"]))
+            .await
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(v["state"], "succeeded", "{v}");
+    assert_eq!(v["external_id"], "ch_cli");
+    // `resolve` on the other proxy's unknown action, through that proxy's admin API.
+    let other_admin = _other.admin_url("");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(bin)
+            .args(["actions", "--admin", &other_admin, "resolve", &id2])
+            .args([
+                "--outcome",
+                "not-applied",
+                "--reason",
+                "absent at the service",
+            ])
+            .env("ONCEGATE_ADMIN_TOKEN", ADMIN_TOKEN)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("failed"));
+    let export = run(args(&["log", "export"])).await.unwrap();
+    assert!(
+        export.lines().any(|l| l.contains("\"event\":\"lookup\"")),
+        "{export}"
+    );
+    let verified = run(args(&["log", "verify"])).await.unwrap();
+    assert!(verified.contains("ok"), "{verified}");
+}

@@ -35,6 +35,8 @@ fn claim_req(r: Record, now: Millis, lease: Millis) -> ClaimRequest {
         owner: "proxy-a".into(),
         lease,
         now,
+        twin: None,
+        window: None,
     }
 }
 
@@ -92,6 +94,137 @@ async fn write_succeeded(s: &S, id: &str) {
         .unwrap();
     assert!(matches!(c, Claim::Claimed(_)), "{id}: {c:?}");
     settle(s, id, 1, State::Succeeded, T0 + 1, Some("{}")).await;
+}
+
+/// A claim of `id` (fingerprint `f`) under the unsettled-twin guard, declaring `allow`.
+fn guarded(id: &str, now: Millis, allow: Option<&str>) -> ClaimRequest {
+    ClaimRequest {
+        twin: Some(TwinGuard {
+            key: oncegate::identity::twin_key("pay", "p1", "f"),
+            allow: allow.map(str::to_string),
+        }),
+        ..claim_req(record(id, "f", None), now, 10_000)
+    }
+}
+
+async fn an_unsettled_twin_stops_a_claim_under_another_key(s: S) {
+    let c = s.claim(guarded("a", T0, None)).await.unwrap();
+    assert!(matches!(c, Claim::Claimed(_)), "{c:?}");
+    // In flight: an identical write under another key is not sent, and learns which action.
+    let c = s.claim(guarded("b", T0 + 1, None)).await.unwrap();
+    assert!(matches!(c, Claim::Twin(ref t) if t.id == "a"), "{c:?}");
+    assert!(
+        s.get("b").await.unwrap().is_none(),
+        "nothing recorded for b"
+    );
+    // Unknown: still stopped.
+    settle(&s, "a", 1, State::Unknown, T0 + 2, None).await;
+    let c = s.claim(guarded("b", T0 + 3, None)).await.unwrap();
+    assert!(
+        matches!(c, Claim::Twin(ref t) if t.state == State::Unknown),
+        "{c:?}"
+    );
+    // Declared a twin: sent, and `a` keeps the slot, so a third is still stopped by `a`.
+    let c = s.claim(guarded("b", T0 + 4, Some("a"))).await.unwrap();
+    assert!(matches!(c, Claim::Claimed(ref r) if !r.twin), "{c:?}");
+    let c = s.claim(guarded("c", T0 + 5, None)).await.unwrap();
+    assert!(matches!(c, Claim::Twin(ref t) if t.id == "a"), "{c:?}");
+    // Settled (here: an operator found it applied): twins no longer stop anything.
+    s.resolve("a".into(), admin_resolve(true), Event::Resolved)
+        .await
+        .unwrap();
+    let c = s.claim(guarded("c", T0 + 6, None)).await.unwrap();
+    assert!(matches!(c, Claim::Claimed(ref r) if r.twin), "{c:?}");
+    // ... and `c`, holding the slot now, stops the next one.
+    let c = s.claim(guarded("d", T0 + 7, None)).await.unwrap();
+    assert!(matches!(c, Claim::Twin(ref t) if t.id == "c"), "{c:?}");
+    // Without the guard, nothing is checked.
+    let c = s
+        .claim(claim_req(record("e", "f", None), T0 + 8, 10_000))
+        .await
+        .unwrap();
+    assert!(matches!(c, Claim::Claimed(_)), "{c:?}");
+}
+
+async fn of_twenty_twins_claimed_at_once_one_is_sent(s: S) {
+    let mut tasks = Vec::new();
+    for i in 0..20 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            s.claim(guarded(&format!("t{i}"), T0, None)).await.unwrap()
+        }));
+    }
+    let mut claimed = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Claim::Claimed(_) => claimed += 1,
+            Claim::Twin(_) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(claimed, 1);
+}
+
+async fn a_fingerprint_key_is_a_new_action_after_its_window(s: S) {
+    let req = |now| ClaimRequest {
+        key_source: KeySource::Fingerprint,
+        window: Some(60_000),
+        ..claim_req(record("w", "f", None), now, 10_000)
+    };
+    assert!(matches!(s.claim(req(T0)).await.unwrap(), Claim::Claimed(_)));
+    settle(&s, "w", 1, State::Succeeded, T0 + 1, Some("{}")).await;
+    let c = s.claim(req(T0 + 60_000)).await.unwrap();
+    assert!(
+        matches!(c, Claim::Existing(ref r) if r.state == State::Succeeded),
+        "{c:?}"
+    );
+    // The window has passed since it settled (retention has not): a new action.
+    let c = s.claim(req(T0 + 60_001)).await.unwrap();
+    assert!(
+        matches!(c, Claim::Claimed(ref r) if r.attempts == 1 && r.created_at == T0 + 60_001),
+        "{c:?}"
+    );
+    // Within the retention, a client's key is the same action whatever the window says.
+    assert!(matches!(
+        s.claim(claim_req(record("h", "f", None), T0, 10_000))
+            .await
+            .unwrap(),
+        Claim::Claimed(_)
+    ));
+    settle(&s, "h", 1, State::Succeeded, T0 + 1, Some("{}")).await;
+    let c = s
+        .claim(ClaimRequest {
+            window: Some(60_000),
+            ..claim_req(record("h", "f", None), T0 + 120_000, 10_000)
+        })
+        .await
+        .unwrap();
+    assert!(matches!(c, Claim::Existing(_)), "{c:?}");
+}
+
+/// The sled store keeps its index of unsettled twins in memory: it is built again at open.
+#[tokio::test]
+async fn sled_knows_its_unsettled_twins_after_a_restart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let open = || -> S {
+        Arc::new(oncegate::store::sled::SledStore::open(&dir, Default::default()).unwrap())
+    };
+    let s = open();
+    assert!(matches!(
+        s.claim(guarded("a", T0, None)).await.unwrap(),
+        Claim::Claimed(_)
+    ));
+    s.close().await.unwrap();
+    drop(s);
+    let s = open();
+    assert_eq!(s.recover(None, T0 + 1).await.unwrap(), 1);
+    let c = s.claim(guarded("b", T0 + 2, None)).await.unwrap();
+    assert!(
+        matches!(c, Claim::Twin(ref t) if t.id == "a" && t.state == State::Unknown),
+        "{c:?}"
+    );
+    s.close().await.unwrap();
 }
 
 async fn claims_settles_and_replays(s: S) {
@@ -667,6 +800,9 @@ macro_rules! conformance {
 }
 
 conformance!(
+    an_unsettled_twin_stops_a_claim_under_another_key,
+    of_twenty_twins_claimed_at_once_one_is_sent,
+    a_fingerprint_key_is_a_new_action_after_its_window,
     claims_settles_and_replays,
     refuses_reused_keys_and_exhausts_attempts,
     one_of_fifty_concurrent_claims_wins,

@@ -86,6 +86,9 @@ macro_rules! with_policy_keys {
             pub require_key: Option<bool>,
             pub external_id: Option<String>,
             pub fingerprint_ignore: Option<Vec<String>>,
+            pub client_keys: Option<$crate::config::ClientKeys>,
+            pub fingerprint_window: Option<Dur>,
+            pub twin_guard: Option<bool>,
         }
 
         impl $name {
@@ -107,6 +110,9 @@ macro_rules! with_policy_keys {
                     require_key: self.require_key,
                     external_id: self.external_id.clone(),
                     fingerprint_ignore: self.fingerprint_ignore.clone(),
+                    client_keys: self.client_keys,
+                    fingerprint_window: self.fingerprint_window,
+                    twin_guard: self.twin_guard,
                 }
             }
         }
@@ -140,8 +146,43 @@ pub struct Policy {
     pub require_key: bool,
     pub external_id: Option<String>,
     pub fingerprint_ignore: Vec<String>,
+    /// What a client's `Idempotency-Key` is (SPEC §4.1).
+    pub client_keys: ClientKeys,
+    /// How long after it settled a keyless identical write is still the same action (SPEC
+    /// §4.1 rule 3). `None`: the retention.
+    pub fingerprint_window: Option<Duration>,
+    /// The unsettled-twin guard (SPEC §4.1).
+    pub twin_guard: bool,
     pub lookup: Option<LookupConfig>,
     pub stamp: Option<String>,
+}
+
+/// What a client's `Idempotency-Key` names (SPEC §4.1 rule 2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ClientKeys {
+    /// The key is the action's: the client keeps it across its retries of one write.
+    #[default]
+    Stable,
+    /// The client draws a new key on every call (stripe-python does): the key is kept as
+    /// evidence, and the action's key comes from task and step or the fingerprint.
+    PerCall,
+}
+
+impl ClientKeys {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClientKeys::Stable => "stable",
+            ClientKeys::PerCall => "per-call",
+        }
+    }
+}
+
+impl Policy {
+    /// How long after it settled a keyless identical write is still the same action.
+    pub fn window(&self) -> Duration {
+        self.fingerprint_window.unwrap_or(self.retention)
+    }
 }
 
 impl Policy {
@@ -170,6 +211,9 @@ impl Policy {
             require_key: false,
             external_id: None,
             fingerprint_ignore: Vec::new(),
+            client_keys: ClientKeys::Stable,
+            fingerprint_window: None,
+            twin_guard: true,
             lookup: None,
             stamp: None,
         }
@@ -250,6 +294,21 @@ impl Policy {
             }
             p.fingerprint_ignore = v.clone();
         }
+        if let Some(v) = o.client_keys {
+            p.client_keys = v;
+        }
+        if let Some(v) = o.fingerprint_window {
+            if v.0.is_zero() {
+                return Err(invalid(
+                    format!("{at}fingerprint_window"),
+                    "must be positive (an identical keyless write is at least the same action while the first is unsettled)",
+                ));
+            }
+            p.fingerprint_window = Some(v.0);
+        }
+        if let Some(v) = o.twin_guard {
+            p.twin_guard = v;
+        }
         if p.timeout.is_zero() {
             return Err(invalid(format!("{at}timeout"), "must be positive"));
         }
@@ -258,6 +317,12 @@ impl Policy {
         }
         if p.retention.is_zero() {
             return Err(invalid(format!("{at}retention"), "must be positive"));
+        }
+        if p.fingerprint_window.is_some_and(|w| w > p.retention) {
+            return Err(invalid(
+                format!("{at}fingerprint_window"),
+                "must not be longer than retention: a settled action is forgotten after retention",
+            ));
         }
         Ok(p)
     }

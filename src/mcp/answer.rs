@@ -69,13 +69,20 @@ pub fn invalid(err: &ProxyError, id: Option<&Value>) -> Response<ProxyBody> {
 }
 
 /// The stored final response with its `id` replaced by the new request's (and, for a client of
-/// revision 2026-07-28 or later, a `resultType` its results must have).
-pub fn with_id(stored: &[u8], id: &Value, modern: bool) -> Option<Bytes> {
+/// revision 2026-07-28 or later, a `resultType` its results must have). `replayed`: what the
+/// replay says of itself, in its result's `_meta["oncegate/replayed"]`.
+pub fn with_id(stored: &[u8], id: &Value, modern: bool, replayed: Option<&str>) -> Option<Bytes> {
     let mut v: Value = serde_json::from_slice(stored).ok()?;
     v.as_object_mut()?.insert("id".into(), id.clone());
-    if modern {
-        if let Some(r) = v.get_mut("result").and_then(Value::as_object_mut) {
+    if let Some(r) = v.get_mut("result").and_then(Value::as_object_mut) {
+        if modern {
             r.entry("resultType").or_insert_with(|| json!("complete"));
+        }
+        if let Some(detail) = replayed {
+            let meta = r.entry("_meta").or_insert_with(|| json!({}));
+            if let Some(m) = meta.as_object_mut() {
+                m.insert("oncegate/replayed".into(), json!(detail));
+            }
         }
     }
     Some(Bytes::from(
@@ -116,7 +123,7 @@ mod tests {
     #[test]
     fn replays_carry_the_new_id() {
         let stored = br#"{"jsonrpc":"2.0","id":1,"result":{"content":[]}}"#;
-        let out = with_id(stored, &json!("resend-7"), true).expect("test input");
+        let out = with_id(stored, &json!("resend-7"), true, None).expect("test input");
         let v: Value = serde_json::from_slice(&out).expect("test input");
         assert_eq!(v["id"], "resend-7");
         assert_eq!(

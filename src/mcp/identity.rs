@@ -7,8 +7,8 @@ use serde_json::Value;
 use super::ToolCall;
 use crate::config::Policy;
 use crate::identity::{
-    action_id, derived_key, header_key, header_str, hex32, parse_key, sha256_parts, visible,
-    Identity, KeyError, KeySource,
+    action_id, allow_twin, choose_key, header_key, header_str, hex32, parse_key, sha256_parts,
+    visible, Identity, KeyError,
 };
 
 /// `params._meta` members a client may set (SPEC §14.2).
@@ -92,19 +92,26 @@ pub fn identify(
         Some(s) => Some(s),
         None => meta_str(call, META_STEP, 128)?,
     };
-    let (key, source) = if let Some(k) = header_key(headers)? {
-        (k, KeySource::Header)
-    } else if let Some(k) = meta_str(call, META_KEY, 255)? {
-        (parse_key(k.as_bytes())?, KeySource::Header)
-    } else {
-        derived_key(
-            upstream,
-            principal,
-            &fingerprint,
-            task.zip(step),
-            policy.require_key,
-        )?
+    // `_meta["oncegate/key"]` is oncegate's own: a client that sets it means it as the
+    // action's key, so it is never per-call; the `Idempotency-Key` header may be an SDK's.
+    let (client_key, client_keys) = match header_key(headers)? {
+        Some(k) => (Some(k), policy.client_keys),
+        None => (
+            meta_str(call, META_KEY, 255)?
+                .map(|k| parse_key(k.as_bytes()))
+                .transpose()?,
+            crate::config::ClientKeys::Stable,
+        ),
     };
+    let (key, source, client_key) = choose_key(
+        upstream,
+        principal,
+        &fingerprint,
+        task.zip(step),
+        client_key,
+        client_keys,
+        policy.require_key,
+    )?;
     // A continuation is an action of its own, under the first leg's key.
     let key = match &canon.continuation {
         Some(c) => format!("{key}:{c}"),
@@ -118,12 +125,15 @@ pub fn identify(
         step: step.map(str::to_string),
         principal: principal.to_string(),
         fingerprint,
+        client_key,
+        allow_twin: allow_twin(headers)?,
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::identity::KeySource;
     use crate::mcp::{intake, Intake};
 
     fn policy() -> Policy {

@@ -46,7 +46,7 @@ pub use own::task_entry;
 
 use crate::action::{
     BodyRef, Claim, ClaimRequest, Clock, Millis, Record, RequestInfo, Settlement, Source, State,
-    StoredResponse, Try,
+    StoredResponse, Try, TwinGuard,
 };
 use crate::config::{Config, Policy, Protocol, Upstream};
 use crate::error::{action_json, ActionCtx, Completed, Outcome, ProxyError};

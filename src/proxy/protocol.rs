@@ -108,7 +108,8 @@ impl Call {
                     // The service's own status answer, shown to the model as the tool's result.
                     mcp::answer::lookup_result(&body, &c.id, c.modern)
                 } else {
-                    mcp::answer::with_id(&body, &c.id, c.modern).unwrap_or(body)
+                    let detail = super::write::replay_detail(rec);
+                    mcp::answer::with_id(&body, &c.id, c.modern, Some(&detail)).unwrap_or(body)
                 };
                 let mut resp = crate::replay::replay(rec, message);
                 resp.headers_mut().insert(

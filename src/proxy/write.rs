@@ -6,6 +6,25 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use super::detach::{join_message, panic_message, CatchUnwind, Detached};
 use super::*;
 
+/// `fingerprint_window` where it applies: a write keyed by its fingerprint, on a route that sets
+/// one (otherwise the retention decides alone).
+fn window(job: &WriteJob) -> Option<Millis> {
+    (job.identity.source == identity::KeySource::Fingerprint)
+        .then_some(job.policy.fingerprint_window)
+        .flatten()
+        .map(|w| w.as_millis() as Millis)
+}
+
+/// What a replay says of itself (SPEC §4.1): which write it repeats, when that was sent, and how
+/// to make a new one. In `Oncegate-Detail`, and in an MCP result's `_meta`.
+pub(super) fn replay_detail(rec: &Record) -> String {
+    format!(
+        "replayed the answer of action {}, first sent {}; nothing was sent now. To make a new, identical write, send it with a new Idempotency-Key (MCP: _meta[\"oncegate/key\"])",
+        rec.id,
+        crate::action::rfc3339(rec.created_at)
+    )
+}
+
 impl Proxy {
     /// Phases `buffer` and `identify`, then `claim`.
     pub(super) async fn write(
@@ -78,6 +97,7 @@ impl Proxy {
     }
 
     fn fresh_record(&self, job: &WriteJob) -> Record {
+        let client_key = job.identity.client_key.clone();
         let id = &job.identity;
         Record {
             upstream: job.upstream.name.clone(),
@@ -89,6 +109,7 @@ impl Proxy {
             step: id.step.clone(),
             tool: job.call.tool().map(str::to_string),
             retention_ms: job.policy.retention.as_millis() as u64,
+            client_key,
             request: RequestInfo {
                 headers: self.redactor.headers(&job.headers),
                 headers_dropped: 0,
@@ -122,7 +143,12 @@ impl Proxy {
         // A duplicate of a write that succeeded, held in memory: the answer a claim would give,
         // without building the fresh record or asking the writer.
         if let Some((rec, body)) = self.store.cached(&job.identity.action_id) {
-            if rec.fingerprint == job.identity.fingerprint && !rec.is_expired((self.clock)()) {
+            let now = (self.clock)();
+            let past_window = window(&job).is_some_and(|w| {
+                rec.settled_at()
+                    .is_some_and(|at| now >= at.saturating_add(w))
+            });
+            if rec.fingerprint == job.identity.fingerprint && !rec.is_expired(now) && !past_window {
                 return self.replay(&rec, body, &job.call).await;
             }
         }
@@ -285,6 +311,11 @@ impl Proxy {
                     owner: self.owner.clone(),
                     lease: Self::lease(&job.policy),
                     now: (self.clock)(),
+                    twin: job.policy.twin_guard.then(|| TwinGuard {
+                        key: job.identity.twin_key(&job.upstream.name),
+                        allow: job.identity.allow_twin.clone(),
+                    }),
+                    window: window(job),
                 })
                 .await
                 .map_err(|e| store_unavailable(e, None))?;
@@ -296,6 +327,7 @@ impl Proxy {
                 Claim::Exhausted(rec) => {
                     return Err(ProxyError::AttemptsExhausted(self.ctx(rec).await))
                 }
+                Claim::Twin(rec) => return Err(ProxyError::PossibleDuplicate(self.ctx(rec).await)),
                 Claim::Existing(rec) => rec,
             };
             match rec.state {
@@ -421,6 +453,9 @@ impl Proxy {
         };
         let mut resp = call.replay(rec, body);
         write_headers(resp.headers_mut(), rec, Outcome::Replayed);
+        if let Ok(v) = HeaderValue::from_str(&replay_detail(rec)) {
+            resp.headers_mut().insert("oncegate-detail", v);
+        }
         self.store.note(
             LogEvent::for_record(Event::Replayed, rec, Actor::Proxy)
                 .status(rec.response.as_ref().map(|r| r.status))

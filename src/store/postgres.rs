@@ -76,6 +76,12 @@ UPDATE oncegate_actions SET expires_at = NULL WHERE state IN ('in_flight', 'unkn
     r#"
 CREATE TABLE oncegate_meta (key text PRIMARY KEY, value bytea NOT NULL);
 "#,
+    // The unsettled-twin guard (SPEC §4.1): the twin key of each guarded action while it is
+    // unsettled, unique, so that two proxies claiming twins at once cannot both send.
+    r#"
+ALTER TABLE oncegate_actions ADD COLUMN twin text;
+CREATE UNIQUE INDEX oncegate_actions_twin ON oncegate_actions (twin) WHERE twin IS NOT NULL;
+"#,
 ];
 
 /// The database's clock, in milliseconds since the epoch. Every time a decision compares (lease
@@ -303,6 +309,34 @@ impl PostgresStore {
     }
 }
 
+/// The unsettled action holding twin slot `key` (SPEC §4.1), other than `own`. The slot is
+/// locked for the rest of the transaction first (an advisory lock on its hash): claims of
+/// twins, on any proxy, decide one at a time, so two can never both find the slot free. The
+/// unique index on `twin` backs this up: a second holder could not commit.
+async fn twin_holder(
+    tx: &Transaction<'_>,
+    key: &str,
+    own: &str,
+    sealer: Option<&Sealer>,
+) -> Result<Option<Arc<Record>>, StoreError> {
+    tx.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+        &[&key],
+    )
+    .await
+    .map_err(db)?;
+    // A statement of its own: its snapshot is taken after the lock is held, so it sees the
+    // slot as the claim that held the lock before left it.
+    let row = tx
+        .query_opt("SELECT id FROM oncegate_actions WHERE twin = $1", &[&key])
+        .await
+        .map_err(db)?;
+    match row.map(|r| r.get::<_, String>(0)) {
+        Some(id) if id != own => Ok(lock(tx, &id, sealer).await?.map(Arc::new)),
+        _ => Ok(None),
+    }
+}
+
 /// Reads and locks one record.
 async fn lock(
     tx: &Transaction<'_>,
@@ -329,7 +363,8 @@ async fn write(
     let body = body.map(|b| seal_opt(sealer, b));
     let lease = r.lease_until.map(|l| l as i64);
     let body: Option<&[u8]> = body.as_deref();
-    let params: [&(dyn ToSql + Sync); 11] = [
+    let twin = r.holds_twin().then(|| r.twin_key());
+    let params: [&(dyn ToSql + Sync); 12] = [
         &r.id,
         &r.state.as_str(),
         &r.upstream,
@@ -341,13 +376,15 @@ async fn write(
         &r.expires_at.map(|e| e as i64),
         &encode(r, sealer),
         &body,
+        &twin,
     ];
     tx.execute(
-        "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, body)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+        "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, body, twin)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
          ON CONFLICT (id) DO UPDATE SET state = $2, task = $5, owner = $6, lease_until = $7,
              created_at = $8, expires_at = $9, record = $10,
-             body = CASE WHEN $11::bytea IS NULL THEN oncegate_actions.body ELSE $11 END",
+             body = CASE WHEN $11::bytea IS NULL THEN oncegate_actions.body ELSE $11 END,
+             twin = $12",
         &params,
     )
     .await
@@ -402,14 +439,21 @@ impl Store for PostgresStore {
             Box::pin(async move {
                 let mut req = req;
                 req.now = judge_time(tx, given).await?;
+                let twin = match req.twin_key() {
+                    Some(key) => twin_holder(tx, key, &req.fresh.id, sealer.as_deref()).await?,
+                    None => None,
+                };
                 // A new action is inserted atomically; a race loses to the row that exists.
-                let (fresh_claim, fresh_write) = decide_claim(None, &req);
-                let fresh = fresh_write.expect("a new action is always written");
+                let (fresh_claim, fresh_write) = decide_claim(None, twin.clone(), &req);
+                let Some(fresh) = fresh_write else {
+                    // Stopped by an unsettled twin.
+                    return Ok(fresh_claim);
+                };
                 let lease = fresh.lease_until.map(|l| l as i64);
                 let inserted = tx
                     .execute(
-                        "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record)
-                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (id) DO NOTHING",
+                        "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, twin)
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT (id) DO NOTHING",
                         &[
                             &fresh.id,
                             &fresh.state.as_str(),
@@ -421,6 +465,7 @@ impl Store for PostgresStore {
                             &(fresh.created_at as i64),
                             &fresh.expires_at.map(|e| e as i64),
                             &encode(&fresh, sealer.as_deref()),
+                            &fresh.holds_twin().then(|| fresh.twin_key()),
                         ],
                     )
                     .await
@@ -438,8 +483,8 @@ impl Store for PostgresStore {
                     return Ok(fresh_claim);
                 }
                 let current = lock(tx, &req.fresh.id, sealer.as_deref()).await?;
-                let expired = current.as_ref().filter(|c| c.is_expired(req.now)).cloned();
-                let (claim, w) = decide_claim(current, &req);
+                let expired = current.as_ref().filter(|c| req.replaces(c)).cloned();
+                let (claim, w) = decide_claim(current, twin, &req);
                 if let Some(w) = &w {
                     let mut events = Vec::new();
                     if let Some(o) = expired {

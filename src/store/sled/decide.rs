@@ -124,9 +124,19 @@ impl Writer {
                 Err(e) => Answer::failed(tx, e),
                 Ok(current) => {
                     let old = current.clone();
-                    let now = req.now;
+                    let replaced = old.as_deref().is_some_and(|o| req.replaces(o));
+                    // The unsettled action holding this write's twin slot, if any (SPEC §4.1).
+                    let holder = req
+                        .twin_key()
+                        .and_then(|k| self.twins.holder(k))
+                        .map(str::to_string);
+                    let twin = match holder.map(|id| self.read(pending, &id)) {
+                        None => None,
+                        Some(Ok(r)) => r,
+                        Some(Err(e)) => return Answer::failed(tx, e),
+                    };
                     let (claim, write) =
-                        decide_claim_owned(current.map(Arc::unwrap_or_clone), *req);
+                        decide_claim_owned(current.map(Arc::unwrap_or_clone), twin, *req);
                     // A new attempt of a failed action keeps the response stored with it.
                     let kept = match write {
                         true => self.kept_body(pending, old.as_deref(), claim.record()),
@@ -138,8 +148,9 @@ impl Writer {
                     };
                     let mut claim = claim;
                     if write {
-                        // An expired record being replaced loses its stored body and indexes.
-                        let expired = old.as_deref().filter(|o| o.is_expired(now));
+                        // An expired record being replaced (or, under a fingerprint key, one past
+                        // its `fingerprint_window`) loses its stored body and indexes.
+                        let expired = old.as_deref().filter(|_| replaced);
                         if let Some(o) = expired {
                             self.unstage(pending, o);
                             self.append(

@@ -145,6 +145,8 @@ mod tests {
                 owner: "test".into(),
                 lease: 10_000,
                 now,
+                twin: None,
+                window: None,
             })
             .await
             .expect("test step")

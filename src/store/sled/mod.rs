@@ -94,6 +94,7 @@ mod shared;
 mod slot;
 mod stats;
 mod syncer;
+mod twins;
 mod writer;
 
 use cache::*;
@@ -236,7 +237,7 @@ impl SledStore {
         // sled here found nothing for them at the cost of a tree walk.
         // The shared record under the lock, and shared with the answer.
         let r = Arc::clone(&self.cache.lock().ok()?.map.get(&req.fresh.id)?.0);
-        if r.is_expired(req.now) {
+        if req.replaces(&r) {
             return None;
         }
         // What the cache holds is durable: the syncer puts a change in only after its

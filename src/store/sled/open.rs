@@ -234,6 +234,8 @@ impl SledStore {
         let cache = Arc::new(Mutex::new(Cache::default()));
         let placing = Arc::new(Mutex::new(HashMap::default()));
         let shared = Arc::new(Shared::new(logfiles, counts, head.clone(), loaded, buckets));
+        let twins = super::twins::Twins::at_open(&db, &shared, options.sealer.as_deref())
+            .map_err(|e| fail("read the unsettled actions", &e))?;
         let reader_view = shared.clone();
         let (drain_tx, drain_rx) = mpsc::channel::<(Arc<Changes>, u64)>();
         let drainer = {
@@ -300,6 +302,7 @@ impl SledStore {
             notes_due: None,
             counts,
             saved_counts: kept.then_some(counts),
+            twins,
         };
         let slot = Arc::new(Slot::new(writer));
         let handle = std::thread::Builder::new()

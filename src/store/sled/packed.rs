@@ -10,8 +10,10 @@
 //! of serializing it.
 //!
 //! The encoder takes every struct apart without `..`, so a field added to a record does not
-//! compile until it is packed here too; such a change takes a new tag (an older version then
-//! refuses the store instead of misreading it).
+//! compile until it is packed here too. Fields added later follow the first form's, after an
+//! [`EXTENSION`] byte: a record packed before them ends without it and reads them as their
+//! defaults, and an older version refuses the bytes after its last field instead of misreading
+//! them.
 
 use crate::action::{
     Attempt, BodyRef, Millis, Phase, Record, RequestInfo, Resolution, Source, State,
@@ -24,6 +26,8 @@ pub(super) const PACKED: u8 = 0xB1;
 pub(super) const PACKED_BODY: u8 = 0xB2;
 /// Tag and length.
 const HEAD: usize = 5;
+/// Marks the fields added after the first packed form (`client_key`, `twin`).
+const EXTENSION: u8 = 1;
 
 /// Whether a stored value is a packed record.
 pub(super) fn is_packed(v: &[u8]) -> bool {
@@ -149,6 +153,8 @@ impl W<'_> {
             response,
             resolution,
             sealed,
+            client_key,
+            twin,
         } = r;
         self.u32(*v);
         for s in [id, upstream, principal, key, fingerprint, method, path] {
@@ -192,6 +198,12 @@ impl W<'_> {
             w.str(reason);
         });
         self.opt_str(sealed);
+        // Fields added since the first packed form, after it and its number: a record packed
+        // before them ends here and reads them as their defaults (an older version refuses the
+        // bytes after it).
+        self.0.push(EXTENSION);
+        self.opt_str(client_key);
+        self.bool(*twin);
     }
 
     fn attempt(&mut self, a: &Attempt) {
@@ -342,7 +354,7 @@ impl R<'_> {
     }
 
     fn record(&mut self) -> Result<Record, String> {
-        Ok(Record {
+        let mut r = Record {
             v: self.u32()?,
             id: self.str()?,
             upstream: self.str()?,
@@ -381,7 +393,19 @@ impl R<'_> {
                 })
             })?,
             sealed: self.opt_str()?,
-        })
+            client_key: None,
+            twin: false,
+        };
+        if !self.0.is_empty() {
+            match self.byte()? {
+                EXTENSION => {
+                    r.client_key = self.opt_str()?;
+                    r.twin = self.bool()?;
+                }
+                b => return Err(format!("{b} is not a packed record's extension")),
+            }
+        }
+        Ok(r)
     }
 
     fn attempt(&mut self) -> Result<Attempt, String> {
@@ -516,6 +540,8 @@ mod tests {
             reason: s(rng, 50),
         });
         r.sealed = opt(rng, 100);
+        r.client_key = opt(rng, 40);
+        r.twin = rng.random();
         r
     }
 

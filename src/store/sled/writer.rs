@@ -50,6 +50,8 @@ pub(super) struct Writer {
     pub(super) counts: Counts,
     /// The counts by state as last written to [`COUNTS_KEY`] (`None`: not yet, this run).
     pub(super) saved_counts: Option<Counts>,
+    /// Which unsettled action holds each twin key (SPEC §4.1), as the staged batches leave it.
+    pub(super) twins: super::twins::Twins,
 }
 
 /// The syncer thread has stopped: so has the writer (dropping it lets the drainer end).
@@ -444,6 +446,9 @@ impl Writer {
         if old.map(|o| o.state) != Some(new.state) {
             self.count(old.map(|o| o.state), Some(new.state));
         }
+        if new.twin || old.is_some_and(|o| o.twin) {
+            self.twins.staged(old, &new);
+        }
         let (new, mut value) = encode_bounded(new, self.sealer.as_deref());
         let at = record_key(&new);
         let moved = old.filter(|o| record_key(o) != at);
@@ -523,6 +528,9 @@ impl Writer {
 
     pub(super) fn unstage(&mut self, pending: &mut Pending, old: &Record) {
         self.count(Some(old.state), None);
+        if old.holds_twin() {
+            self.twins.removed(old);
+        }
         pending.pointers.push((old.id.clone(), None));
         pending.del(record_key(old));
         pending.del(body_key(old));
