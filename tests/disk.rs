@@ -28,7 +28,8 @@ async fn a_full_disk_stops_writes_before_they_leave_and_a_restart_keeps_every_an
     let tmp = tempfile::tempdir().unwrap();
     let conf = child_config(tmp.path(), &up.url(), "");
     let c = TestClient::default();
-    let body = "x".repeat(2_000);
+    // A body of its own for each key: identical ones under distinct keys would be twins.
+    let body = |key: &str| format!("{key}:{}", "x".repeat(2_000));
     up.set_default(Behavior::json(201, r#"{"id":"ch_1"}"#));
 
     let proxy = ChildProxy::spawn_with_file_limit(&conf, 4_096);
@@ -37,7 +38,7 @@ async fn a_full_disk_stops_writes_before_they_leave_and_a_restart_keeps_every_an
     for i in 0..5_000 {
         let key = format!("disk-{i}");
         let r = c
-            .post(&proxy.url("/pay/v1/charges"), &[(KEY, &key)], &body)
+            .post(&proxy.url("/pay/v1/charges"), &[(KEY, &key)], &body(&key))
             .await;
         let how = match r.status.as_u16() {
             201 => First::Sent,
@@ -88,7 +89,7 @@ async fn a_full_disk_stops_writes_before_they_leave_and_a_restart_keeps_every_an
     assert_eq!(verify.json()["ok"], true, "{verify:?}");
     for (key, how) in &first {
         let r = c
-            .post(&proxy.url("/pay/v1/charges"), &[(KEY, key)], &body)
+            .post(&proxy.url("/pay/v1/charges"), &[(KEY, key)], &body(key))
             .await;
         match how {
             First::Sent => {

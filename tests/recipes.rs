@@ -198,7 +198,8 @@ except openai.APIStatusError as e:
             .find(|l| l.starts_with(sdk))
             .unwrap_or_else(|| panic!("{stdout}"));
         assert!(
-            line.contains("Outcome unknown: Do not send this write again"),
+            line.contains("Outcome unknown: The request POST /v1/")
+                && line.contains("may have been applied"),
             "{sdk} shows: {line}"
         );
     }
@@ -209,4 +210,84 @@ except openai.APIStatusError as e:
         2,
         "one write per SDK, none retried"
     );
+}
+
+/// The agent's own retry, with the real stripe-python: a tool loop calls `charges.create`, gets
+/// "outcome unknown" (Stripe accepted the charge, the answer came after the proxy's timeout),
+/// and calls `charges.create` again with the same parameters, as every tool loop does after an
+/// error. stripe-python draws a new `Idempotency-Key` for every call. One charge, whether the
+/// upstream is `per-call` or keeps `stable` keys with only the unsettled-twin guard, with and
+/// without task and step headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Python with the stripe and openai SDKs: ONCEGATE_PYTHON (.ci/run makes one); run with `cargo test -- --ignored`"]
+async fn a_stripe_tool_loop_that_calls_create_again_after_an_unknown_charges_once() {
+    let py = python();
+    let charge = r#"{"id":"ch_loop","object":"charge","amount":4200,"currency":"eur"}"#;
+    let cases = [
+        ("per-call", false, "outcome-unknown"),
+        ("per-call", true, "outcome-unknown"),
+        ("stable", false, "possible-duplicate"),
+        ("stable", true, "outcome-unknown"),
+    ];
+    for (client_keys, task_step, then) in cases {
+        let up = FakeUpstream::start().await;
+        // Stripe applies the charge and answers after the proxy's timeout.
+        up.push(Behavior::Delay(
+            Duration::from_millis(1_500),
+            Box::new(Behavior::json(200, charge)),
+        ));
+        up.set_default(Behavior::json(200, charge));
+        let extra = format!(
+            "[[upstreams]]\nname = \"stripe\"\nprefix = \"/stripe\"\nurl = \"{}\"\ntimeout = \"700ms\"\nclient_keys = \"{client_keys}\"",
+            up.url()
+        );
+        let proxy = TestProxy::start(&config(&up.url(), &extra)).await;
+        let options = if task_step {
+            r#"{"headers": {"Oncegate-Task": "order-7", "Oncegate-Step": "charge"}}"#
+        } else {
+            "{}"
+        };
+        let code = format!(
+            r#"
+import os, stripe
+client = stripe.StripeClient("sk_test_example",
+    base_addresses={{"api": os.environ["ONCEGATE_URL"] + "/stripe"}},
+    max_network_retries=5, http_client=stripe.RequestsClient(timeout=10))
+for turn in range(3):  # the agent's tool loop: the same call again after every error
+    try:
+        c = client.v1.charges.create(
+            params={{"amount": 4200, "currency": "eur", "source": "tok_visa"}},
+            options={options})
+        print("turn", turn, "charged", c.id)
+    except stripe.StripeError as e:
+        body = e.json_body or {{}}
+        print("turn", turn, "error", body.get("error", {{}}).get("code"), "|", e.user_message)
+"#
+        );
+        let stdout = run_python(py.clone(), code, &proxy, "the tool loop").await;
+        let what = format!("{client_keys}, task/step {task_step}");
+        assert_eq!(up.count_method("POST"), 1, "{what}: one charge\n{stdout}");
+        assert!(
+            stdout.contains("turn 0 error outcome-unknown"),
+            "{what}\n{stdout}"
+        );
+        for turn in [1, 2] {
+            assert!(
+                stdout.contains(&format!("turn {turn} error {then}")),
+                "{what}\n{stdout}"
+            );
+        }
+        // Each of stripe-python's calls drew its own key; the upstream saw none of them but
+        // the proxy's one.
+        let sent = up.received()[0]
+            .header("idempotency-key")
+            .unwrap()
+            .to_string();
+        assert!(
+            client_keys == "stable" && !task_step
+                || sent.starts_with("fp-")
+                || sent.starts_with("ts-"),
+            "{what}: upstream saw {sent}"
+        );
+    }
 }

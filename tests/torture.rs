@@ -189,6 +189,27 @@ enum Mode {
     Key,
     Keyless,
     TaskStep,
+    /// A new key on every try of the same body, as stripe-python draws one for every call: on
+    /// a route with `client_keys = "per-call"`.
+    PerCall,
+    /// The same client on a route that keeps `stable` keys: only the unsettled-twin guard
+    /// stands between its tool loop's new calls and a second charge, so it stops at an unknown
+    /// answer. Its transport retries keep their key, as an SDK's own retries of one call do.
+    NewKey,
+}
+
+impl Mode {
+    /// Whether this client draws a new key for every try.
+    fn new_key_per_try(self) -> bool {
+        matches!(self, Mode::PerCall | Mode::NewKey)
+    }
+
+    fn path(self) -> &'static str {
+        match self {
+            Mode::PerCall => "/pay/v1/percall/charges",
+            _ => "/pay/v1/charges",
+        }
+    }
 }
 
 /// What a client learned about one logical write.
@@ -200,6 +221,9 @@ struct Seen {
     unknown_at: Option<u64>,
     /// When the first unknown answer came (a client comes back to it for a while).
     unknown_since: Option<Instant>,
+    /// The key suffix of the action that was unknown (a client drawing keys per try learns it
+    /// from the answer: its own, or the twin's that a `possible-duplicate` names).
+    unknown_suffix: u64,
     exhausted: bool,
 }
 
@@ -215,6 +239,8 @@ struct Options {
     faults: Faults,
     /// A deliberately broken client: a new key on every retry after an unknown answer.
     broken_client: bool,
+    /// The unsettled-twin guard (off only to show the checker catching the broken client).
+    twin_guard: bool,
     /// Without kills: how many writes each client makes.
     writes_per_client: usize,
     /// Proxies sharing the store (more than one needs PostgreSQL).
@@ -266,7 +292,9 @@ fn request(
         ("content-type".to_string(), "application/json".to_string()),
     ];
     match mode {
-        Mode::Key => h.push(("idempotency-key".into(), format!("{write}-{key_suffix}"))),
+        Mode::Key | Mode::PerCall | Mode::NewKey => {
+            h.push(("idempotency-key".into(), format!("{write}-{key_suffix}")))
+        }
         Mode::Keyless => {}
         Mode::TaskStep => {
             h.push(("oncegate-task".into(), format!("task-{client}")));
@@ -282,10 +310,11 @@ async fn send(
         Full<Bytes>,
     >,
     addr: SocketAddr,
+    mode: Mode,
     headers: &[(String, String)],
     body: &str,
 ) -> Result<(u16, Option<String>, Bytes), ()> {
-    let mut req = http::Request::post(format!("http://{addr}/pay/v1/charges"));
+    let mut req = http::Request::post(format!("http://{addr}{}", mode.path()));
     for (k, v) in headers {
         req = req.header(k, v);
     }
@@ -314,10 +343,16 @@ async fn run_client(
     let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(0)
         .build_http::<Full<Bytes>>();
-    let modes = [Mode::Key, Mode::Keyless, Mode::TaskStep];
+    let modes = [
+        Mode::Key,
+        Mode::Keyless,
+        Mode::TaskStep,
+        Mode::PerCall,
+        Mode::NewKey,
+    ];
     let mut n = 0;
     while !stop.load(Ordering::SeqCst) && (opts.kills > 0 || n < opts.writes_per_client) {
-        let mode = modes[(id + n) % 3];
+        let mode = modes[(id + n) % modes.len()];
         let write = format!("c{id}-{n}");
         book.writes
             .lock()
@@ -342,15 +377,26 @@ async fn run_client(
                 continue;
             };
             let (headers, body) = request(mode, id, n, &write, key_suffix);
-            let Ok((status, outcome, resp)) = send(&client, addr, &headers, &body).await else {
-                // The proxy died under us: whatever happened, retry the same logical write.
+            let Ok((status, outcome, resp)) = send(&client, addr, mode, &headers, &body).await
+            else {
+                // The proxy died under us: whatever happened, retry the same logical write. The
+                // per-call client draws a new key even for this; the guard-only one retries as
+                // an SDK's own retry of one call does, with the same key: with stable keys,
+                // a new key after a success whose answer was lost is a new write by design.
+                if mode == Mode::PerCall {
+                    key_suffix += 1;
+                }
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;
             };
-            let problem = serde_json::from_slice::<Value>(&resp)
-                .ok()
-                .and_then(|v| v["type"].as_str().map(str::to_string))
-                .unwrap_or_default();
+            let answer = serde_json::from_slice::<Value>(&resp).unwrap_or_default();
+            let problem = answer["type"].as_str().unwrap_or_default().to_string();
+            // The suffix of the key of the action an answer is about.
+            let about = answer["action"]["key"]
+                .as_str()
+                .and_then(|k| k.rsplit('-').next())
+                .and_then(|s| s.parse::<u64>().ok())
+                .unwrap_or(key_suffix);
             enum Next {
                 Done,
                 Retry,
@@ -370,9 +416,24 @@ async fn run_client(
                         seen.suffix = key_suffix;
                         Next::Done
                     }
+                    (_, _, "outcome-unknown" | "possible-duplicate") if mode == Mode::NewKey => {
+                        // The agent tells its user the charge may have happened, and stops:
+                        // after the first settles, a new key would be a new charge.
+                        seen.unknown_at.get_or_insert_with(tick);
+                        seen.unknown_since.get_or_insert_with(Instant::now);
+                        seen.unknown_suffix = about;
+                        Next::Done
+                    }
+                    (_, _, "possible-duplicate") if opts.broken_client => {
+                        // The guard stopped the naive agent's fresh key.
+                        Next::Done
+                    }
                     (_, _, "outcome-unknown") => {
                         seen.unknown_at.get_or_insert_with(tick);
                         let since = *seen.unknown_since.get_or_insert_with(Instant::now);
+                        if mode != Mode::PerCall {
+                            seen.unknown_suffix = key_suffix;
+                        }
                         if opts.broken_client && mode == Mode::Key {
                             // The naive agent: a timeout means "try again", with a fresh key.
                             Next::NewKey
@@ -403,8 +464,18 @@ async fn run_client(
             match next {
                 Next::Done => break,
                 Next::NewKey => key_suffix += 1,
-                Next::Retry => tokio::time::sleep(Duration::from_millis(5)).await,
-                Next::Later => tokio::time::sleep(Duration::from_millis(400)).await,
+                Next::Retry => {
+                    if mode.new_key_per_try() {
+                        key_suffix += 1;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await
+                }
+                Next::Later => {
+                    if mode.new_key_per_try() {
+                        key_suffix += 1;
+                    }
+                    tokio::time::sleep(Duration::from_millis(400)).await
+                }
             }
         }
         n += 1;
@@ -416,6 +487,7 @@ fn proxy_config(
     upstream: SocketAddr,
     postgres: bool,
     lookup: bool,
+    twin_guard: bool,
 ) -> std::path::PathBuf {
     let path = dir.join("oncegate.toml");
     let store = if postgres {
@@ -449,7 +521,13 @@ max_attempts = 20
 name = "pay"
 prefix = "/pay"
 url = "http://{upstream}"
+twin_guard = {twin_guard}
 {lookup}
+[[upstreams.routes]]
+methods = ["POST"]
+path = "/v1/percall/*"
+class = "write"
+client_keys = "per-call"
 "#,
             lookup = if lookup {
                 "retention = \"3s\"\nlookup_interval = \"300ms\"\n\
@@ -473,7 +551,13 @@ async fn harness(opts: Options) -> Report {
     let tmp = tempfile::tempdir().unwrap();
     let ledger = Arc::new(Ledger::default());
     let upstream = start_upstream(ledger.clone(), opts.faults).await;
-    let cfg = proxy_config(tmp.path(), upstream, opts.postgres.is_some(), opts.lookup);
+    let cfg = proxy_config(
+        tmp.path(),
+        upstream,
+        opts.postgres.is_some(),
+        opts.lookup,
+        opts.twin_guard,
+    );
     let opts = Arc::new(opts);
     let book = Arc::new(Book::default());
     let proxy_addr = Arc::new(RwLock::new(Vec::new()));
@@ -611,8 +695,8 @@ async fn harness(opts: Options) -> Report {
             let never_found =
                 !applied_keys.is_empty() && applied_keys.iter().all(|k| unsearchable(k));
             if seen.success.is_none() && seen.unknown_at.is_some() && never_found {
-                let (h, b) = request(*mode, *client_id, n, write, 0);
-                let r = send(&client, children[0].addr, &h, &b).await;
+                let (h, b) = request(*mode, *client_id, n, write, seen.unknown_suffix);
+                let r = send(&client, children[0].addr, *mode, &h, &b).await;
                 if !matches!(&r, Ok((409, Some(o), _)) if o == "unknown") {
                     let mut msg = format!("{write}: was unknown for good, then {r:?}");
                     msg.truncate(300);
@@ -623,7 +707,7 @@ async fn harness(opts: Options) -> Report {
         } else if let Some((status, body)) = &seen.success {
             report.completed += 1;
             let (h, b) = request(*mode, *client_id, n, write, seen.suffix);
-            match send(&client, children[0].addr, &h, &b).await {
+            match send(&client, children[0].addr, *mode, &h, &b).await {
                 Ok((s, Some(o), again)) if s == *status && again == *body && o == "replayed" => {}
                 other => {
                     report.lost_completed += 1;
@@ -633,8 +717,8 @@ async fn harness(opts: Options) -> Report {
                 }
             }
         } else if seen.unknown_at.is_some() && !(opts.broken_client && *mode == Mode::Key) {
-            let (h, b) = request(*mode, *client_id, n, write, 0);
-            let r = send(&client, children[0].addr, &h, &b).await;
+            let (h, b) = request(*mode, *client_id, n, write, seen.unknown_suffix);
+            let r = send(&client, children[0].addr, *mode, &h, &b).await;
             // Still unknown, or (with a lookup) found at the upstream and replayed from there.
             let settled = opts.lookup && matches!(&r, Ok((201, Some(o), _)) if o == "replayed");
             if !settled && !matches!(&r, Ok((409, Some(o), _)) if o == "unknown") {
@@ -717,6 +801,7 @@ async fn sigkills_under_load_never_duplicate_lose_or_resend_a_write() {
         clients: env_or("ONCEGATE_TORTURE_CLIENTS", 6),
         faults: Faults::MIX,
         broken_client: false,
+        twin_guard: true,
         writes_per_client: 0,
         proxies: 1,
         postgres: None,
@@ -765,6 +850,7 @@ async fn the_harness_catches_a_client_that_ignores_idempotency() {
             late: 0.0,
         },
         broken_client: true,
+        twin_guard: false,
         writes_per_client: 30,
         proxies: 1,
         postgres: None,
@@ -778,6 +864,33 @@ async fn the_harness_catches_a_client_that_ignores_idempotency() {
     );
 }
 
+/// The same naive client against the unsettled-twin guard (SPEC §4.1): its fresh key after an
+/// unknown answer is told the write may be a duplicate, and nothing is applied twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_twin_guard_stops_a_client_that_ignores_idempotency() {
+    let report = harness(Options {
+        kills: 0,
+        clients: 3,
+        faults: Faults {
+            stall: 0.3,
+            drop: 0.0,
+            unavailable: 0.0,
+            late: 0.0,
+        },
+        broken_client: true,
+        twin_guard: true,
+        writes_per_client: 30,
+        proxies: 1,
+        postgres: None,
+        kill_gap: (30, 250),
+        lookup: false,
+    })
+    .await;
+    assert!(report.unknown > 0, "no write was left unknown: {report:?}");
+    assert_eq!(report.duplicates, 0, "{report:?}");
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+}
+
 /// Two proxies on one PostgreSQL database, killed at random: the fleet keeps the promise too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
@@ -789,6 +902,7 @@ async fn two_proxies_on_postgres_survive_sigkills_without_duplicates() {
         clients: 6,
         faults: Faults::MIX,
         broken_client: false,
+        twin_guard: true,
         writes_per_client: 0,
         proxies: 2,
         postgres: Some(url),
@@ -822,6 +936,7 @@ async fn writes_applied_after_the_timeout_with_lookups_and_short_retention_go_on
             late: 0.15,
         },
         broken_client: false,
+        twin_guard: true,
         writes_per_client: 0,
         proxies: 1,
         postgres: None,

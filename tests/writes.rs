@@ -797,7 +797,7 @@ async fn problems_carry_the_sdk_error_member_and_say_whether_an_sdk_may_retry() 
     assert_eq!(no_retry(&r), never);
     // An upstream 500 that left the write unknown is forwarded, and marked the same way.
     up.push(Behavior::json(500, r#"{"error":"boom"}"#));
-    let r = c.post(&url, &[(KEY, "u2")], "a").await;
+    let r = c.post(&url, &[(KEY, "u2")], "a2").await;
     assert_eq!(
         (r.status.as_u16(), r.header("oncegate-outcome")),
         (500, Some("unknown"))
@@ -806,12 +806,16 @@ async fn problems_carry_the_sdk_error_member_and_say_whether_an_sdk_may_retry() 
     assert_eq!(no_retry(&r), never);
     // attempts-exhausted and key-reused: a retry cannot help.
     up.push(Behavior::status(422));
-    c.post(&url, &[(KEY, "u3")], "a").await;
-    let r = c.post(&url, &[(KEY, "u3")], "a").await;
+    c.post(&url, &[(KEY, "u3")], "a3").await;
+    let r = c.post(&url, &[(KEY, "u3")], "a3").await;
     assert_eq!(r.problem(), "attempts-exhausted");
     assert_eq!(no_retry(&r), never);
     let r = c.post(&url, &[(KEY, "u3")], "b").await;
     assert_eq!(r.problem(), "key-reused");
+    assert_eq!(no_retry(&r), never);
+    // possible-duplicate: the same write under another key while the first is unknown.
+    let r = c.post(&url, &[(KEY, "u5")], "a").await;
+    assert_eq!(r.problem(), "possible-duplicate");
     assert_eq!(no_retry(&r), never);
     // in-flight: the SDK may come back later (with Retry-After).
     let gate = Arc::new(Notify::new());
@@ -821,10 +825,10 @@ async fn problems_carry_the_sdk_error_member_and_say_whether_an_sdk_may_retry() 
     ));
     let first = {
         let url = url.clone();
-        tokio::spawn(async move { TestClient::default().post(&url, &[(KEY, "u4")], "a").await })
+        tokio::spawn(async move { TestClient::default().post(&url, &[(KEY, "u4")], "a4").await })
     };
     up.wait_for(4).await;
-    let r = c.post(&url, &[(KEY, "u4")], "a").await;
+    let r = c.post(&url, &[(KEY, "u4")], "a4").await;
     assert_eq!(r.problem(), "in-flight");
     assert_eq!(no_retry(&r), (None, None));
     assert!(r.header("retry-after").is_some());
