@@ -262,3 +262,51 @@ fn the_readme_shows_what_check_prints_for_the_example() {
     let shown = &readme[start..start + readme[start..].find("```").unwrap()];
     assert_eq!(shown, check(&root.join("config.example.toml")));
 }
+
+/// The recipes' numbers agree with the example config's (the recipe trap of issue 55): the
+/// Stripe SDK's whole retry budget must outlast the proxy's `timeout`, else a charge slower than
+/// the SDK's tries turns into an SDK exception while the proxy still waits for it. A try that
+/// finds the first attempt running waits `in_flight_wait` (bounded by the SDK's own timeout);
+/// the SDK's backoff between tries is left out, which only makes the budget smaller.
+#[test]
+fn the_stripe_recipes_retries_outlast_the_proxys_timeout() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("config.example.toml")).unwrap();
+    let config = Config::parse(&text).expect("the example config parses");
+    let stripe = config
+        .upstreams
+        .iter()
+        .find(|u| u.prefix == "/stripe")
+        .expect("the example config has a Stripe upstream");
+    let p = &stripe.policy;
+    let recipes = std::fs::read_to_string(root.join("docs/recipes.md")).unwrap();
+    for name in ["stripe", "stripe-charge"] {
+        let marker = format!("<!-- recipe:{name} -->");
+        let code = &recipes[recipes.find(&marker).unwrap()..];
+        let number = |after: &str| -> f64 {
+            let at = code
+                .find(after)
+                .unwrap_or_else(|| panic!("{name}: no {after}"))
+                + after.len();
+            let digits: String = code[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_digit() || *c == '.')
+                .collect();
+            digits.parse().unwrap()
+        };
+        let sdk_timeout = number("RequestsClient(timeout=");
+        let retries = number("max_network_retries=");
+        let wait = p.in_flight_wait.as_secs_f64().min(sdk_timeout);
+        let budget = sdk_timeout + retries * wait;
+        assert!(
+            budget > p.timeout.as_secs_f64(),
+            "{name}: the SDK gives up after {budget} s of tries, before the proxy's {} s timeout",
+            p.timeout.as_secs_f64()
+        );
+        assert!(
+            p.in_flight_wait.as_secs_f64() < sdk_timeout,
+            "{name}: a try waiting in_flight_wait would time out in the SDK first"
+        );
+    }
+    assert_eq!(p.client_keys, oncegate::config::ClientKeys::PerCall);
+}

@@ -40,21 +40,38 @@ async fn run_python(py: String, code: String, proxy: &TestProxy, what: &str) -> 
     stdout
 }
 
-async fn run_recipe(name: &str, prefix: &str, first_answer: Behavior, then: Behavior) {
+/// Runs recipe `name` against an upstream whose first attempt is accepted and answered only
+/// after the SDK's own timeout, at a tenth of the recipes' time scale: the recipe's SDK timeout
+/// (`timeout`, rewritten by `scale`), the upstream's `timeout` and `in_flight_wait` (`upstream`)
+/// all divided by ten, with the relations the recipes state between them.
+async fn run_recipe(
+    name: &str,
+    prefix: &str,
+    scale: (&str, &str),
+    upstream: &str,
+    first_answer: Behavior,
+    then: Behavior,
+) {
     let py = python();
     let up = FakeUpstream::start().await;
-    // The first attempt is accepted, then answered only after the SDK gave up waiting.
     up.push(Behavior::Delay(
         Duration::from_millis(1600),
         Box::new(first_answer),
     ));
     up.set_default(then);
     let extra = format!(
-        "[[upstreams]]\nname = \"sdk\"\nprefix = \"{prefix}\"\nurl = \"{}\"\ntimeout = \"10s\"",
+        "[[upstreams]]\nname = \"sdk\"\nprefix = \"{prefix}\"\nurl = \"{}\"\n{upstream}",
         up.url()
     );
     let proxy = TestProxy::start(&config(&up.url(), &extra)).await;
-    let stdout = run_python(py, support::recipe(name), &proxy, "the recipe").await;
+    let code = support::recipe(name);
+    assert!(
+        code.contains(scale.0),
+        "the {name} recipe no longer says {}",
+        scale.0
+    );
+    let code = code.replace(scale.0, scale.1);
+    let stdout = run_python(py, code, &proxy, "the recipe").await;
     assert!(stdout.contains("created"), "{stdout}");
     let posts = up.count_method("POST");
     assert_eq!(
@@ -64,6 +81,15 @@ async fn run_recipe(name: &str, prefix: &str, first_answer: Behavior, then: Beha
     assert!(proxy.admin("GET", "/v1/log/verify", "").await.json()["ok"] == true);
 }
 
+/// config.example.toml's Stripe upstream (30 s timeout, 8 s in_flight_wait, per-call keys) and
+/// the recipe's 10 s SDK timeout, at a tenth of the scale.
+const STRIPE_UPSTREAM: &str =
+    "timeout = \"3s\"\nin_flight_wait = \"800ms\"\nclient_keys = \"per-call\"";
+const STRIPE_SCALE: (&str, &str) = ("RequestsClient(timeout=10)", "RequestsClient(timeout=1)");
+/// config.example.toml's OpenAI upstream (120 s) and the recipe's 150 s SDK timeout, scaled.
+const OPENAI_UPSTREAM: &str = "timeout = \"12s\"";
+const OPENAI_SCALE: (&str, &str) = ("timeout=150.0", "timeout=15.0");
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a Python with the stripe and openai SDKs: ONCEGATE_PYTHON (.ci/run makes one); run with `cargo test -- --ignored`"]
 async fn the_stripe_recipe_creates_one_customer_despite_a_stalled_first_attempt() {
@@ -71,6 +97,8 @@ async fn the_stripe_recipe_creates_one_customer_despite_a_stalled_first_attempt(
     run_recipe(
         "stripe",
         "/stripe",
+        STRIPE_SCALE,
+        STRIPE_UPSTREAM,
         Behavior::json(200, customer),
         Behavior::json(200, customer),
     )
@@ -84,6 +112,8 @@ async fn the_openai_recipe_creates_one_batch_despite_a_stalled_first_attempt() {
     run_recipe(
         "openai",
         "/openai",
+        OPENAI_SCALE,
+        OPENAI_UPSTREAM,
         Behavior::json(200, batch),
         Behavior::json(200, batch),
     )
@@ -97,6 +127,8 @@ async fn the_openai_upload_recipe_uploads_one_file_despite_a_stalled_first_attem
     run_recipe(
         "openai-files",
         "/openai",
+        OPENAI_SCALE,
+        OPENAI_UPSTREAM,
         Behavior::json(200, file),
         Behavior::json(200, file),
     )
@@ -113,8 +145,9 @@ async fn the_stripe_charge_recipe_recovers_a_timed_out_charge_through_the_search
     let up = FakeUpstream::start().await;
     let charge =
         r#"{"id":"ch_recipe","object":"charge","amount":4200,"currency":"eur","metadata":{}}"#;
+    // Answered after the proxy's (scaled) 3 s timeout.
     up.push(Behavior::Delay(
-        Duration::from_millis(2_500),
+        Duration::from_millis(3_500),
         Box::new(Behavior::json(200, charge)),
     ));
     up.on(
@@ -124,7 +157,7 @@ async fn the_stripe_charge_recipe_recovers_a_timed_out_charge_through_the_search
             &format!(r#"{{"object":"search_result","url":"/v1/charges/search","has_more":false,"data":[{charge}]}}"#),
         ),
     );
-    // The example config's charge route, on a short timeout.
+    // The example config's Stripe upstream and charge route, at a tenth of the time scale.
     let example =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config.example.toml"))
             .unwrap();
@@ -134,13 +167,16 @@ async fn the_stripe_charge_recipe_recovers_a_timed_out_charge_through_the_search
         .unwrap()
         .trim();
     let extra = format!(
-        "[[upstreams]]\nname = \"stripe\"\nprefix = \"/stripe\"\nurl = \"{}\"\ntimeout = \"1500ms\"\n\
+        "[[upstreams]]\nname = \"stripe\"\nprefix = \"/stripe\"\nurl = \"{}\"\n{STRIPE_UPSTREAM}\n\
          [[upstreams.routes]]\nmethods = [\"POST\"]\npath = \"/v1/charges\"\nclass = \"write\"\n\
          stamp = \"metadata[oncegate_key]\"\n{lookup}",
         up.url()
     );
     let proxy = TestProxy::start(&config(&up.url(), &extra)).await;
-    let stdout = run_python(py, support::recipe("stripe-charge"), &proxy, "the recipe").await;
+    let code = support::recipe("stripe-charge");
+    assert!(code.contains(STRIPE_SCALE.0));
+    let code = code.replace(STRIPE_SCALE.0, STRIPE_SCALE.1);
+    let stdout = run_python(py, code, &proxy, "the recipe").await;
     assert!(stdout.contains("created ch_recipe"), "{stdout}");
     assert_eq!(up.count_method("POST"), 1, "one charge");
     let searched: Vec<_> = up
