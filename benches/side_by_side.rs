@@ -56,6 +56,10 @@ const PEER_DURABLE: &str = "peer, Redis appendfsync always";
 
 const BODY: &str = r#"{"id":"obj_123","object":"charge","amount":500,"ok":true}"#;
 
+/// With `BENCH_TWIN_OFF=1`: oncegate again, on a store of its own warmed the same way, with the
+/// unsettled-twin guard off: the same-run pair that prices the guard (SPEC §4.1).
+const OG_NO_GUARD: &str = "oncegate, twin guard off";
+
 // ---------------------------------------------------------------- the upstream
 
 async fn upstream() -> SocketAddr {
@@ -385,7 +389,7 @@ fn start_oncegate(
     dir: &Path,
     upstream: SocketAddr,
 ) -> (std::process::Child, SocketAddr, SocketAddr) {
-    let (c, a, admin, _) = start_oncegate_telling(dir, upstream);
+    let (c, a, admin, _) = start_oncegate_telling(dir, upstream, "");
     (c, a, admin)
 }
 
@@ -397,6 +401,7 @@ type IdsAtOpen = &'static str;
 fn start_oncegate_telling(
     dir: &Path,
     upstream: SocketAddr,
+    defaults: &str,
 ) -> (std::process::Child, SocketAddr, SocketAddr, IdsAtOpen) {
     let conf = dir.join("oncegate.toml");
     std::fs::write(
@@ -410,6 +415,7 @@ listen = "127.0.0.1:0"
 path = "{}"
 [defaults]
 timeout = "10s"
+{defaults}
 [[upstreams]]
 name = "pay"
 prefix = "/pay"
@@ -510,8 +516,17 @@ async fn start_measured(
     dir: &Path,
     upstream: SocketAddr,
 ) -> (std::process::Child, SocketAddr, SocketAddr, Opened) {
+    start_measured_with(dir, upstream, "").await
+}
+
+/// [`start_measured`], with `defaults` added to the config's `[defaults]`.
+async fn start_measured_with(
+    dir: &Path,
+    upstream: SocketAddr,
+    defaults: &str,
+) -> (std::process::Child, SocketAddr, SocketAddr, Opened) {
     let t = Instant::now();
-    let (c, a, admin, ids) = start_oncegate_telling(dir, upstream);
+    let (c, a, admin, ids) = start_oncegate_telling(dir, upstream, defaults);
     let ready = t.elapsed().as_secs_f64();
     let peak_kib = proc::peak_rss_kib(&c.id().to_string());
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -1197,6 +1212,33 @@ const THROUGHPUT_TARGETS: [(&str, f64); 3] = [
     ("duplicate replays, 64 connections", 1.0),
 ];
 
+/// The price of the unsettled-twin guard (with `BENCH_TWIN_OFF=1`): oncegate against itself with
+/// the guard off, in the same rounds.
+fn twin_guard_report(md: &mut String, results: &[(&Spec, HashMap<&str, Result_>)]) {
+    let mut rows = String::new();
+    for (spec, per) in results {
+        let (Some(on), Some(off)) = (per.get("oncegate"), per.get(OG_NO_GUARD)) else {
+            continue;
+        };
+        let (Some(cpu_on), Some(cpu_off)) = (on.cpu_us(), off.cpu_us()) else {
+            continue;
+        };
+        rows.push_str(&format!(
+            "| {} | {cpu_on:.1} | {cpu_off:.1} | {:+.1}% | {:.0} | {:.0} | {:.2}× |\n",
+            spec.name,
+            (cpu_on / cpu_off - 1.0) * 100.0,
+            on.rps(),
+            off.rps(),
+            on.rps() / off.rps(),
+        ));
+    }
+    if rows.is_empty() {
+        return;
+    }
+    md.push_str("\n## The unsettled-twin guard's cost (same run)\n\n`oncegate` has the guard on (the default); `oncegate, twin guard off` is the same build on a store of its own, warmed alike, with `twin_guard = false`, interleaved in the same rounds. The target: at most 5% more CPU per write with the guard.\n\n| workload | CPU per request, guard on (µs) | guard off (µs) | guard's cost | req/s, on | req/s, off | on / off |\n|---|---:|---:|---:|---:|---:|---:|\n");
+    md.push_str(&rows);
+}
+
 /// The proxy CPU per request (µs) that a throughput of `factor` × nginx's leaves on this machine:
 /// its cores, less what the load generator and upstream (this process) use per request, measured
 /// in the nginx run. A proxy that needs more cannot reach the target here, however it schedules.
@@ -1308,6 +1350,15 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         ..plain(BARE_DURABLE, bare_durable_addr, Some(bare_durable.id()))
     });
     targets.push(plain("oncegate", og_addr, Some(og.id())));
+    let mut no_guard = None;
+    if std::env::var("BENCH_TWIN_OFF").is_ok_and(|v| v == "1") {
+        let dir = tmp.path().join("og-no-guard");
+        std::fs::create_dir_all(&dir).unwrap();
+        warm(&dir.join("store")).await;
+        let (c, addr, _, _) = start_measured_with(&dir, up, "twin_guard = false").await;
+        targets.push(plain(OG_NO_GUARD, addr, Some(c.id())));
+        no_guard = Some(c);
+    }
     // The closest public peer, on Redis without persistence and with every write fsynced
     // (`BENCH_PEER=0` leaves it out).
     let mut peers: Vec<std::process::Child> = Vec::new();
@@ -1503,6 +1554,9 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     // Stopped as an operator would (SIGTERM), so that what it prints at exit (with `BENCH_ECHO=1`
     // and `_RJEM_MALLOC_CONF=stats_print:true`, the allocator's statistics) is seen.
     stop(&mut og).await;
+    if let Some(mut c) = no_guard {
+        stop(&mut c).await;
+    }
     for b in [&mut bare, &mut bare_durable] {
         let _ = b.kill();
         let _ = b.wait();
@@ -1696,6 +1750,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             dp50
         ));
     }
+    twin_guard_report(&mut md, &results);
     budgets(&mut md, &results);
     peer_report(&mut md, &results);
     if let Some(phases) = &phases {

@@ -352,6 +352,21 @@ fn policy_line(p: &oncegate::config::Policy) -> String {
         ),
         format!("retention {}", d(p.retention)),
     ];
+    // SPEC §4.1: how an agent's repeated call is recognised.
+    if p.client_keys == oncegate::config::ClientKeys::PerCall {
+        parts.push("client keys per-call".to_string());
+    }
+    if let Some(w) = p.fingerprint_window {
+        parts.push(format!("fingerprint window {}", d(w)));
+    }
+    parts.push(
+        if p.twin_guard {
+            "twin guard on"
+        } else {
+            "twin guard off"
+        }
+        .to_string(),
+    );
     if let Some(l) = &p.lookup {
         parts.push(format!(
             "lookup {} {} (absent after {})",

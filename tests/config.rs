@@ -124,6 +124,20 @@ fn check_prints_the_routing_table() {
         "{table}"
     );
     assert!(charges.contains("timeout 30s") && charges.contains("retention 1day"));
+    // How an agent's repeated call is recognised, per write route (SPEC §4.1).
+    assert!(
+        charges.contains("client keys per-call") && charges.contains("twin guard on"),
+        "{table}"
+    );
+    let openai = lines
+        .iter()
+        .skip_while(|l| !l.starts_with("openai"))
+        .find(|l| l.contains("timeout 2m"))
+        .unwrap();
+    assert!(
+        !openai.contains("per-call") && openai.contains("twin guard on"),
+        "{table}"
+    );
 }
 
 #[test]

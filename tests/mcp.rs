@@ -97,6 +97,54 @@ async fn what_cannot_be_classified_is_refused_unsent_as_json_rpc() {
     proxy.stop().await;
 }
 
+/// What the model reads when a tool call's outcome is unknown (SPEC §14.4): the tool's name,
+/// what is known, to call again later with the same arguments, never to change them, to tell
+/// the user; nothing about keys or the admin API (that is in `detail`). A key in `_meta` that
+/// changes between calls is a new action, and the unsettled-twin guard stops it.
+#[tokio::test]
+async fn an_unknown_tool_call_tells_the_model_to_call_again_unchanged() {
+    let up = FakeUpstream::start().await;
+    up.push(Behavior::Hang);
+    let config = mcp_config(&format!("{}/mcp", up.url()), "timeout = \"300ms\"")
+        .replace("in_flight_wait = \"5s\"", "in_flight_wait = \"0s\"");
+    let proxy = TestProxy::start(&config).await;
+    let c = TestClient::default();
+    let url = proxy.url("/mcp");
+    let call = |id: u64, key: &str| {
+        json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
+            "name": "charge_card", "arguments": {"amount": 4200},
+            "_meta": {"oncegate/key": key}}})
+        .to_string()
+    };
+    let r = c.post(&url, JSON_SSE, &call(1, "k-1")).await;
+    let result = &r.json()["result"];
+    assert_eq!(result["isError"], true, "{result}");
+    let text = result["content"][0]["text"].as_str().unwrap();
+    assert!(
+        text.starts_with("Outcome unknown: The tool call charge_card may have been applied"),
+        "{text}"
+    );
+    assert!(
+        text.contains("Call it again with the same arguments later"),
+        "{text}"
+    );
+    assert!(text.contains("tell the user"), "{text}");
+    for word in ["key", "admin", "/v1/actions"] {
+        assert!(!text.contains(word), "{word} in {text}");
+    }
+    let detail = result["structuredContent"]["detail"].as_str().unwrap();
+    assert!(detail.contains("/lookup"), "{detail}");
+    // The same call under another key while the first is unknown: not run.
+    let r = c.post(&url, JSON_SSE, &call(2, "k-2")).await;
+    let result = &r.json()["result"];
+    assert_eq!(
+        result["structuredContent"]["type"], "urn:oncegate:problem:possible-duplicate",
+        "{result}"
+    );
+    assert_eq!(up.count(), 1, "the tool ran once");
+    proxy.stop().await;
+}
+
 #[tokio::test]
 async fn a_json_answered_write_is_replayed_with_the_new_id_and_logged_with_its_tool() {
     let up = FakeUpstream::start().await;
