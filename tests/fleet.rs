@@ -360,7 +360,8 @@ async fn database_restarts_mid_load_lose_nothing_and_duplicate_nothing() {
                 let key = format!("r{w}-{i}");
                 // Retry each write until it has a definite answer.
                 loop {
-                    let r = c.post(&url, &[(KEY, &key)], "x").await;
+                    // A body of its own: identical ones under distinct keys would be twins.
+                    let r = c.post(&url, &[(KEY, &key)], &key).await;
                     let problem = r
                         .header("content-type")
                         .filter(|t| *t == "application/problem+json")
@@ -401,14 +402,14 @@ async fn database_restarts_mid_load_lose_nothing_and_duplicate_nothing() {
     for key in &unknown {
         assert!(up.count_key(KEY, key) <= 1, "{key} applied twice");
         let r = TestClient::default()
-            .post(&urls[1], &[(KEY, key)], "x")
+            .post(&urls[1], &[(KEY, key)], key)
             .await;
         assert_eq!(r.problem(), "outcome-unknown", "{key}");
     }
     let c = TestClient::default();
     for (key, body) in &completed {
         assert!(up.count_key(KEY, key) <= 1, "{key} applied twice");
-        let r = c.post(&urls[0], &[(KEY, key)], "x").await;
+        let r = c.post(&urls[0], &[(KEY, key)], key).await;
         // Applied, or unknown if a cut connection hid the outcome: never sent again.
         match r.header("oncegate-outcome") {
             Some("replayed") => assert_eq!(&r.body, body),
