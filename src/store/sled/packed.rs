@@ -462,7 +462,7 @@ impl R<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::action::tests::fresh;
+    use crate::action::machine::tests::fresh;
     use rand::Rng;
 
     /// A record with every field set, or each optional one left out at random.
