@@ -129,6 +129,15 @@ async fn with_stable_keys_the_twin_guard_stops_a_new_key_while_the_first_is_unkn
     assert!(!message.contains("admin"), "{message}");
     assert!(p["detail"].as_str().unwrap().contains("/lookup"), "{p}");
     assert_eq!(up.count_method("POST"), 1, "one charge");
+    // The refusal is in the write log, against the action it protected.
+    let log = proxy.admin("GET", "/v1/log?after=0&limit=1000", "").await;
+    let log = String::from_utf8_lossy(&log.body);
+    assert!(
+        log.lines().any(|l| l.contains(r#""event":"conflict""#)
+            && l.contains("possible-duplicate")
+            && l.contains(&id)),
+        "{log}"
+    );
     // An agent that truly means a second, identical charge says so.
     let mut twin = json_with("sdk-3");
     twin.push(("oncegate-allow-twin", id.clone()));

@@ -561,25 +561,25 @@ async fn external_ids_come_from_a_header_when_configured() {
     assert_eq!(a["response"]["status"], 201);
 }
 
+/// Runs `oncegate GROUP --admin ADMIN REST…` (GROUP: `actions` or `log`) with the admin token,
+/// as an operator would.
+async fn cli(admin: &str, args: &[&str]) -> std::process::Output {
+    let (group, rest) = args.split_first().expect("a subcommand group");
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_oncegate"));
+    cmd.args([*group, "--admin", admin])
+        .args(rest)
+        .env("ONCEGATE_ADMIN_TOKEN", ADMIN_TOKEN);
+    tokio::task::spawn_blocking(move || cmd.output().unwrap())
+        .await
+        .unwrap()
+}
+
 #[tokio::test]
 async fn the_cli_lists_and_resolves_unknown_actions() {
     let (_up, proxy, id) = unknown_write("timeout = \"300ms\"", "k-cli").await;
     let admin = proxy.admin_url("");
     let bin = env!("CARGO_BIN_EXE_oncegate");
-    let run = |args: Vec<String>| {
-        let admin = admin.clone();
-        tokio::task::spawn_blocking(move || {
-            std::process::Command::new(bin)
-                .args(["actions", "--admin", &admin])
-                .args(args)
-                .env("ONCEGATE_ADMIN_TOKEN", ADMIN_TOKEN)
-                .output()
-                .unwrap()
-        })
-    };
-    let out = run(vec!["list".into(), "--state".into(), "unknown".into()])
-        .await
-        .unwrap();
+    let out = cli(&admin, &["actions", "list", "--state", "unknown"]).await;
     assert!(
         out.status.success(),
         "{}",
@@ -587,30 +587,29 @@ async fn the_cli_lists_and_resolves_unknown_actions() {
     );
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains(&id) && text.contains("unknown"), "{text}");
-    let out = run(vec![
-        "resolve".into(),
-        id.clone(),
-        "--outcome".into(),
-        "applied".into(),
-        "--reason".into(),
-        "found in the processor's dashboard".into(),
-    ])
-    .await
-    .unwrap();
+    let reason = "found in the processor's dashboard";
+    let out = cli(
+        &admin,
+        &[
+            "actions",
+            "resolve",
+            &id,
+            "--outcome",
+            "applied",
+            "--reason",
+            reason,
+        ],
+    )
+    .await;
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let out = run(vec!["show".into(), id.clone(), "--json".into()])
-        .await
-        .unwrap();
+    let out = cli(&admin, &["actions", "show", &id, "--json"]).await;
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["state"], "succeeded");
-    assert_eq!(
-        v["resolution"]["reason"],
-        "found in the processor's dashboard"
-    );
+    assert_eq!(v["resolution"]["reason"], reason);
     // Without the token the CLI fails and says why.
     let out = tokio::task::spawn_blocking({
         let admin = admin.clone();
@@ -634,71 +633,50 @@ async fn the_cli_lists_and_resolves_unknown_actions() {
 #[tokio::test]
 async fn every_cli_subcommand_works_against_the_admin_api() {
     let (up, proxy, id) = unknown_write(LOOKUP, "k-cli-all").await;
-    let (_up2, _other, id2) = unknown_write("timeout = \"300ms\"", "k-cli-2").await;
+    let (_up2, other, id2) = unknown_write("timeout = \"300ms\"", "k-cli-2").await;
     let admin = proxy.admin_url("");
-    let bin = env!("CARGO_BIN_EXE_oncegate");
-    let run = |args: Vec<String>| {
-        let admin = admin.clone();
-        tokio::task::spawn_blocking(move || {
-            let out = std::process::Command::new(bin)
-                .args([args[0].as_str(), "--admin", &admin])
-                .args(&args[1..])
-                .env("ONCEGATE_ADMIN_TOKEN", ADMIN_TOKEN)
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "oncegate {args:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            String::from_utf8(out.stdout).unwrap()
-        })
-    };
-    let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    let list = run(args(&["actions", "list", "--json"])).await.unwrap();
-    assert!(list.contains(&id), "{list}");
-    let shown = run(args(&["actions", "show", &id])).await.unwrap();
+    assert!(cli_ok(&admin, &["actions", "list", "--json"])
+        .await
+        .contains(&id));
+    let shown = cli_ok(&admin, &["actions", "show", &id]).await;
     assert!(shown.contains("unknown"), "{shown}");
     // The runbook's first settling step: the lookup finds the charge.
     up.on("/v1/lookup/", Behavior::json(200, r#"{"id":"ch_cli"}"#));
-    let looked = run(args(&["actions", "lookup", &id])).await.unwrap();
+    let looked = cli_ok(&admin, &["actions", "lookup", &id]).await;
     assert!(looked.contains("lookup of"), "{looked}");
-    let v: Value = serde_json::from_str(
-        &run(args(&["actions", "show", &id, "--json"]))
-            .await
-            .unwrap(),
-    )
-    .unwrap();
+    let v: Value =
+        serde_json::from_str(&cli_ok(&admin, &["actions", "show", &id, "--json"]).await).unwrap();
     assert_eq!(v["state"], "succeeded", "{v}");
     assert_eq!(v["external_id"], "ch_cli");
-    // `resolve` on the other proxy's unknown action, through that proxy's admin API.
-    let other_admin = _other.admin_url("");
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(bin)
-            .args(["actions", "--admin", &other_admin, "resolve", &id2])
-            .args([
-                "--outcome",
-                "not-applied",
-                "--reason",
-                "absent at the service",
-            ])
-            .env("ONCEGATE_ADMIN_TOKEN", ADMIN_TOKEN)
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(String::from_utf8_lossy(&out.stdout).contains("failed"));
-    let export = run(args(&["log", "export"])).await.unwrap();
+    // `resolve`, on the other proxy's unknown action.
+    let reason = "absent at the service";
+    let args = [
+        "actions",
+        "resolve",
+        &id2,
+        "--outcome",
+        "not-applied",
+        "--reason",
+        reason,
+    ];
+    let resolved = cli_ok(&other.admin_url(""), &args).await;
+    assert!(resolved.contains("failed"), "{resolved}");
+    let export = cli_ok(&admin, &["log", "export"]).await;
     assert!(
         export.lines().any(|l| l.contains("\"event\":\"lookup\"")),
         "{export}"
     );
-    let verified = run(args(&["log", "verify"])).await.unwrap();
+    let verified = cli_ok(&admin, &["log", "verify"]).await;
     assert!(verified.contains("ok"), "{verified}");
+}
+
+/// [`cli`], which must succeed; its standard output.
+async fn cli_ok(admin: &str, args: &[&str]) -> String {
+    let out = cli(admin, args).await;
+    assert!(
+        out.status.success(),
+        "oncegate {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
 }

@@ -836,11 +836,10 @@ async fn sigkills_under_load_never_duplicate_lose_or_resend_a_write() {
     assert!(report.violations.is_empty(), "{:?}", report.violations);
 }
 
-/// The harness must be able to fail: a client that ignores idempotency (a fresh key on every
-/// retry after an unknown answer) makes the upstream apply writes twice, and the checker says so.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_harness_catches_a_client_that_ignores_idempotency() {
-    let report = harness(Options {
+/// A naive client, without kills: a fresh key on every retry after an unknown answer, against
+/// an upstream that stalls 30% of writes past the proxy's timeout.
+fn naive_client(twin_guard: bool) -> Options {
+    Options {
         kills: 0,
         clients: 3,
         faults: Faults {
@@ -850,14 +849,21 @@ async fn the_harness_catches_a_client_that_ignores_idempotency() {
             late: 0.0,
         },
         broken_client: true,
-        twin_guard: false,
+        twin_guard,
         writes_per_client: 30,
         proxies: 1,
         postgres: None,
         kill_gap: (30, 250),
         lookup: false,
-    })
-    .await;
+    }
+}
+
+/// The harness must be able to fail: a client that ignores idempotency (a fresh key on every
+/// retry after an unknown answer) makes the upstream apply writes twice when the unsettled-twin
+/// guard is off, and the checker says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_harness_catches_a_client_that_ignores_idempotency() {
+    let report = harness(naive_client(false)).await;
     assert!(
         report.duplicates > 0,
         "the checker missed real duplicates: {report:?}"
@@ -868,24 +874,7 @@ async fn the_harness_catches_a_client_that_ignores_idempotency() {
 /// unknown answer is told the write may be a duplicate, and nothing is applied twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_twin_guard_stops_a_client_that_ignores_idempotency() {
-    let report = harness(Options {
-        kills: 0,
-        clients: 3,
-        faults: Faults {
-            stall: 0.3,
-            drop: 0.0,
-            unavailable: 0.0,
-            late: 0.0,
-        },
-        broken_client: true,
-        twin_guard: true,
-        writes_per_client: 30,
-        proxies: 1,
-        postgres: None,
-        kill_gap: (30, 250),
-        lookup: false,
-    })
-    .await;
+    let report = harness(naive_client(true)).await;
     assert!(report.unknown > 0, "no write was left unknown: {report:?}");
     assert_eq!(report.duplicates, 0, "{report:?}");
     assert!(report.violations.is_empty(), "{:?}", report.violations);

@@ -331,6 +331,7 @@ impl Proxy {
                 lost_now: false, ..
             }
             | ProxyError::AttemptsExhausted(_)
+            | ProxyError::PossibleDuplicate(_)
             | ProxyError::AlreadyApplied(_) => Event::Conflict,
             ProxyError::KeyInvalid(_)
             | ProxyError::KeyRequired

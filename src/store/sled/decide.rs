@@ -135,6 +135,7 @@ impl Writer {
                         Some(Ok(r)) => r,
                         Some(Err(e)) => return Answer::failed(tx, e),
                     };
+                    let twin_key = req.twin.as_ref().map(|t| t.key.clone());
                     let (claim, write) =
                         decide_claim_owned(current.map(Arc::unwrap_or_clone), twin, *req);
                     // A new attempt of a failed action keeps the response stored with it.
@@ -165,7 +166,9 @@ impl Writer {
                         };
                         let kept = kept.filter(|_| live_old.is_some());
                         // The claim's own record, shared with the batch (and so with the cache).
+                        self.claim_twin_key = twin_key;
                         let w = self.stage(pending, live_old, Arc::clone(claim.record()), kept);
+                        self.claim_twin_key = None;
                         if old.is_none() {
                             // A new action: no batch ever put its state entry.
                             pending.new_keys.insert(state_key(w.state, &w.id));

@@ -303,6 +303,7 @@ impl SledStore {
             counts,
             saved_counts: kept.then_some(counts),
             twins,
+            claim_twin_key: None,
         };
         let slot = Arc::new(Slot::new(writer));
         let handle = std::thread::Builder::new()

@@ -52,6 +52,8 @@ pub(super) struct Writer {
     pub(super) saved_counts: Option<Counts>,
     /// Which unsettled action holds each twin key (SPEC §4.1), as the staged batches leave it.
     pub(super) twins: super::twins::Twins,
+    /// The twin key of the claim being staged, hashed by its request: spares the writer a hash.
+    pub(super) claim_twin_key: Option<String>,
 }
 
 /// The syncer thread has stopped: so has the writer (dropping it lets the drainer end).
@@ -447,7 +449,8 @@ impl Writer {
             self.count(old.map(|o| o.state), Some(new.state));
         }
         if new.twin || old.is_some_and(|o| o.twin) {
-            self.twins.staged(old, &new);
+            let key = self.claim_twin_key.take();
+            self.twins.staged(old, &new, key);
         }
         let (new, mut value) = encode_bounded(new, self.sealer.as_deref());
         let at = record_key(&new);
