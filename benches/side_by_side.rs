@@ -19,7 +19,10 @@
 //! to the proxy's command line (`BENCH_WRAP='perf record -o F'`); a script there can run another
 //! build instead (`shift; exec /tmp/og-base "$@"`: same-run pairs of two builds) or one under
 //! `valgrind --tool=callgrind`, whose instruction counts per call do not move with the machine's
-//! load (docs/decisions.md, "Small changes are measured in instructions").
+//! load (docs/decisions.md, "Small changes are measured in instructions"). `BENCH_TWIN_OFF=1` adds
+//! `oncegate, twin guard off` (the same build, `twin_guard = false`, a store of its own warmed
+//! alike) to every workload, and a section pricing the unsettled-twin guard
+//! (bench/results-twin.md).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "support/append_log.rs"]
@@ -2093,19 +2096,25 @@ fn targets_report(
 }
 
 /// The command that made this report, with the settings that shaped it (`BENCH_ONLY`,
-/// `BENCH_ROUNDS`, `BENCH_SECS`, `BENCH_PEER`) and its arguments.
+/// `BENCH_ROUNDS`, `BENCH_SECS`, `BENCH_PEER`, `BENCH_TWIN_OFF`) and its arguments.
 fn invocation() -> String {
-    let mut cmd: Vec<String> = ["BENCH_ONLY", "BENCH_ROUNDS", "BENCH_SECS", "BENCH_PEER"]
-        .iter()
-        .filter_map(|k| {
-            let v = std::env::var(k).ok()?;
-            Some(if v.contains(|c: char| !c.is_ascii_alphanumeric()) {
-                format!("{k}='{v}'")
-            } else {
-                format!("{k}={v}")
-            })
+    let mut cmd: Vec<String> = [
+        "BENCH_ONLY",
+        "BENCH_ROUNDS",
+        "BENCH_SECS",
+        "BENCH_PEER",
+        "BENCH_TWIN_OFF",
+    ]
+    .iter()
+    .filter_map(|k| {
+        let v = std::env::var(k).ok()?;
+        Some(if v.contains(|c: char| !c.is_ascii_alphanumeric()) {
+            format!("{k}='{v}'")
+        } else {
+            format!("{k}={v}")
         })
-        .collect();
+    })
+    .collect();
     cmd.push("cargo bench --bench side_by_side --".into());
     cmd.extend(std::env::args().skip(1).filter(|a| a != "--bench"));
     cmd.join(" ")

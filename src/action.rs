@@ -286,6 +286,16 @@ impl Record {
         crate::identity::twin_key(&self.upstream, &self.principal, &self.fingerprint)
     }
 
+    /// Whether this record gives way to a new action under its key at `now`: its retention
+    /// passed, or `window` (a fingerprint key's `fingerprint_window`) since it settled.
+    pub fn outlived(&self, now: Millis, window: Option<Millis>) -> bool {
+        self.is_expired(now)
+            || window.is_some_and(|w| {
+                self.settled_at()
+                    .is_some_and(|at| now >= at.saturating_add(w))
+            })
+    }
+
     /// When it settled: `retention` before its expiry.
     pub fn settled_at(&self) -> Option<Millis> {
         self.expires_at

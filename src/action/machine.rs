@@ -128,13 +128,10 @@ impl ClaimRequest {
     /// Whether `existing` gives way to a new action under its key: its retention passed, or,
     /// under a fingerprint key, its `fingerprint_window` since it settled.
     pub fn replaces(&self, existing: &Record) -> bool {
-        existing.is_expired(self.now)
-            || (self.key_source == KeySource::Fingerprint
-                && self.window.is_some_and(|w| {
-                    existing
-                        .settled_at()
-                        .is_some_and(|at| self.now >= at.saturating_add(w))
-                }))
+        let window = self
+            .window
+            .filter(|_| self.key_source == KeySource::Fingerprint);
+        existing.outlived(self.now, window)
     }
 
     /// The guard's key, when the guard is on for this request.

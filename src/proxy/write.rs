@@ -143,12 +143,9 @@ impl Proxy {
         // A duplicate of a write that succeeded, held in memory: the answer a claim would give,
         // without building the fresh record or asking the writer.
         if let Some((rec, body)) = self.store.cached(&job.identity.action_id) {
-            let now = (self.clock)();
-            let past_window = window(&job).is_some_and(|w| {
-                rec.settled_at()
-                    .is_some_and(|at| now >= at.saturating_add(w))
-            });
-            if rec.fingerprint == job.identity.fingerprint && !rec.is_expired(now) && !past_window {
+            if rec.fingerprint == job.identity.fingerprint
+                && !rec.outlived((self.clock)(), window(&job))
+            {
                 return self.replay(&rec, body, &job.call).await;
             }
         }
