@@ -513,23 +513,23 @@ mod tests {
         );
     }
 
+    /// A `POST /c` to upstream `a`.
+    fn post<'a>(headers: &'a HeaderMap, body: &'a [u8], principal: &'a str) -> WriteRequest<'a> {
+        WriteRequest {
+            upstream: "a",
+            method: "POST",
+            rest: "/c",
+            query: "",
+            headers,
+            body,
+            principal,
+        }
+    }
+
     #[test]
     fn key_order_task_step_then_header_then_fingerprint() {
         let p = policy();
-        let req = |h: &HeaderMap| {
-            identify(
-                &WriteRequest {
-                    upstream: "a",
-                    method: "POST",
-                    rest: "/c",
-                    query: "",
-                    headers: h,
-                    body: b"{}",
-                    principal: &principal(h, &p),
-                },
-                &p,
-            )
-        };
+        let req = |h: &HeaderMap| identify(&post(h, b"{}", &principal(h, &p)), &p);
         let h = headers(&[
             ("idempotency-key", "k1"),
             ("oncegate-task", "t"),
@@ -590,21 +590,8 @@ mod tests {
         let mut p = policy();
         assert_eq!(p.client_keys, ClientKeys::Stable);
         p.client_keys = ClientKeys::PerCall;
-        let req_with = |h: &HeaderMap, p: &Policy| {
-            identify(
-                &WriteRequest {
-                    upstream: "a",
-                    method: "POST",
-                    rest: "/c",
-                    query: "",
-                    headers: h,
-                    body: b"amount=5",
-                    principal: ANONYMOUS,
-                },
-                p,
-            )
-            .expect("ok")
-        };
+        let req_with =
+            |h: &HeaderMap, p: &Policy| identify(&post(h, b"amount=5", ANONYMOUS), p).expect("ok");
         let req = |h: &HeaderMap| req_with(h, &p);
         // stripe-python draws a new key for every call: two calls, one action.
         let a = req(&headers(&[("idempotency-key", "sdk-1")]));

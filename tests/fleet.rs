@@ -49,6 +49,26 @@ impl Fleet {
     }
 }
 
+/// `n` charges sent at once, alternately to `a` and `b`: the `i`th under key `key(i)`, each with
+/// `body`.
+fn split(
+    a: &ChildProxy,
+    b: &ChildProxy,
+    n: usize,
+    key: impl Fn(usize) -> String,
+    body: &'static str,
+) -> Vec<tokio::task::JoinHandle<support::Resp>> {
+    (0..n)
+        .map(|i| {
+            let url = [a, b][i % 2].url("/pay/v1/charges");
+            let key = key(i);
+            tokio::spawn(
+                async move { TestClient::default().post(&url, &[(KEY, &key)], body).await },
+            )
+        })
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
 async fn fifty_concurrent_writes_split_across_two_proxies_reach_the_upstream_once() {
@@ -59,19 +79,7 @@ async fn fifty_concurrent_writes_split_across_two_proxies_reach_the_upstream_onc
         Duration::from_millis(300),
         Box::new(Behavior::json(201, r#"{"id":"ch_fleet"}"#)),
     ));
-    let mut tasks = Vec::new();
-    for i in 0..50 {
-        let url = if i % 2 == 0 {
-            a.url("/pay/v1/charges")
-        } else {
-            b.url("/pay/v1/charges")
-        };
-        tasks.push(tokio::spawn(async move {
-            TestClient::default()
-                .post(&url, &[(KEY, "fleet-key")], "amount=5")
-                .await
-        }));
-    }
+    let tasks = split(&a, &b, 50, |_| "fleet-key".to_string(), "amount=5");
     for t in tasks {
         let r = t.await.unwrap();
         match (r.status.as_u16(), r.header("oncegate-outcome")) {
@@ -432,19 +440,7 @@ async fn identical_writes_under_new_keys_racing_on_two_proxies_are_sent_once() {
         gate.clone(),
         Box::new(Behavior::json(201, r#"{"id":"ch_twin"}"#)),
     ));
-    let mut tasks = Vec::new();
-    for i in 0..20 {
-        let url = if i % 2 == 0 {
-            a.url("/pay/v1/charges")
-        } else {
-            b.url("/pay/v1/charges")
-        };
-        tasks.push(tokio::spawn(async move {
-            TestClient::default()
-                .post(&url, &[(KEY, &format!("sdk-key-{i}"))], "amount=4200")
-                .await
-        }));
-    }
+    let mut tasks = split(&a, &b, 20, |i| format!("sdk-key-{i}"), "amount=4200");
     up.wait_for(1).await;
     let mut stopped = 0;
     // Every request but the one sent is answered while that one is still held at the gate.
