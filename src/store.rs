@@ -204,6 +204,26 @@ pub trait Store: Send + Sync + 'static {
         Box::pin(async { Ok(true) })
     }
 
+    /// Whether tries must pass [`Store::fence`] before they leave: a store shared by proxies,
+    /// where another may move the action on while this one is paused (SPEC §13, fencing).
+    fn fences(&self) -> bool {
+        false
+    }
+
+    /// Records that a try of attempt `attempt` (this owner's) is about to leave, and extends its
+    /// lease to `lease` from now; `false` when the action is no longer this attempt's (its lease
+    /// ran out, another proxy, a lookup or an operator moved it on): the try must not be sent.
+    fn fence(
+        &self,
+        _id: &str,
+        _owner: &str,
+        _attempt: u32,
+        _lease: Millis,
+        _now: Millis,
+    ) -> BoxFuture<'_, Result<bool, StoreError>> {
+        Box::pin(async { Ok(true) })
+    }
+
     /// A `succeeded` record this store holds in memory as last made durable, with its stored
     /// body when held too: lets a replay skip the claim. `None` whenever it is not held; the
     /// claim then decides. Stores without such a cache keep the default.

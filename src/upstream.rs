@@ -357,6 +357,10 @@ pub enum AttemptResult {
     Answered(Answer),
     /// Nothing reached the upstream, after all tries.
     Unreachable(String),
+    /// A try was not sent: the action is no longer this attempt's (a lost lease, a takeover;
+    /// SPEC §13 fencing). Nothing this attempt sent was applied: its earlier tries, if any, did
+    /// not connect or were answered with a `retry_statuses` status.
+    Abandoned(String),
     /// The request was, or may have been, sent and no complete answer came back.
     Lost { phase: Phase, error: String },
     /// No response head within the timeout to a request whose answer is relayed (MCP): the
@@ -370,6 +374,16 @@ pub enum AttemptResult {
         head: http::response::Parts,
         body: Incoming,
     },
+}
+
+/// Why a try may not leave (SPEC §13, fencing).
+#[derive(Debug)]
+pub enum Unfenced {
+    /// The action is no longer this attempt's: nothing more of it is sent, nothing recorded.
+    Lost(String),
+    /// The store could not record the try as sending: it is not sent, and the attempt ends as
+    /// one that reached nothing.
+    Unrecorded(String),
 }
 
 /// Whether a response head announces an SSE stream.
@@ -440,7 +454,8 @@ impl Upstreams {
     /// evidence. The body of the answer is read up to `limit` bytes within the timeout, unless
     /// `relay` is set and the answer is a successful SSE stream: that is left to the caller.
     #[allow(clippy::too_many_arguments)]
-    pub async fn send_write(
+    #[allow(clippy::too_many_arguments)]
+    pub async fn send_write<F, Fut>(
         &self,
         up: &Upstream,
         policy: &Policy,
@@ -449,10 +464,28 @@ impl Upstreams {
         limit: u64,
         relay: bool,
         tries: &mut Vec<Try>,
-    ) -> AttemptResult {
+        mut fence: F,
+    ) -> AttemptResult
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<(), Unfenced>>,
+    {
         let client = self.client(up, policy);
         let mut n = 0;
         loop {
+            // Each try is the attempt's own only while the store says so (SPEC §13).
+            match fence().await {
+                Ok(()) => {}
+                Err(Unfenced::Lost(why)) => return AttemptResult::Abandoned(why),
+                Err(Unfenced::Unrecorded(why)) => {
+                    tries.push(Try {
+                        at: now_millis(),
+                        error: Some(why.clone()),
+                        ..Try::default()
+                    });
+                    return AttemptResult::Unreachable(why);
+                }
+            }
             let last = n >= policy.retries;
             let started = tokio::time::Instant::now();
             let deadline = started + policy.timeout;

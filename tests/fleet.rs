@@ -463,3 +463,91 @@ async fn identical_writes_under_new_keys_racing_on_two_proxies_are_sent_once() {
     assert_eq!(sent.status, 201, "{sent:?}");
     assert_eq!(up.count(), 1, "one charge across the fleet");
 }
+
+/// Proxy A is answered 503 with `Retry-After`, and is paused (SIGSTOP: a GC pause, a frozen VM,
+/// `docker pause`) while it waits to try again, past its lease. B takes the action over, and it
+/// is settled as not applied, by B's lookup finding nothing after `absent_after` or by an
+/// operator; B sends it. A wakes: its second try must not leave (SPEC §13, fencing).
+async fn a_paused_owner_taken_over(by_operator: bool) {
+    let up = FakeUpstream::start().await;
+    up.on("/v1/lookup/", Behavior::status(404));
+    // A lease of 0.5 s × 2 tries + 2 s of waiting + 2 s = 5 s.
+    let lookup = r#"lookup = { path = "/v1/lookup/{key}", found = "/id", absent_after = "1s" }"#;
+    let extra = format!(
+        "timeout = \"500ms\"\nretries = 1\nmax_retry_wait = \"2s\"\n{}",
+        if by_operator { "" } else { lookup }
+    );
+    let f = fleet(&up, &extra).await;
+    let (a, b) = (f.proxy().await, f.proxy().await);
+    up.push(Behavior::status(503).with_header("retry-after", "2"));
+    up.set_default(Behavior::json(201, r#"{"id":"ch_once"}"#));
+    let url = a.url("/pay/v1/charges");
+    let first = tokio::spawn(async move {
+        TestClient::default()
+            .post(&url, &[(KEY, "k-fence")], "amount=5")
+            .await
+    });
+    up.wait_for(1).await;
+    let pid = a.child.id().to_string();
+    let signal = |sig: &str| {
+        std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap()
+    };
+    signal("-STOP");
+    let c = TestClient::default();
+    let burl = b.url("/pay/v1/charges");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let sent = loop {
+        assert!(tokio::time::Instant::now() < deadline, "B never took over");
+        let r = c.post(&burl, &[(KEY, "k-fence")], "amount=5").await;
+        if r.status == 201 {
+            break r;
+        }
+        match (r.status.as_u16(), r.problem().as_str()) {
+            (_, "outcome-unknown") if by_operator => {
+                let id = r.header("oncegate-action").unwrap().to_string();
+                let body = r#"{"outcome":"not-applied","reason":"no charge at the processor"}"#;
+                let resolved = b
+                    .admin("POST", &format!("/v1/actions/{id}/resolve"), body)
+                    .await;
+                assert_eq!(resolved.status, 200, "{:?}", resolved.body);
+            }
+            (_, "in-flight" | "outcome-unknown") => {}
+            other => panic!("B answered {other:?}: {:?}", r.body),
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    assert_eq!(sent.header("oncegate-outcome"), Some("sent"));
+    assert_eq!(up.count_method("POST"), 2, "A's 503, then B's send");
+    // A wakes, its wait long over: its next try finds the action moved on, and stays unsent.
+    signal("-CONT");
+    let first = first.await.unwrap();
+    assert_eq!(
+        up.count_method("POST"),
+        2,
+        "the paused proxy sent again: {:?}",
+        first.body
+    );
+    assert_eq!(
+        first.status, 201,
+        "A's client gets B's result: {:?}",
+        first.body
+    );
+    assert_eq!(first.header("oncegate-outcome"), Some("replayed"));
+    let v = b.admin("GET", "/v1/log/verify", "").await.json();
+    assert_eq!(v["ok"], true, "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
+async fn a_paused_owner_never_sends_after_a_lookup_settled_it_and_another_proxy_sent() {
+    a_paused_owner_taken_over(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
+async fn a_paused_owner_never_sends_after_an_operator_settled_it_and_another_proxy_sent() {
+    a_paused_owner_taken_over(true).await;
+}

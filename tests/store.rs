@@ -2233,3 +2233,50 @@ fn sled_never_blocks_the_only_worker_for_a_lone_call() {
         });
     }
 }
+
+/// Fencing on the shared store (SPEC §13): a try may leave only while its attempt is the
+/// action's current one, under its owner, within its lease; each try extends the lease.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
+async fn postgres_fences_a_try_to_its_own_current_attempt() {
+    let s = postgres_store().await;
+    assert!(s.fences());
+    let c = s
+        .claim(claim_req(record("f1", "f", None), T0, 10_000))
+        .await
+        .unwrap();
+    assert!(matches!(c, Claim::Claimed(_)));
+    assert!(s.fence("f1", "proxy-a", 1, 10_000, T0 + 1).await.unwrap());
+    assert!(
+        !s.fence("f1", "proxy-b", 1, 10_000, T0 + 2).await.unwrap(),
+        "another owner"
+    );
+    assert!(
+        !s.fence("f1", "proxy-a", 2, 10_000, T0 + 2).await.unwrap(),
+        "another attempt"
+    );
+    // The try at T0 + 1 extended the lease to T0 + 10_001.
+    assert!(s
+        .fence("f1", "proxy-a", 1, 10_000, T0 + 10_001)
+        .await
+        .unwrap());
+    assert!(
+        !s.fence("f1", "proxy-a", 1, 10_000, T0 + 20_002)
+            .await
+            .unwrap(),
+        "past its lease"
+    );
+    // Another proxy finds the lease over and records the action unknown: the try is not sent.
+    let mut other = claim_req(record("f1", "f", None), T0 + 20_003, 10_000);
+    other.owner = "proxy-b".into();
+    let c = s.claim(other).await.unwrap();
+    assert!(
+        matches!(c, Claim::Existing(ref r) if r.state == State::Unknown),
+        "{c:?}"
+    );
+    assert!(!s
+        .fence("f1", "proxy-a", 1, 10_000, T0 + 20_003)
+        .await
+        .unwrap());
+    s.close().await.unwrap();
+}

@@ -43,6 +43,9 @@ impl Proxy {
         // writer's count of calls in flight) through the settle.
         let mut renewal = Box::pin(self.renew_lease(rec.id.clone(), policy));
         let mut tries: Vec<Try> = Vec::new();
+        let (id, attempt) = (rec.id.as_str(), rec.attempts);
+        let me: &Proxy = &self;
+        let fence = move || me.fence(id, attempt, policy);
         let result = match out {
             Ok(out) => {
                 let started = std::time::Instant::now();
@@ -54,6 +57,7 @@ impl Proxy {
                     self.config.server.max_stored_response,
                     job.call.relays(),
                     &mut tries,
+                    fence,
                 );
                 // At the drain deadline an attempt still waiting for its answer is cut: its
                 // outcome is recorded unknown and its client answered 504, before the proxy
@@ -204,6 +208,7 @@ impl Proxy {
                     _ => Err(err),
                 }
             }
+            AttemptResult::Abandoned(why) => Box::pin(self.abandoned(&job, &rec, why)).await,
             AttemptResult::Lost { error, .. } => {
                 let rec = self
                     .settle(settle(State::Unknown, None, None, false, None), &rec)
@@ -218,6 +223,68 @@ impl Proxy {
         answer
     }
 
+    /// Whether a try of attempt `attempt` of action `id` may leave now (SPEC §13, fencing): the
+    /// store records it as sending, under this owner and attempt and within its lease, and it
+    /// took less than half a lease to say so (a proxy paused in between could be past its lease
+    /// by the time the try left). Stores used by one process need no fence.
+    async fn fence(&self, id: &str, attempt: u32, policy: &Policy) -> Result<(), Unfenced> {
+        if !self.store.fences() {
+            return Ok(());
+        }
+        let lease = Self::lease(policy);
+        let started = std::time::Instant::now();
+        match self
+            .store
+            .fence(id, &self.owner, attempt, lease, (self.clock)())
+            .await
+        {
+            Ok(true) if started.elapsed() < Duration::from_millis(lease / 2) => Ok(()),
+            Ok(true) => Err(Unfenced::Lost(format!(
+                "recording the try as sending took {:?}, more than half its lease: this proxy may have been paused past it",
+                started.elapsed()
+            ))),
+            Ok(false) => Err(Unfenced::Lost(
+                "the action is no longer this attempt's: its lease ran out, or another proxy, a lookup or an operator moved it on".into(),
+            )),
+            Err(e) => Err(Unfenced::Unrecorded(format!(
+                "the try could not be recorded as sending, so it was not sent: {e}"
+            ))),
+        }
+    }
+
+    /// An attempt that gave up a try unsent because the action was no longer its own (SPEC
+    /// §13): nothing is recorded, since the action belongs to whoever moved it on; the client
+    /// is answered as a duplicate arriving now would be.
+    async fn abandoned(
+        &self,
+        job: &WriteJob,
+        claimed: &Record,
+        why: String,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        tracing::warn!(action = %claimed.id, reason = %why, "a try was abandoned unsent");
+        self.waiters.wake(&claimed.id);
+        let rec = match self.store.get(&claimed.id).await {
+            Ok(Some(r)) => r,
+            Ok(None) | Err(_) => claimed.clone(),
+        };
+        match rec.state {
+            State::Succeeded => self.replay(&rec, None, &job.call).await,
+            State::InFlight => Err(ProxyError::InFlight {
+                ctx: self.ctx(rec).await,
+                retry_after_secs: 1,
+            }),
+            State::Unknown => Err(ProxyError::OutcomeUnknown {
+                ctx: self.ctx(rec).await,
+                lost_now: false,
+                reason: format!("this proxy's attempt sent nothing more ({why})"),
+            }),
+            State::Failed => Err(ProxyError::UpstreamUnreachable {
+                ctx: Some(self.ctx(rec).await),
+                error: why,
+            }),
+        }
+    }
+
     /// Renews the lease of attempt `id` every third of it, for as long as it is polled; never
     /// ends. Polled within the attempt's own task rather than spawned beside it: a task spawned
     /// per write took the worker's next-task slot, so the upstream connection's wake-up that
@@ -227,12 +294,18 @@ impl Proxy {
         let every = Duration::from_millis((lease / 3).max(100));
         loop {
             tokio::time::sleep(every).await;
-            if let Err(e) = self
+            match self
                 .store
                 .renew(&id, &self.owner, lease, (self.clock)())
                 .await
             {
-                tracing::warn!(error = %e, "could not renew the lease of an attempt");
+                Ok(true) => {}
+                // The next try, if any, finds it too, and is not sent (`fence`).
+                Ok(false) => tracing::warn!(
+                    action = %id,
+                    "the lease of an attempt was lost: the action was moved on"
+                ),
+                Err(e) => tracing::warn!(error = %e, "could not renew the lease of an attempt"),
             }
         }
     }

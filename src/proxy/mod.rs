@@ -58,7 +58,7 @@ use crate::redact::Redactor;
 use crate::route::{route, Class, RouteError, Target};
 use crate::store::{BoxFuture, Filter, SettleRequest, Store, StoreError};
 use crate::upstream::{
-    full, strip_hop_by_hop, AttemptResult, Outgoing, Prefixed, ProxyBody, Upstreams,
+    full, strip_hop_by_hop, AttemptResult, Outgoing, Prefixed, ProxyBody, Unfenced, Upstreams,
 };
 
 /// The largest response head (header names and values) stored for replay. A succeeded write

@@ -82,6 +82,13 @@ CREATE TABLE oncegate_meta (key text PRIMARY KEY, value bytea NOT NULL);
 ALTER TABLE oncegate_actions ADD COLUMN twin text;
 CREATE UNIQUE INDEX oncegate_actions_twin ON oncegate_actions (twin) WHERE twin IS NOT NULL;
 "#,
+    // Fencing (SPEC §13): the attempt an in-flight claim belongs to, which a try's `sending`
+    // statement must still find before it leaves.
+    r#"
+ALTER TABLE oncegate_actions ADD COLUMN generation bigint;
+UPDATE oncegate_actions SET generation = (record::jsonb ->> 'attempts')::bigint;
+ALTER TABLE oncegate_actions ADD COLUMN sending_at bigint;
+"#,
 ];
 
 /// The database's clock, in milliseconds since the epoch. Every time a decision compares (lease
@@ -364,7 +371,8 @@ async fn write(
     let lease = r.lease_until.map(|l| l as i64);
     let body: Option<&[u8]> = body.as_deref();
     let twin = r.holds_twin().then(|| r.twin_key());
-    let params: [&(dyn ToSql + Sync); 12] = [
+    let generation = i64::from(r.attempts);
+    let params: [&(dyn ToSql + Sync); 13] = [
         &r.id,
         &r.state.as_str(),
         &r.upstream,
@@ -377,14 +385,15 @@ async fn write(
         &encode(r, sealer),
         &body,
         &twin,
+        &generation,
     ];
     tx.execute(
-        "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, body, twin)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+        "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, body, twin, generation)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
          ON CONFLICT (id) DO UPDATE SET state = $2, task = $5, owner = $6, lease_until = $7,
              created_at = $8, expires_at = $9, record = $10,
              body = CASE WHEN $11::bytea IS NULL THEN oncegate_actions.body ELSE $11 END,
-             twin = $12",
+             twin = $12, generation = $13",
         &params,
     )
     .await
@@ -452,8 +461,8 @@ impl Store for PostgresStore {
                 let lease = fresh.lease_until.map(|l| l as i64);
                 let inserted = tx
                     .execute(
-                        "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, twin)
-                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT (id) DO NOTHING",
+                        "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, twin, generation)
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT (id) DO NOTHING",
                         &[
                             &fresh.id,
                             &fresh.state.as_str(),
@@ -466,6 +475,7 @@ impl Store for PostgresStore {
                             &fresh.expires_at.map(|e| e as i64),
                             &encode(&fresh, sealer.as_deref()),
                             &fresh.holds_twin().then(|| fresh.twin_key()),
+                            &i64::from(fresh.attempts),
                         ],
                     )
                     .await
@@ -584,6 +594,41 @@ impl Store for PostgresStore {
             );
             let n = c
                 .execute(sql.as_str(), &[&id, &owner, &(lease as i64), &given])
+                .await
+                .map_err(db)?;
+            Ok(n == 1)
+        })
+    }
+
+    fn fences(&self) -> bool {
+        true
+    }
+
+    fn fence(
+        &self,
+        id: &str,
+        owner: &str,
+        attempt: u32,
+        lease: Millis,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<bool, StoreError>> {
+        let (id, owner) = (id.to_string(), owner.to_string());
+        let given = self.given(now).map(|t| t as i64);
+        Box::pin(async move {
+            let c = self.pool.get().await.map_err(pool_err)?;
+            // One statement, judged by the database's clock: the try is this attempt's only
+            // while the action is in flight under this owner and generation and its lease has
+            // not run out; then it is recorded as sending, and its lease extended.
+            let sql = format!(
+                "UPDATE oncegate_actions SET lease_until = COALESCE($5, {DB_NOW}) + $4, sending_at = COALESCE($5, {DB_NOW})
+                 WHERE id = $1 AND owner = $2 AND state = 'in_flight' AND generation = $3
+                   AND lease_until >= COALESCE($5, {DB_NOW})"
+            );
+            let n = c
+                .execute(
+                    sql.as_str(),
+                    &[&id, &owner, &i64::from(attempt), &(lease as i64), &given],
+                )
                 .await
                 .map_err(db)?;
             Ok(n == 1)
