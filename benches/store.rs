@@ -9,6 +9,10 @@
 //!
 //! Then the floor under it, `sled alone` (see `support/sled_alone.rs`): only the sled operations
 //! of one durable write, in a process of its own.
+//!
+//! `BENCH_ONLY=postgres`: the same writes on the PostgreSQL store instead (a fresh database on
+//! the server `ONCEGATE_BENCH_POSTGRES` names, default `postgres://postgres@127.0.0.1:5432/test`,
+//! dropped after), at 1 and 64 writers: what one proxy of a fleet can commit.
 #![allow(clippy::unwrap_used)]
 
 #[path = "support/proc.rs"]
@@ -102,7 +106,7 @@ async fn one_write(s: &dyn Store) {
 }
 
 /// `conc` writers doing durable writes for 3 s: how many, and the CPU seconds they took.
-async fn run_writers(store: &Arc<oncegate::store::sled::SledStore>, conc: usize) -> (u64, f64) {
+async fn run_writers<S: Store>(store: &Arc<S>, conc: usize) -> (u64, f64) {
     let deadline = Instant::now() + Duration::from_secs(3);
     let done = Arc::new(AtomicU64::new(0));
     let cpu_before = cpu_secs();
@@ -177,6 +181,55 @@ async fn restart_rounds() {
     }
 }
 
+/// The PostgreSQL store: durable writes per second at 1 and 64 writers, and one writer's
+/// latency, on a fresh database.
+async fn postgres_rounds() {
+    let base = std::env::var("ONCEGATE_BENCH_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let name = format!("oncegate_bench_{}", std::process::id());
+    let (admin, conn) = tokio_postgres::connect(&base, tokio_postgres::NoTls)
+        .await
+        .expect("the PostgreSQL server of ONCEGATE_BENCH_POSTGRES");
+    tokio::spawn(conn);
+    admin
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .unwrap();
+    let url = match base.rsplit_once('/') {
+        Some((server, _)) => format!("{server}/{name}"),
+        None => unreachable!("a URL with a database"),
+    };
+    let store = Arc::new(
+        oncegate::store::postgres::PostgresStore::open(&url, StoreOptions::default())
+            .await
+            .unwrap(),
+    );
+    let lat = {
+        let mut l = timed_writes(store.as_ref(), 2_000).await;
+        l.sort_by(f64::total_cmp);
+        l
+    };
+    let q = |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)];
+    println!(
+        "postgres: 1 writer, one after another: p50 {:.0} µs, p99 {:.0} µs",
+        q(0.5),
+        q(0.99)
+    );
+    for conc in [1usize, 64] {
+        let (n, cpu) = run_writers(&store, conc).await;
+        println!(
+            "postgres: {conc} writers: {:.0} durable writes/s, {:.0} µs of this process's CPU a write (PostgreSQL's own not counted)",
+            n as f64 / 3.0,
+            cpu * 1e6 / n.max(1) as f64
+        );
+    }
+    store.close().await.unwrap();
+    drop(store);
+    let _ = admin
+        .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
+        .await;
+}
+
 fn main() {
     if let Ok(spec) = std::env::var(sled_alone::ENV) {
         return sled_alone::child(&spec);
@@ -189,6 +242,9 @@ fn main() {
     // `BENCH_ONLY=restart` runs only the restart rounds.
     if std::env::var("BENCH_ONLY").is_ok_and(|v| v.contains("restart")) {
         return rt.block_on(restart_rounds());
+    }
+    if std::env::var("BENCH_ONLY").is_ok_and(|v| v.contains("postgres")) {
+        return rt.block_on(postgres_rounds());
     }
     rt.block_on(async {
         for conc in [1usize, 8, 64] {

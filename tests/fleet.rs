@@ -383,7 +383,11 @@ async fn database_restarts_mid_load_lose_nothing_and_duplicate_nothing() {
                             unknown.push(key.clone());
                             break;
                         }
-                        (409, Some("in-flight")) | (503, Some("store-unavailable")) => {
+                        // Not applied (a try that could not be recorded as sending was not
+                        // sent): the same write again.
+                        (409, Some("in-flight"))
+                        | (503, Some("store-unavailable"))
+                        | (502, Some("upstream-unreachable")) => {
                             tokio::time::sleep(Duration::from_millis(20)).await
                         }
                         (s, p) => panic!("{key}: {s} {p:?} {:?}", r.body),

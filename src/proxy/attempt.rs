@@ -232,12 +232,24 @@ impl Proxy {
             return Ok(());
         }
         let lease = Self::lease(policy);
-        let started = std::time::Instant::now();
-        match self
-            .store
-            .fence(id, &self.owner, attempt, lease, (self.clock)())
-            .await
-        {
+        // A database that drops a pooled connection (a restart) gets a few short chances: the
+        // pool opens another.
+        let mut chances = 3;
+        let (started, fenced) = loop {
+            let started = std::time::Instant::now();
+            let fenced = self
+                .store
+                .fence(id, &self.owner, attempt, lease, (self.clock)())
+                .await;
+            chances -= 1;
+            match fenced {
+                Err(StoreError::Unavailable(_)) if chances > 0 => {
+                    tokio::time::sleep(Duration::from_millis(100)).await
+                }
+                other => break (started, other),
+            }
+        };
+        match fenced {
             Ok(true) if started.elapsed() < Duration::from_millis(lease / 2) => Ok(()),
             Ok(true) => Err(Unfenced::Lost(format!(
                 "recording the try as sending took {:?}, more than half its lease: this proxy may have been paused past it",

@@ -18,14 +18,12 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Transaction;
 
+mod batch;
+
 use super::seal::{seal_opt, Sealer};
-use super::{
-    claim_events, recover_event, resolve_event, settle_event, BoxFuture, Filter, SettleRequest,
-    Store, StoreError, StoreOptions,
-};
+use super::{recover_event, BoxFuture, Filter, SettleRequest, Store, StoreError, StoreOptions};
 use crate::action::{
-    apply_resolve, apply_settle, decide_claim, now_millis, recover_in_flight, BodyRef, Claim,
-    ClaimRequest, Millis, Record, Resolve, State,
+    now_millis, recover_in_flight, BodyRef, Claim, ClaimRequest, Millis, Record, Resolve, State,
 };
 use crate::log::{self, Actor, Chain, Entry, Event, LogEvent, Verification};
 
@@ -111,6 +109,8 @@ async fn judge_time(tx: &Transaction<'_>, given: Option<Millis>) -> Result<Milli
 
 pub struct PostgresStore {
     pool: Pool,
+    /// Claims, settlements and resolutions, to the writer that commits them in batches.
+    ops: tokio::sync::mpsc::Sender<batch::Op>,
     /// Seals stored heads and bodies (`store.encrypt_key_env`).
     sealer: Option<Arc<Sealer>>,
     /// Judge times by the `now` each call passes instead of the database's clock (tests).
@@ -205,8 +205,18 @@ impl PostgresStore {
             .runtime(deadpool_postgres::Runtime::Tokio1)
             .build()
             .map_err(unavailable)?;
+        let (ops, rx) = tokio::sync::mpsc::channel(4096);
+        let writer = batch::Writer {
+            pool: pool.clone(),
+            sealer: options.sealer.clone(),
+            caller_clock: options.caller_clock,
+            chain: options.chain.clone(),
+            flush_latency: options.flush_latency.clone(),
+        };
+        tokio::spawn(writer.run(rx));
         let store = PostgresStore {
             pool,
+            ops,
             sealer: options.sealer,
             caller_clock: options.caller_clock,
             chain: options.chain,
@@ -299,6 +309,17 @@ impl PostgresStore {
         result
     }
 
+    /// A change, made by the writer in its next batch; returns once that batch committed.
+    async fn batched<T>(
+        &self,
+        make: impl FnOnce(tokio::sync::oneshot::Sender<Result<T, StoreError>>) -> batch::Op,
+    ) -> Result<T, StoreError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let gone = || unavailable("the store's writer stopped");
+        self.ops.send(make(tx)).await.map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+
     /// Runs `f` in a transaction and commits; the commit is durable.
     async fn tx<T, F>(&self, f: F) -> Result<T, StoreError>
     where
@@ -316,30 +337,29 @@ impl PostgresStore {
     }
 }
 
-/// The unsettled action holding twin slot `key` (SPEC §4.1), other than `own`. The slot is
-/// locked for the rest of the transaction first (an advisory lock on its hash): claims of
-/// twins, on any proxy, decide one at a time, so two can never both find the slot free. The
-/// unique index on `twin` backs this up: a second holder could not commit.
+/// The unsettled action holding twin slot `key` (SPEC §4.1), other than `own`. The batch
+/// holds the key's advisory lock (taken for all its keys, in order, before any change): claims
+/// of twins, on any proxy, decide one at a time, so two can never both find the slot free. The
+/// unique index on `twin` backs this up: a second holder could not commit. The holder's row is
+/// read, not locked: a settlement committing meanwhile only makes the answer conservative.
 async fn twin_holder(
     tx: &Transaction<'_>,
     key: &str,
     own: &str,
     sealer: Option<&Sealer>,
 ) -> Result<Option<Arc<Record>>, StoreError> {
-    tx.execute(
-        "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
-        &[&key],
-    )
-    .await
-    .map_err(db)?;
-    // A statement of its own: its snapshot is taken after the lock is held, so it sees the
-    // slot as the claim that held the lock before left it.
     let row = tx
-        .query_opt("SELECT id FROM oncegate_actions WHERE twin = $1", &[&key])
+        .query_opt(
+            "SELECT id, record, lease_until FROM oncegate_actions WHERE twin = $1",
+            &[&key],
+        )
         .await
         .map_err(db)?;
-    match row.map(|r| r.get::<_, String>(0)) {
-        Some(id) if id != own => Ok(lock(tx, &id, sealer).await?.map(Arc::new)),
+    match row {
+        Some(r) if r.get::<_, &str>(0) != own => {
+            let id: String = r.get(0);
+            Ok(Some(Arc::new(decode(&id, r.get(1), r.get(2), sealer)?)))
+        }
         _ => Ok(None),
     }
 }
@@ -418,21 +438,24 @@ async fn append(
         .await
         .map_err(db)?;
     let (mut seq, mut hash): (i64, String) = (head.get(0), head.get(1));
+    let (mut seqs, mut tss, mut lines) = (Vec::new(), Vec::new(), Vec::new());
     for ev in events {
         let (e, line) = chain.seal_line(ev, (seq as u64, &hash), now_millis());
-        let line = String::from_utf8(line).expect("JSON is UTF-8");
-        tx.execute(
-            "INSERT INTO oncegate_log (seq, ts, entry) VALUES ($1, $2, $3)",
-            &[&(e.seq as i64), &e.ts, &line],
-        )
-        .await
-        .map_err(db)?;
+        seqs.push(e.seq as i64);
+        tss.push(e.ts);
+        lines.push(String::from_utf8(line).expect("JSON is UTF-8"));
         seq = e.seq as i64;
         hash = e.hash;
     }
+    // Every entry in one statement, and the head moved in the same one: a batch's log costs
+    // two round trips however many entries it has.
     tx.execute(
-        "UPDATE oncegate_log_head SET seq = $1, hash = $2 WHERE id = 1",
-        &[&seq, &hash],
+        "WITH entries AS (
+             INSERT INTO oncegate_log (seq, ts, entry)
+             SELECT * FROM UNNEST($1::bigint[], $2::text[], $3::text[])
+         )
+         UPDATE oncegate_log_head SET seq = $4, hash = $5 WHERE id = 1",
+        &[&seqs, &tss, &lines, &seq, &hash],
     )
     .await
     .map_err(db)?;
@@ -441,141 +464,20 @@ async fn append(
 
 impl Store for PostgresStore {
     fn claim(&self, req: ClaimRequest) -> BoxFuture<'_, Result<Claim, StoreError>> {
-        let chain = self.chain.clone();
-        let sealer = self.sealer.clone();
-        let given = self.given(req.now);
-        Box::pin(self.tx(move |tx| {
-            Box::pin(async move {
-                let mut req = req;
-                req.now = judge_time(tx, given).await?;
-                let twin = match req.twin_key() {
-                    Some(key) => twin_holder(tx, key, &req.fresh.id, sealer.as_deref()).await?,
-                    None => None,
-                };
-                // A new action is inserted atomically; a race loses to the row that exists.
-                let (fresh_claim, fresh_write) = decide_claim(None, twin.clone(), &req);
-                let Some(fresh) = fresh_write else {
-                    // Stopped by an unsettled twin.
-                    return Ok(fresh_claim);
-                };
-                let lease = fresh.lease_until.map(|l| l as i64);
-                let inserted = tx
-                    .execute(
-                        "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, twin, generation)
-                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT (id) DO NOTHING",
-                        &[
-                            &fresh.id,
-                            &fresh.state.as_str(),
-                            &fresh.upstream,
-                            &fresh.principal,
-                            &fresh.task,
-                            &fresh.owner,
-                            &lease,
-                            &(fresh.created_at as i64),
-                            &fresh.expires_at.map(|e| e as i64),
-                            &encode(&fresh, sealer.as_deref()),
-                            &fresh.holds_twin().then(|| fresh.twin_key()),
-                            &i64::from(fresh.attempts),
-                        ],
-                    )
-                    .await
-                    .map_err(db)?;
-                if inserted == 1 {
-                    append(
-                        tx,
-                        &chain,
-                        claim_events(&fresh_claim, &fresh)
-                            .into_iter()
-                            .map(LogEvent::from)
-                            .collect(),
-                    )
-                    .await?;
-                    return Ok(fresh_claim);
-                }
-                let current = lock(tx, &req.fresh.id, sealer.as_deref()).await?;
-                let expired = current.as_ref().filter(|c| req.replaces(c)).cloned();
-                let (claim, w) = decide_claim(current, twin, &req);
-                if let Some(w) = &w {
-                    let mut events = Vec::new();
-                    if let Some(o) = expired {
-                        // The expired record and its stored body give way to the new action.
-                        tx.execute("UPDATE oncegate_actions SET body = NULL WHERE id = $1", &[&o.id])
-                            .await
-                            .map_err(db)?;
-                        events.push(LogEvent::for_record(Event::Expired, &o, Actor::Proxy));
-                    }
-                    write(tx, w, None, sealer.as_deref()).await?;
-                    events.extend(claim_events(&claim, w).into_iter().map(LogEvent::from));
-                    append(tx, &chain, events).await?;
-                }
-                Ok(claim)
-            })
-        }))
+        Box::pin(self.batched(|tx| batch::Op::Claim(Box::new(req), tx)))
     }
 
     fn settle(&self, req: SettleRequest) -> BoxFuture<'_, Result<Arc<Record>, StoreError>> {
-        let chain = self.chain.clone();
-        let sealer = self.sealer.clone();
-        let given = self.given(req.settlement.now);
-        Box::pin(self.tx(move |tx| {
-            Box::pin(async move {
-                let SettleRequest {
-                    id,
-                    attempt,
-                    mut settlement,
-                    body,
-                } = req;
-                if let Some(resp) = settlement.response.as_mut() {
-                    resp.body = if body.is_some() {
-                        BodyRef::Inline
-                    } else {
-                        resp.body.clone()
-                    };
-                }
-                settlement.now = judge_time(tx, given).await?;
-                let current = lock(tx, &id, sealer.as_deref()).await?;
-                let new = apply_settle(current, &id, attempt, settlement)?;
-                write(tx, &new, body.as_ref(), sealer.as_deref()).await?;
-                append(tx, &chain, vec![settle_event(&new).into()]).await?;
-                Ok(Arc::new(new))
-            })
-        }))
+        Box::pin(self.batched(|tx| batch::Op::Settle(Box::new(req), tx)))
     }
 
     fn resolve(
         &self,
         id: String,
-        mut res: Resolve,
+        res: Resolve,
         event: Event,
     ) -> BoxFuture<'_, Result<Record, StoreError>> {
-        let chain = self.chain.clone();
-        let sealer = self.sealer.clone();
-        let given = self.given(res.now);
-        Box::pin(self.tx(move |tx| {
-            Box::pin(async move {
-                let body = res.body.take();
-                if let (Some(resp), true) = (res.response.as_mut(), body.is_some()) {
-                    resp.body = BodyRef::Inline;
-                }
-                let actor = if event == Event::Lookup {
-                    Actor::Lookup
-                } else {
-                    Actor::Admin
-                };
-                let reason = res.reason.clone();
-                res.now = judge_time(tx, given).await?;
-                let current = lock(tx, &id, sealer.as_deref()).await?;
-                let new = apply_resolve(current, &id, res)?;
-                write(tx, &new, body.as_ref(), sealer.as_deref()).await?;
-                append(
-                    tx,
-                    &chain,
-                    vec![resolve_event(event, &new, actor, reason).into()],
-                )
-                .await?;
-                Ok(new)
-            })
-        }))
+        Box::pin(self.batched(move |tx| batch::Op::Resolve(id, Box::new(res), event, tx)))
     }
 
     fn renew(

@@ -1,0 +1,329 @@
+//! Group commit on PostgreSQL (SPEC §13): one writer per proxy gathers the claims,
+//! settlements and resolutions of concurrent requests into one transaction, extends the write
+//! log's chain once for all of them, commits, and then answers each.
+//!
+//! Before, every change was a transaction of its own that took the chain's head row at its
+//! start... and held it through its remaining round trips and its commit: a fleet's writes ran
+//! one at a time. Now the head row is taken once a batch, after every change of the batch is
+//! made, for one statement and the commit.
+//!
+//! A batch takes its locks in one order, so that two proxies' batches do not wait on each
+//! other in a circle: the advisory locks of its twin keys (sorted), then its actions' rows (its
+//! operations sorted by action id; a stable sort, so that two operations on one action keep
+//! their order), then the head row. The statements of different actions are pipelined on the
+//! connection (sent together, answered in order); those of one action run one after another. The decisions are the pure transitions every store applies
+//! ([`crate::action::machine`]).
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tokio::sync::{mpsc, oneshot};
+use tokio_postgres::Transaction;
+
+use super::{
+    append, db, encode, judge_time, lock, pool_err, twin_holder, unavailable, write, Sealer,
+};
+use crate::action::{
+    apply_resolve, apply_settle, decide_claim, BodyRef, Claim, ClaimRequest, Millis, Record,
+    Resolve,
+};
+use crate::log::{Actor, Chain, Event, LogEvent};
+use crate::store::{claim_events, resolve_event, settle_event, SettleRequest, StoreError};
+
+/// At most this many operations a transaction.
+const BATCH_MAX: usize = 128;
+
+type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
+
+/// One change a request waits for.
+pub(super) enum Op {
+    Claim(Box<ClaimRequest>, Reply<Claim>),
+    Settle(Box<SettleRequest>, Reply<Arc<Record>>),
+    Resolve(String, Box<Resolve>, Event, Reply<Record>),
+}
+
+impl Op {
+    fn id(&self) -> &str {
+        match self {
+            Op::Claim(r, _) => &r.fresh.id,
+            Op::Settle(r, _) => &r.id,
+            Op::Resolve(id, ..) => id,
+        }
+    }
+
+    fn twin_key(&self) -> Option<&str> {
+        match self {
+            Op::Claim(r, _) => r.twin_key(),
+            _ => None,
+        }
+    }
+
+    /// The caller's time, which a store opened with `caller_clock` judges by.
+    fn given(&self) -> Millis {
+        match self {
+            Op::Claim(r, _) => r.now,
+            Op::Settle(r, _) => r.settlement.now,
+            Op::Resolve(_, r, ..) => r.now,
+        }
+    }
+
+    fn answer(self, done: Result<Done, StoreError>) {
+        match (self, done) {
+            (Op::Claim(_, tx), Ok(Done::Claim(c))) => drop(tx.send(Ok(c))),
+            (Op::Settle(_, tx), Ok(Done::Settle(r))) => drop(tx.send(Ok(r))),
+            (Op::Resolve(.., tx), Ok(Done::Resolve(r))) => drop(tx.send(Ok(*r))),
+            (Op::Claim(_, tx), Err(e)) => drop(tx.send(Err(e))),
+            (Op::Settle(_, tx), Err(e)) => drop(tx.send(Err(e))),
+            (Op::Resolve(.., tx), Err(e)) => drop(tx.send(Err(e))),
+            (op, Ok(_)) => {
+                let e = unavailable("internal error: an answer of another kind");
+                op.answer(Err(e))
+            }
+        }
+    }
+}
+
+/// What an operation came to.
+enum Done {
+    Claim(Claim),
+    Settle(Arc<Record>),
+    Resolve(Box<Record>),
+}
+
+/// The writer's own part of the store.
+pub(super) struct Writer {
+    pub(super) pool: deadpool_postgres::Pool,
+    pub(super) sealer: Option<Arc<Sealer>>,
+    pub(super) caller_clock: bool,
+    pub(super) chain: Chain,
+    pub(super) flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
+}
+
+impl Writer {
+    /// Commits what arrives, a batch at a time, until every sender is gone.
+    pub(super) async fn run(self, mut rx: mpsc::Receiver<Op>) {
+        let mut ops = Vec::with_capacity(BATCH_MAX);
+        while rx.recv_many(&mut ops, BATCH_MAX).await > 0 {
+            let batch = std::mem::take(&mut ops);
+            self.commit(batch).await;
+        }
+    }
+
+    async fn commit(&self, mut ops: Vec<Op>) {
+        // The guarded claims first, by twin key; then by action id (stable, keeping the order
+        // of two operations on one action).
+        ops.sort_by(|a, b| {
+            (a.twin_key().is_none(), a.twin_key(), a.id()).cmp(&(
+                b.twin_key().is_none(),
+                b.twin_key(),
+                b.id(),
+            ))
+        });
+        let started = std::time::Instant::now();
+        match self.transaction(&ops).await {
+            Ok(done) => {
+                if let Some(h) = &self.flush_latency {
+                    h.observe(started.elapsed().as_secs_f64());
+                }
+                for (op, d) in ops.into_iter().zip(done) {
+                    op.answer(d);
+                }
+            }
+            Err(e) => {
+                // Nothing of the batch was committed: each hears why.
+                let why = e.to_string();
+                for op in ops {
+                    op.answer(Err(StoreError::Unavailable(why.clone())));
+                }
+            }
+        }
+    }
+
+    /// The batch's transaction: every operation's change, then the log's, then the commit.
+    /// `Err` when the transaction failed (nothing is committed); an operation refused by its
+    /// transition (a stale settlement, a resolution of a settled action) fails alone.
+    async fn transaction(&self, ops: &[Op]) -> Result<Vec<Result<Done, StoreError>>, StoreError> {
+        let mut c = self.pool.get().await.map_err(pool_err)?;
+        let tx = c.transaction().await.map_err(db)?;
+        let db_now = match self.caller_clock {
+            true => None,
+            false => Some(judge_time(&tx, None).await?),
+        };
+        let mut keys: Vec<&str> = ops.iter().filter_map(Op::twin_key).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        if !keys.is_empty() {
+            tx.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(k, 0)) FROM (SELECT unnest($1::text[]) AS k ORDER BY 1) s",
+                &[&keys],
+            )
+            .await
+            .map_err(db)?;
+        }
+        // The operations on one action run in order; those on different actions are sent
+        // together, pipelined on the connection, instead of one round trip after another.
+        // Claims under the twin guard decide on what the claims before them wrote: they run
+        // one after another, as one group, before the rest.
+        let (guarded, rest) = ops.split_at(ops.partition_point(|op| op.twin_key().is_some()));
+        let groups = std::iter::once(guarded)
+            .filter(|g| !g.is_empty())
+            .chain(rest.chunk_by(|a, b| a.id() == b.id()))
+            .map(|group| {
+                let tx = &tx;
+                async move {
+                    let mut out = Vec::with_capacity(group.len());
+                    for op in group {
+                        let now = db_now.unwrap_or_else(|| op.given());
+                        let mut events = Vec::new();
+                        let d = match op {
+                            Op::Claim(req, _) => self.claim(tx, req, now, &mut events).await,
+                            Op::Settle(req, _) => self.settle(tx, req, now, &mut events).await,
+                            Op::Resolve(id, res, event, _) => {
+                                self.resolve(tx, id, res, *event, now, &mut events).await
+                            }
+                        };
+                        out.push((d, events));
+                    }
+                    out
+                }
+            });
+        let mut events = Vec::new();
+        let mut done = Vec::with_capacity(ops.len());
+        for (d, evs) in futures_util::future::join_all(groups)
+            .await
+            .into_iter()
+            .flatten()
+        {
+            // A failed statement aborts the whole transaction.
+            if let Err(e @ StoreError::Unavailable(_)) = d {
+                return Err(e);
+            }
+            events.extend(evs);
+            done.push(d);
+        }
+        append(&tx, &self.chain, events).await?;
+        tx.commit().await.map_err(db)?;
+        Ok(done)
+    }
+
+    async fn claim(
+        &self,
+        tx: &Transaction<'_>,
+        req: &ClaimRequest,
+        now: Millis,
+        events: &mut Vec<LogEvent>,
+    ) -> Result<Done, StoreError> {
+        let sealer = self.sealer.as_deref();
+        let mut req = req.clone();
+        req.now = now;
+        let twin = match req.twin_key() {
+            Some(key) => twin_holder(tx, key, &req.fresh.id, sealer).await?,
+            None => None,
+        };
+        // A new action is inserted atomically; a race loses to the row that exists.
+        let (fresh_claim, fresh_write) = decide_claim(None, twin.clone(), &req);
+        let Some(fresh) = fresh_write else {
+            // Stopped by an unsettled twin.
+            return Ok(Done::Claim(fresh_claim));
+        };
+        let lease = fresh.lease_until.map(|l| l as i64);
+        let inserted = tx
+            .execute(
+                "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, twin, generation)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT (id) DO NOTHING",
+                &[
+                    &fresh.id,
+                    &fresh.state.as_str(),
+                    &fresh.upstream,
+                    &fresh.principal,
+                    &fresh.task,
+                    &fresh.owner,
+                    &lease,
+                    &(fresh.created_at as i64),
+                    &fresh.expires_at.map(|e| e as i64),
+                    &encode(&fresh, sealer),
+                    &fresh.holds_twin().then(|| fresh.twin_key()),
+                    &i64::from(fresh.attempts),
+                ],
+            )
+            .await
+            .map_err(db)?;
+        if inserted == 1 {
+            events.extend(
+                claim_events(&fresh_claim, &fresh)
+                    .into_iter()
+                    .map(LogEvent::from),
+            );
+            return Ok(Done::Claim(fresh_claim));
+        }
+        let current = lock(tx, &req.fresh.id, sealer).await?;
+        let expired = current.as_ref().filter(|c| req.replaces(c)).cloned();
+        let (claim, w) = decide_claim(current, twin, &req);
+        if let Some(w) = &w {
+            if let Some(o) = expired {
+                // The expired record and its stored body give way to the new action.
+                tx.execute(
+                    "UPDATE oncegate_actions SET body = NULL WHERE id = $1",
+                    &[&o.id],
+                )
+                .await
+                .map_err(db)?;
+                events.push(LogEvent::for_record(Event::Expired, &o, Actor::Proxy));
+            }
+            write(tx, w, None, sealer).await?;
+            events.extend(claim_events(&claim, w).into_iter().map(LogEvent::from));
+        }
+        Ok(Done::Claim(claim))
+    }
+
+    async fn settle(
+        &self,
+        tx: &Transaction<'_>,
+        req: &SettleRequest,
+        now: Millis,
+        events: &mut Vec<LogEvent>,
+    ) -> Result<Done, StoreError> {
+        let sealer = self.sealer.as_deref();
+        let mut settlement = req.settlement.clone();
+        if let Some(resp) = settlement.response.as_mut() {
+            if req.body.is_some() {
+                resp.body = BodyRef::Inline;
+            }
+        }
+        settlement.now = now;
+        let current = lock(tx, &req.id, sealer).await?;
+        let new = apply_settle(current, &req.id, req.attempt, settlement)?;
+        write(tx, &new, req.body.as_ref(), sealer).await?;
+        events.push(settle_event(&new).into());
+        Ok(Done::Settle(Arc::new(new)))
+    }
+
+    async fn resolve(
+        &self,
+        tx: &Transaction<'_>,
+        id: &str,
+        res: &Resolve,
+        event: Event,
+        now: Millis,
+        events: &mut Vec<LogEvent>,
+    ) -> Result<Done, StoreError> {
+        let sealer = self.sealer.as_deref();
+        let mut res = res.clone();
+        let body: Option<Bytes> = res.body.take();
+        if let (Some(resp), true) = (res.response.as_mut(), body.is_some()) {
+            resp.body = BodyRef::Inline;
+        }
+        let actor = if event == Event::Lookup {
+            Actor::Lookup
+        } else {
+            Actor::Admin
+        };
+        let reason = res.reason.clone();
+        res.now = now;
+        let current = lock(tx, id, sealer).await?;
+        let new = apply_resolve(current, id, res)?;
+        write(tx, &new, body.as_ref(), sealer).await?;
+        events.push(resolve_event(event, &new, actor, reason).into());
+        Ok(Done::Resolve(Box::new(new)))
+    }
+}
