@@ -13,7 +13,8 @@
 //! - [`identity`]: key, fingerprint, principal, action id (pure).
 //! - [`canonical`]: canonical JSON, form and multipart bodies for fingerprints (pure).
 //! - [`action`]: the record, its states and the transitions every store applies.
-//! - [`store`]: the `Store` trait; [`store::sled`] the embedded store with group commit.
+//! - [`store`]: the `Store` trait; [`store::sled`] the embedded store with group commit;
+//!   [`store::postgres`] the fleet's shared store (group commit in the proxy, fenced tries).
 //! - [`upstream`]: the client, TLS, transparency, timeouts and tries.
 //! - [`proxy`]: the request path as named phases (`proxy/{write,attempt,own}.rs`).
 //! - [`replay`]: stored response → response.

@@ -1,13 +1,15 @@
 //! The PostgreSQL store: any number of proxies, one truth (SPEC §13).
 //!
-//! Every change is one transaction that locks the action's row (`SELECT … FOR UPDATE`, after an
-//! `INSERT … ON CONFLICT DO NOTHING` that creates it atomically), decides with the same pure
-//! transitions as the embedded store, writes the record, and appends its write-log entries under
-//! the chain's head row, locked last. So two proxies can never both claim an action, the log has
-//! one chain across instances, and a state change and its log entry commit together. Commits are
-//! durable (`synchronous_commit = on` on every connection). An `in_flight` claim carries its owner
-//! and a lease that the owner renews while the attempt runs; any instance that finds the lease
-//! expired records the action `unknown`.
+//! Claims, settlements and resolutions go to one writer per proxy ([`batch`]), which commits
+//! those of concurrent requests together: each action's row locked, its change decided with the
+//! same pure transitions as the embedded store, and the batch's write-log entries appended to
+//! the one chain in the same transaction. So two proxies can never both claim an action, the log
+//! has one chain across instances, and a state change and its log entry commit together.
+//! Commits are durable (`synchronous_commit = on` on every connection). An `in_flight` claim
+//! carries its owner, its attempt's number (`generation`) and a lease that the owner renews
+//! while the attempt runs; any instance that finds the lease expired records the action
+//! `unknown`, and every try is fenced ([`Store::fence`]): it leaves only while the action is
+//! still its attempt's.
 
 use std::str::FromStr;
 use std::sync::Arc;
