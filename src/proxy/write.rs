@@ -426,6 +426,16 @@ impl Proxy {
         Box::new(ActionCtx { record, completed })
     }
 
+    /// Whether `rec` is no longer in the store as it was: removed, past its retention, or
+    /// replaced by a new action under its key.
+    async fn expired_meanwhile(&self, rec: &Record) -> bool {
+        match self.store.get(&rec.id).await {
+            Ok(Some(now)) => now.created_at != rec.created_at || now.outlived((self.clock)(), None),
+            Ok(None) => true,
+            Err(_) => false,
+        }
+    }
+
     /// Phase `replay` (SPEC §7).
     /// `body`: the stored body when the caller holds it already.
     pub(super) async fn replay(
@@ -442,6 +452,18 @@ impl Proxy {
             Some(b) => b,
             None => match self.store.body(rec).await {
                 Ok(Some(b)) => b,
+                // The action reached its retention as this duplicate arrived, and the sweeper
+                // removed it between the claim and this read: it is a new action now, not an
+                // applied one without its answer. Asked again, the request is sent as one.
+                Ok(None) if self.expired_meanwhile(rec).await => {
+                    return Err(ProxyError::StoreUnavailable {
+                        error: format!(
+                            "action {} expired (its retention ended) as this request arrived; the same request again is a new write",
+                            rec.id
+                        ),
+                        ctx: None,
+                    })
+                }
                 // The body is gone for good: the write is applied all the same.
                 Ok(None) => return Err(ProxyError::AlreadyApplied(self.ctx(rec.clone()).await)),
                 // It cannot be read at this moment: ask again later, and get the replay (SPEC §6).
