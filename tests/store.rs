@@ -96,6 +96,47 @@ async fn write_succeeded(s: &S, id: &str) {
     settle(s, id, 1, State::Succeeded, T0 + 1, Some("{}")).await;
 }
 
+/// The counts by state follow every change, kept rather than counted (SPEC §13): settlements, a
+/// resolution, a stale settlement that changes nothing, and expiry.
+async fn counts_follow_settlements_resolutions_and_expiry(s: S) {
+    let count = |s: S| async move {
+        let c = s.counts().await.unwrap();
+        let of = |st: State| c.iter().find(|(x, _)| *x == st).map_or(0, |(_, n)| *n);
+        [
+            of(State::InFlight),
+            of(State::Succeeded),
+            of(State::Failed),
+            of(State::Unknown),
+        ]
+    };
+    // A lease longer than the test's hours: the one left in flight is still live at the end.
+    for id in ["c1", "c2", "c3"] {
+        s.claim(claim_req(record(id, "f", None), T0, 10 * 3_600_000))
+            .await
+            .unwrap();
+    }
+    assert_eq!(count(s.clone()).await, [3, 0, 0, 0]);
+    settle(&s, "c1", 1, State::Succeeded, T0 + 1, Some("{}")).await;
+    settle(&s, "c2", 1, State::Unknown, T0 + 1, None).await;
+    assert!(s
+        .settle(SettleRequest {
+            id: "c1".into(),
+            attempt: 1,
+            settlement: settled(State::Failed, T0 + 2, None).0,
+            body: None,
+        })
+        .await
+        .is_err());
+    assert_eq!(count(s.clone()).await, [1, 1, 0, 1]);
+    s.resolve("c2".into(), admin_resolve(false), Event::Resolved)
+        .await
+        .unwrap();
+    assert_eq!(count(s.clone()).await, [1, 1, 1, 0]);
+    // Retention is an hour: both settled ones expire; the one in flight stays.
+    s.expire(T0 + 4 * 3_600_000).await.unwrap();
+    assert_eq!(count(s.clone()).await, [1, 0, 0, 0]);
+}
+
 /// A claim of `id` (fingerprint `f`) under the unsettled-twin guard, declaring `allow`.
 fn guarded(id: &str, now: Millis, allow: Option<&str>) -> ClaimRequest {
     ClaimRequest {
@@ -800,6 +841,7 @@ macro_rules! conformance {
 }
 
 conformance!(
+    counts_follow_settlements_resolutions_and_expiry,
     an_unsettled_twin_stops_a_claim_under_another_key,
     of_twenty_twins_claimed_at_once_one_is_sent,
     a_fingerprint_key_is_a_new_action_after_its_window,

@@ -89,7 +89,72 @@ ALTER TABLE oncegate_actions ADD COLUMN generation bigint;
 UPDATE oncegate_actions SET generation = (record::jsonb ->> 'attempts')::bigint;
 ALTER TABLE oncegate_actions ADD COLUMN sending_at bigint;
 "#,
+    // Counts kept, not counted (SPEC §13): each proxy instance adds the moves its own
+    // transactions make to rows of its own (no row shared across proxies), seeded once from the
+    // table; the count of a state is their sum.
+    r#"
+CREATE TABLE oncegate_counts (
+    instance text NOT NULL,
+    state    text NOT NULL,
+    n        bigint NOT NULL,
+    PRIMARY KEY (instance, state)
+);
+INSERT INTO oncegate_counts (instance, state, n)
+    SELECT '', state, count(*) FROM oncegate_actions GROUP BY state;
+"#,
 ];
+
+/// How the count of each state moves in one transaction.
+#[derive(Debug, Default)]
+pub(super) struct Moves([i64; 4]);
+
+impl Moves {
+    /// A record went from `from` (none: it is new) to `to` (none: it is gone).
+    pub(super) fn moved(&mut self, from: Option<State>, to: Option<State>) {
+        if from == to {
+            return;
+        }
+        if let Some(f) = from {
+            self.0[f as usize] -= 1;
+        }
+        if let Some(t) = to {
+            self.0[t as usize] += 1;
+        }
+    }
+
+    /// Adds `other`'s moves to these.
+    pub(super) fn add(&mut self, other: &Moves) {
+        for (a, b) in self.0.iter_mut().zip(other.0) {
+            *a += b;
+        }
+    }
+
+    /// Adds them to this instance's counts, in `tx`.
+    pub(super) async fn save(
+        &self,
+        tx: &Transaction<'_>,
+        instance: &str,
+    ) -> Result<(), StoreError> {
+        let (states, deltas): (Vec<&str>, Vec<i64>) = State::ALL
+            .into_iter()
+            .zip(self.0)
+            .filter(|(_, d)| *d != 0)
+            .map(|(s, d)| (s.as_str(), d))
+            .unzip();
+        if states.is_empty() {
+            return Ok(());
+        }
+        tx.execute(
+            "INSERT INTO oncegate_counts (instance, state, n)
+             SELECT $1, s, d FROM UNNEST($2::text[], $3::bigint[]) AS u(s, d)
+             ON CONFLICT (instance, state) DO UPDATE SET n = oncegate_counts.n + EXCLUDED.n",
+            &[&instance, &states, &deltas],
+        )
+        .await
+        .map_err(db)?;
+        Ok(())
+    }
+}
 
 /// The database's clock, in milliseconds since the epoch. Every time a decision compares (lease
 /// ends, send times, expiry) is the database's, never a proxy's (SPEC §13): a proxy whose clock
@@ -113,6 +178,8 @@ pub struct PostgresStore {
     pool: Pool,
     /// Claims, settlements and resolutions, to the writer that commits them in batches.
     ops: tokio::sync::mpsc::Sender<batch::Op>,
+    /// This instance's name in `oncegate_counts` (random, per process).
+    instance: Arc<str>,
     /// Seals stored heads and bodies (`store.encrypt_key_env`).
     sealer: Option<Arc<Sealer>>,
     /// Judge times by the `now` each call passes instead of the database's clock (tests).
@@ -208,7 +275,15 @@ impl PostgresStore {
             .build()
             .map_err(unavailable)?;
         let (ops, rx) = tokio::sync::mpsc::channel(4096);
+        let instance: Arc<str> = Arc::from(format!(
+            "{:016x}",
+            std::hash::BuildHasher::hash_one(
+                &std::collections::hash_map::RandomState::new(),
+                now_millis()
+            )
+        ));
         let writer = batch::Writer {
+            instance: instance.clone(),
             pool: pool.clone(),
             sealer: options.sealer.clone(),
             caller_clock: options.caller_clock,
@@ -219,6 +294,7 @@ impl PostgresStore {
         let store = PostgresStore {
             pool,
             ops,
+            instance,
             sealer: options.sealer,
             caller_clock: options.caller_clock,
             chain: options.chain,
@@ -624,7 +700,7 @@ impl Store for PostgresStore {
             let c = self.pool.get().await.map_err(pool_err)?;
             let rows = c
                 .query(
-                    "SELECT state, count(*) FROM oncegate_actions GROUP BY state",
+                    "SELECT state, sum(n)::bigint FROM oncegate_counts GROUP BY state",
                     &[],
                 )
                 .await
@@ -759,6 +835,7 @@ impl Store for PostgresStore {
                 let chain = self.chain.clone();
                 let sealer = self.sealer.clone();
                 let owner = owner.clone();
+                let instance = self.instance.clone();
                 let changed = self
                     .tx(move |tx| {
                         Box::pin(async move {
@@ -781,6 +858,9 @@ impl Store for PostgresStore {
                             };
                             let Some(u) = recover_in_flight(r, &reason, now) else { return Ok(false) };
                             write(tx, &u, None, sealer.as_deref()).await?;
+                            let mut moves = Moves::default();
+                            moves.moved(Some(State::InFlight), Some(u.state));
+                            moves.save(tx, &instance).await?;
                             append(tx, &chain, vec![recover_event(&u, &reason).into()]).await?;
                             Ok(true)
                         })
@@ -800,6 +880,7 @@ impl Store for PostgresStore {
             let chain = self.chain.clone();
             let sealer = self.sealer.clone();
             let retention = self.log_retention;
+            let instance = self.instance.clone();
             self.tx(move |tx| {
                 Box::pin(async move {
                     let now = judge_time(tx, given).await?;
@@ -812,10 +893,13 @@ impl Store for PostgresStore {
                         .await
                         .map_err(db)?;
                     let mut events = Vec::new();
+                    let mut moves = Moves::default();
                     for r in &rows {
                         let rec = decode(r.get(0), r.get(1), None, sealer.as_deref())?;
+                        moves.moved(Some(rec.state), None);
                         events.push(LogEvent::for_record(Event::Expired, &rec, Actor::Proxy));
                     }
+                    moves.save(tx, &instance).await?;
                     append(tx, &chain, events).await?;
                     if let Some(keep) = retention {
                         let cutoff = crate::action::rfc3339(now.saturating_sub(keep.as_millis() as u64));

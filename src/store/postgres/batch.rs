@@ -21,7 +21,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_postgres::Transaction;
 
 use super::{
-    append, db, encode, judge_time, lock, pool_err, twin_holder, unavailable, write, Sealer,
+    append, db, encode, judge_time, lock, pool_err, twin_holder, unavailable, write, Moves, Sealer,
 };
 use crate::action::{
     apply_resolve, apply_settle, decide_claim, BodyRef, Claim, ClaimRequest, Millis, Record,
@@ -90,8 +90,13 @@ enum Done {
     Resolve(Box<Record>),
 }
 
+/// What one operation changes besides its record: its log entries and the counts' moves.
+type Changes = (Vec<LogEvent>, Moves);
+
 /// The writer's own part of the store.
 pub(super) struct Writer {
+    /// This instance's rows in `oncegate_counts`.
+    pub(super) instance: Arc<str>,
     pub(super) pool: deadpool_postgres::Pool,
     pub(super) sealer: Option<Arc<Sealer>>,
     pub(super) caller_clock: bool,
@@ -174,22 +179,23 @@ impl Writer {
                     let mut out = Vec::with_capacity(group.len());
                     for op in group {
                         let now = db_now.unwrap_or_else(|| op.given());
-                        let mut events = Vec::new();
+                        let mut ch: Changes = (Vec::new(), Moves::default());
                         let d = match op {
-                            Op::Claim(req, _) => self.claim(tx, req, now, &mut events).await,
-                            Op::Settle(req, _) => self.settle(tx, req, now, &mut events).await,
+                            Op::Claim(req, _) => self.claim(tx, req, now, &mut ch).await,
+                            Op::Settle(req, _) => self.settle(tx, req, now, &mut ch).await,
                             Op::Resolve(id, res, event, _) => {
-                                self.resolve(tx, id, res, *event, now, &mut events).await
+                                self.resolve(tx, id, res, *event, now, &mut ch).await
                             }
                         };
-                        out.push((d, events));
+                        out.push((d, ch));
                     }
                     out
                 }
             });
         let mut events = Vec::new();
+        let mut moves = Moves::default();
         let mut done = Vec::with_capacity(ops.len());
-        for (d, evs) in futures_util::future::join_all(groups)
+        for (d, (evs, mv)) in futures_util::future::join_all(groups)
             .await
             .into_iter()
             .flatten()
@@ -199,8 +205,10 @@ impl Writer {
                 return Err(e);
             }
             events.extend(evs);
+            moves.add(&mv);
             done.push(d);
         }
+        moves.save(&tx, &self.instance).await?;
         append(&tx, &self.chain, events).await?;
         tx.commit().await.map_err(db)?;
         Ok(done)
@@ -211,7 +219,7 @@ impl Writer {
         tx: &Transaction<'_>,
         req: &ClaimRequest,
         now: Millis,
-        events: &mut Vec<LogEvent>,
+        (events, moves): &mut Changes,
     ) -> Result<Done, StoreError> {
         let sealer = self.sealer.as_deref();
         let mut req = req.clone();
@@ -249,6 +257,7 @@ impl Writer {
             .await
             .map_err(db)?;
         if inserted == 1 {
+            moves.moved(None, Some(fresh.state));
             events.extend(
                 claim_events(&fresh_claim, &fresh)
                     .into_iter()
@@ -257,9 +266,11 @@ impl Writer {
             return Ok(Done::Claim(fresh_claim));
         }
         let current = lock(tx, &req.fresh.id, sealer).await?;
+        let was = current.as_ref().map(|c| c.state);
         let expired = current.as_ref().filter(|c| req.replaces(c)).cloned();
         let (claim, w) = decide_claim(current, twin, &req);
         if let Some(w) = &w {
+            moves.moved(was, Some(w.state));
             if let Some(o) = expired {
                 // The expired record and its stored body give way to the new action.
                 tx.execute(
@@ -281,7 +292,7 @@ impl Writer {
         tx: &Transaction<'_>,
         req: &SettleRequest,
         now: Millis,
-        events: &mut Vec<LogEvent>,
+        (events, moves): &mut Changes,
     ) -> Result<Done, StoreError> {
         let sealer = self.sealer.as_deref();
         let mut settlement = req.settlement.clone();
@@ -292,7 +303,9 @@ impl Writer {
         }
         settlement.now = now;
         let current = lock(tx, &req.id, sealer).await?;
+        let was = current.as_ref().map(|c| c.state);
         let new = apply_settle(current, &req.id, req.attempt, settlement)?;
+        moves.moved(was, Some(new.state));
         write(tx, &new, req.body.as_ref(), sealer).await?;
         events.push(settle_event(&new).into());
         Ok(Done::Settle(Arc::new(new)))
@@ -305,7 +318,7 @@ impl Writer {
         res: &Resolve,
         event: Event,
         now: Millis,
-        events: &mut Vec<LogEvent>,
+        (events, moves): &mut Changes,
     ) -> Result<Done, StoreError> {
         let sealer = self.sealer.as_deref();
         let mut res = res.clone();
@@ -321,7 +334,9 @@ impl Writer {
         let reason = res.reason.clone();
         res.now = now;
         let current = lock(tx, id, sealer).await?;
+        let was = current.as_ref().map(|c| c.state);
         let new = apply_resolve(current, id, res)?;
+        moves.moved(was, Some(new.state));
         write(tx, &new, body.as_ref(), sealer).await?;
         events.push(resolve_event(event, &new, actor, reason).into());
         Ok(Done::Resolve(Box::new(new)))
