@@ -8,10 +8,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use oncegate::action::{Claim, ClaimRequest, Millis, Record, Resolve, State};
-use oncegate::log::{Entry, Event, LogEvent, Verification};
-use oncegate::store::{BoxFuture, Filter, SettleRequest, Store, StoreError};
 use support::{config, Behavior, FakeUpstream, FaultyStore, TestClient, TestProxy};
 use tokio::sync::Notify;
 
@@ -599,72 +595,6 @@ async fn the_sweeper_deletes_large_bodies_no_record_keeps() {
     assert_eq!(files(), 0);
 }
 
-/// A store in which the sweeper always wins the race at the retention boundary: just before a
-/// replay reads its stored body, every record expired by then is swept away.
-struct SweptBeforeTheRead {
-    inner: Arc<dyn Store>,
-    now: Arc<AtomicU64>,
-}
-
-impl Store for SweptBeforeTheRead {
-    fn claim(&self, req: ClaimRequest) -> BoxFuture<'_, Result<Claim, StoreError>> {
-        self.inner.claim(req)
-    }
-    fn settle(&self, req: SettleRequest) -> BoxFuture<'_, Result<Arc<Record>, StoreError>> {
-        self.inner.settle(req)
-    }
-    fn get<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
-        self.inner.get(id)
-    }
-    fn body<'a>(&'a self, record: &'a Record) -> BoxFuture<'a, Result<Option<Bytes>, StoreError>> {
-        Box::pin(async move {
-            // The claim found the record live a moment ago; now it is past its retention.
-            let swept = self.now.load(Ordering::SeqCst) + 1;
-            self.inner.expire(swept).await?;
-            self.inner.body(record).await
-        })
-    }
-    fn scan(&self, filter: Filter, limit: usize) -> BoxFuture<'_, Result<Vec<Record>, StoreError>> {
-        self.inner.scan(filter, limit)
-    }
-    fn resolve(
-        &self,
-        id: String,
-        res: Resolve,
-        event: Event,
-    ) -> BoxFuture<'_, Result<Record, StoreError>> {
-        self.inner.resolve(id, res, event)
-    }
-    fn note(&self, event: LogEvent) {
-        self.inner.note(event)
-    }
-    fn log(&self, after: u64, limit: usize) -> BoxFuture<'_, Result<Vec<Entry>, StoreError>> {
-        self.inner.log(after, limit)
-    }
-    fn verify_log(&self) -> BoxFuture<'_, Result<Verification, StoreError>> {
-        self.inner.verify_log()
-    }
-    fn log_head(&self) -> BoxFuture<'_, Result<(u64, String), StoreError>> {
-        self.inner.log_head()
-    }
-    fn counts(&self) -> BoxFuture<'_, Result<Vec<(State, u64)>, StoreError>> {
-        self.inner.counts()
-    }
-    fn recover(
-        &self,
-        owner: Option<String>,
-        now: Millis,
-    ) -> BoxFuture<'_, Result<usize, StoreError>> {
-        self.inner.recover(owner, now)
-    }
-    fn expire(&self, now: Millis) -> BoxFuture<'_, Result<usize, StoreError>> {
-        self.inner.expire(now)
-    }
-    fn close(&self) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.inner.close()
-    }
-}
-
 /// At the exact retention boundary, a duplicate whose claim still found the action applied, but
 /// whose stored answer the sweeper removed before it was read, is never told `already-applied`
 /// with `duplicate_risk: true`: the action is over, and the same request again is a new write.
@@ -673,13 +603,10 @@ async fn a_replay_racing_the_sweeper_at_the_retention_boundary_is_never_already_
     let up = FakeUpstream::start().await;
     let tmp = tempfile::tempdir().unwrap();
     let (now, clock) = support::controlled_clock();
-    let store: Arc<dyn Store> = Arc::new(SweptBeforeTheRead {
-        inner: sled(&tmp.path().join("s")),
-        now: now.clone(),
-    });
+    let store = Arc::new(FaultyStore::new(sled(&tmp.path().join("s"))));
     let proxy = TestProxy::start_with_clock(
         &config(&up.url(), "retention = \"1h\""),
-        store,
+        store.clone(),
         tmp.path(),
         clock,
     )
@@ -688,8 +615,10 @@ async fn a_replay_racing_the_sweeper_at_the_retention_boundary_is_never_already_
     let c = TestClient::default();
     let url = proxy.url("/pay/v1/charges");
     assert_eq!(c.post(&url, &[(KEY, "k-edge")], "a").await.status, 201);
-    // The last millisecond of its retention.
-    now.fetch_add(3_600_000 - 1, Ordering::SeqCst);
+    // The last millisecond of its retention; the sweeper, a millisecond later, reaches the
+    // record between this duplicate's claim and its read of the stored answer.
+    let edge = now.fetch_add(3_600_000 - 1, Ordering::SeqCst) + 3_600_000 - 1;
+    store.sweep_before_bodies.store(edge + 1, Ordering::SeqCst);
     let r = c.post(&url, &[(KEY, "k-edge")], "a").await;
     assert_ne!(r.problem(), "already-applied", "{r:?}");
     assert_eq!(r.problem(), "store-unavailable", "{r:?}");

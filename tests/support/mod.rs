@@ -813,6 +813,9 @@ pub struct FaultyStore {
     pub panic_settles: std::sync::atomic::AtomicBool,
     /// Stored bodies cannot be read for now.
     pub away_bodies: std::sync::atomic::AtomicBool,
+    /// When not 0: just before each stored body is read, the sweeper expires every record due
+    /// at this time (it wins the race at the retention boundary).
+    pub sweep_before_bodies: std::sync::atomic::AtomicU64,
 }
 
 impl FaultyStore {
@@ -824,6 +827,7 @@ impl FaultyStore {
             away_settles: Default::default(),
             panic_settles: Default::default(),
             away_bodies: Default::default(),
+            sweep_before_bodies: Default::default(),
         }
     }
 }
@@ -911,7 +915,13 @@ mod faulty {
             if self.away_bodies.load(Ordering::SeqCst) {
                 return Box::pin(async { Err(away()) });
             }
-            self.inner.body(r)
+            let sweep = self.sweep_before_bodies.load(Ordering::SeqCst);
+            Box::pin(async move {
+                if sweep != 0 {
+                    self.inner.expire(sweep).await?;
+                }
+                self.inner.body(r).await
+            })
         }
         fn scan(&self, f: Filter, l: usize) -> BoxFuture<'_, Result<Vec<Record>, StoreError>> {
             self.inner.scan(f, l)
