@@ -2322,3 +2322,47 @@ async fn postgres_fences_a_try_to_its_own_current_attempt() {
         .unwrap());
     s.close().await.unwrap();
 }
+
+/// A PostgreSQL store whose past was cut away under it does not open (the proxy exits 74):
+/// entries removed from the write log's tail, or rows removed from the actions table while its
+/// log and counts stayed (SPEC §13 history). Each run on a store that held three writes.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
+async fn postgres_refuses_to_open_a_store_whose_past_was_cut_away() {
+    let cases = [
+        (
+            "DELETE FROM oncegate_log WHERE seq = (SELECT max(seq) FROM oncegate_log)",
+            "oncegate_log",
+        ),
+        ("DELETE FROM oncegate_actions", "oncegate_actions"),
+        ("TRUNCATE oncegate_actions", "oncegate_actions"),
+    ];
+    for (cut, names) in cases {
+        let base = support::postgres_url();
+        let url = support::fresh_database(&base).await;
+        let open = || oncegate::store::postgres::PostgresStore::open(&url, Default::default());
+        let s: S = Arc::new(open().await.unwrap());
+        for id in ["h1", "h2", "h3"] {
+            write_succeeded(&s, id).await;
+        }
+        s.close().await.unwrap();
+        drop(s);
+        // A clean reopen is fine.
+        let s = open().await.expect("an untouched store opens");
+        s.close().await.unwrap();
+        drop(s);
+        let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        client.batch_execute(cut).await.unwrap();
+        let err = match open().await {
+            Ok(_) => panic!("{cut}: the store opened"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            err.contains(names) && err.contains("restore"),
+            "{cut}: {err}"
+        );
+    }
+}

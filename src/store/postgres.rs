@@ -303,7 +303,44 @@ impl PostgresStore {
         };
         store.migrate().await?;
         store.check_key().await?;
+        store.check_history().await?;
         Ok(store)
+    }
+
+    /// The database knows its own past (SPEC §13 history): a write log that ends before its
+    /// head (entries removed from its tail), or an actions table whose rows do not add up to the
+    /// counts every transaction kept (rows removed or added outside oncegate: an emptied or
+    /// truncated table), stops the proxy (exit 74) rather than letting it answer from a past
+    /// that was cut away (a write that succeeded, sent again). Read in one snapshot, so that
+    /// proxies committing meanwhile agree with it; the count is one scan of the table a start.
+    async fn check_history(&self) -> Result<(), StoreError> {
+        let c = self.pool.get().await.map_err(pool_err)?;
+        let row = c
+            .query_one(
+                "SELECT h.seq,
+                        (SELECT max(seq) FROM oncegate_log),
+                        (SELECT count(*) FROM oncegate_actions),
+                        (SELECT COALESCE(sum(n), 0)::bigint FROM oncegate_counts)
+                 FROM oncegate_log_head h WHERE h.id = 1",
+                &[],
+            )
+            .await
+            .map_err(db)?;
+        let (head, last, held, counted): (i64, Option<i64>, i64, i64) =
+            (row.get(0), row.get(1), row.get(2), row.get(3));
+        let restore = "restore the database from a backup (or, to start over on purpose, drop the oncegate_* tables), then start again";
+        if head > 0 && last.unwrap_or(0) < head {
+            return Err(unavailable(format!(
+                "the write log (table oncegate_log) ends at entry {} but its head is entry {head}: entries were removed from its tail; {restore}",
+                last.unwrap_or(0)
+            )));
+        }
+        if held != counted {
+            return Err(unavailable(format!(
+                "the actions table (oncegate_actions) holds {held} actions but the store's counts (oncegate_counts) say {counted}: rows were removed or added outside oncegate (an emptied or truncated table); {restore}"
+            )));
+        }
+        Ok(())
     }
 
     /// A database written with a key opens only with that key (see the sled store's check).
