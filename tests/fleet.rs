@@ -49,6 +49,17 @@ impl Fleet {
     }
 }
 
+/// Sends `sig` (`-STOP`, `-CONT`) to proxy `p`'s process: a pause as a GC, a frozen VM or
+/// `docker pause` makes one.
+fn signal(p: &ChildProxy, sig: &str) {
+    let pid = p.child.id().to_string();
+    let ok = std::process::Command::new("kill")
+        .args([sig, &pid])
+        .status()
+        .unwrap();
+    assert!(ok.success(), "kill {sig} {pid}");
+}
+
 /// `n` charges sent at once, alternately to `a` and `b`: the `i`th under key `key(i)`, each with
 /// `body`.
 fn split(
@@ -199,13 +210,7 @@ async fn a_paused_proxy_past_its_lease_never_lets_the_other_send_again() {
     });
     up.wait_for(1).await;
     // A stops (a long GC pause, a frozen VM) past its lease (4s + 2s): B judges it over.
-    let pid = a.child.id().to_string();
-    let signal = |sig: &str| {
-        std::process::Command::new("kill")
-            .args([sig, &pid])
-            .status()
-            .unwrap()
-    };
+    let signal = |sig: &str| signal(&a, sig);
     signal("-STOP");
     let c = TestClient::default();
     let burl = b.url("/pay/v1/charges");
@@ -492,13 +497,7 @@ async fn a_paused_owner_taken_over(by_operator: bool) {
             .await
     });
     up.wait_for(1).await;
-    let pid = a.child.id().to_string();
-    let signal = |sig: &str| {
-        std::process::Command::new("kill")
-            .args([sig, &pid])
-            .status()
-            .unwrap()
-    };
+    let signal = |sig: &str| signal(&a, sig);
     signal("-STOP");
     let c = TestClient::default();
     let burl = b.url("/pay/v1/charges");
