@@ -12,6 +12,7 @@ impl Proxy {
         self: Arc<Self>,
         mut job: WriteJob,
         rec: Arc<Record>,
+        claim_asked: std::time::Instant,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let policy = &job.policy.clone();
         let key_header = policy
@@ -45,7 +46,16 @@ impl Proxy {
         let mut tries: Vec<Try> = Vec::new();
         let (id, attempt) = (rec.id.as_str(), rec.attempts);
         let me: &Proxy = &self;
-        let fence = move || me.fence(id, attempt, policy);
+        // The claim's own commit made this attempt the action's, under this owner and within
+        // its lease: it fences the first try as a separate statement would, if that try leaves
+        // within half a lease of when the claim was asked for. Every later try is fenced anew.
+        let first = std::sync::atomic::AtomicBool::new(true);
+        let fence = move || {
+            let claimed = first
+                .swap(false, std::sync::atomic::Ordering::Relaxed)
+                .then_some(claim_asked);
+            me.fence(id, attempt, policy, claimed)
+        };
         let result = match out {
             Ok(out) => {
                 let started = std::time::Instant::now();
@@ -227,11 +237,20 @@ impl Proxy {
     /// store records it as sending, under this owner and attempt and within its lease, and it
     /// took less than half a lease to say so (a proxy paused in between could be past its lease
     /// by the time the try left). Stores used by one process need no fence.
-    async fn fence(&self, id: &str, attempt: u32, policy: &Policy) -> Result<(), Unfenced> {
+    async fn fence(
+        &self,
+        id: &str,
+        attempt: u32,
+        policy: &Policy,
+        claimed: Option<std::time::Instant>,
+    ) -> Result<(), Unfenced> {
         if !self.store.fences() {
             return Ok(());
         }
         let lease = Self::lease(policy);
+        if claimed.is_some_and(|asked| asked.elapsed() < Duration::from_millis(lease / 2)) {
+            return Ok(());
+        }
         // A database that drops a pooled connection (a restart) gets a few short chances: the
         // pool opens another.
         let mut chances = 3;

@@ -127,7 +127,9 @@ pub struct Proxy {
 
 /// What a claim leads to.
 enum Next {
-    Attempt(Arc<Record>),
+    /// The action's attempt is this request's: its record as claimed, and when the claim was
+    /// asked for (the claim's commit fences the attempt's first try, SPEC §13).
+    Attempt(Arc<Record>, std::time::Instant),
     Replay(Arc<Record>),
 }
 

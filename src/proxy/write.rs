@@ -221,10 +221,10 @@ impl Proxy {
             self.waiters.release(&job.identity.action_id, w);
         }
         match next? {
-            Next::Attempt(rec) => {
+            Next::Attempt(rec, asked) => {
                 claimed.store(rec.attempts, Ordering::SeqCst);
                 // Boxed: the task is spawned, moved and completed at its future's size.
-                Box::pin(self.run_attempt(job, rec)).await
+                Box::pin(self.run_attempt(job, rec, asked)).await
             }
             Next::Replay(rec) => self.replay(&rec, None, &job.call).await,
         }
@@ -319,7 +319,7 @@ impl Proxy {
             self.metrics
                 .write_phase("claim", started.elapsed().as_secs_f64());
             let rec = match claim {
-                Claim::Claimed(rec) => return Ok(Next::Attempt(rec)),
+                Claim::Claimed(rec) => return Ok(Next::Attempt(rec, started)),
                 Claim::KeyReused(rec) => return Err(ProxyError::KeyReused(self.ctx(rec).await)),
                 Claim::Exhausted(rec) => {
                     return Err(ProxyError::AttemptsExhausted(self.ctx(rec).await))

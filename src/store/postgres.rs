@@ -16,9 +16,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use deadpool_postgres::Transaction;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::types::ToSql;
-use tokio_postgres::Transaction;
 
 mod batch;
 
@@ -102,6 +102,17 @@ CREATE TABLE oncegate_counts (
 INSERT INTO oncegate_counts (instance, state, n)
     SELECT '', state, count(*) FROM oncegate_actions GROUP BY state;
 "#,
+    // Partial indexes: a row is in an index only while the index has a use for it (the
+    // recovery's and the operator's unsettled actions, tasks, settled rows' expiry), so a
+    // claim and a settlement update fewer index entries.
+    r#"
+DROP INDEX oncegate_actions_state;
+CREATE INDEX oncegate_actions_unsettled ON oncegate_actions (state) WHERE state IN ('in_flight', 'unknown');
+DROP INDEX oncegate_actions_task;
+CREATE INDEX oncegate_actions_task ON oncegate_actions (task) WHERE task IS NOT NULL;
+DROP INDEX oncegate_actions_expires;
+CREATE INDEX oncegate_actions_expires ON oncegate_actions (expires_at) WHERE expires_at IS NOT NULL;
+"#,
 ];
 
 /// How the count of each state moves in one transaction.
@@ -144,14 +155,12 @@ impl Moves {
         if states.is_empty() {
             return Ok(());
         }
-        tx.execute(
-            "INSERT INTO oncegate_counts (instance, state, n)
+        let sql = "INSERT INTO oncegate_counts (instance, state, n)
              SELECT $1, s, d FROM UNNEST($2::text[], $3::bigint[]) AS u(s, d)
-             ON CONFLICT (instance, state) DO UPDATE SET n = oncegate_counts.n + EXCLUDED.n",
-            &[&instance, &states, &deltas],
-        )
-        .await
-        .map_err(db)?;
+             ON CONFLICT (instance, state) DO UPDATE SET n = oncegate_counts.n + EXCLUDED.n";
+        tx.execute(&prepared(tx, sql).await?, &[&instance, &states, &deltas])
+            .await
+            .map_err(db)?;
         Ok(())
     }
 }
@@ -161,6 +170,15 @@ impl Moves {
 /// is wrong cannot judge another's attempt over.
 const DB_NOW: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
 
+/// `sql`, prepared once per connection and kept in its statement cache: run again, a statement
+/// costs one round trip instead of two, and PostgreSQL neither parses nor plans it again.
+async fn prepared(
+    tx: &Transaction<'_>,
+    sql: &str,
+) -> Result<tokio_postgres::Statement, StoreError> {
+    tx.prepare_cached(sql).await.map_err(db)
+}
+
 /// The time a decision is judged by: the database's, or the caller's `given` time when the
 /// store was opened with [`StoreOptions::caller_clock`].
 async fn judge_time(tx: &Transaction<'_>, given: Option<Millis>) -> Result<Millis, StoreError> {
@@ -168,7 +186,7 @@ async fn judge_time(tx: &Transaction<'_>, given: Option<Millis>) -> Result<Milli
         return Ok(t);
     }
     let row = tx
-        .query_one(&format!("SELECT {DB_NOW}"), &[])
+        .query_one(&prepared(tx, &format!("SELECT {DB_NOW}")).await?, &[])
         .await
         .map_err(db)?;
     Ok(row.get::<_, i64>(0).max(0) as Millis)
@@ -289,8 +307,9 @@ impl PostgresStore {
             caller_clock: options.caller_clock,
             chain: options.chain.clone(),
             flush_latency: options.flush_latency.clone(),
+            head: std::sync::Mutex::new(None),
         };
-        tokio::spawn(writer.run(rx));
+        writer.spawn(rx);
         let store = PostgresStore {
             pool,
             ops,
@@ -465,7 +484,11 @@ async fn twin_holder(
 ) -> Result<Option<Arc<Record>>, StoreError> {
     let row = tx
         .query_opt(
-            "SELECT id, record, lease_until FROM oncegate_actions WHERE twin = $1",
+            &prepared(
+                tx,
+                "SELECT id, record, lease_until FROM oncegate_actions WHERE twin = $1",
+            )
+            .await?,
             &[&key],
         )
         .await
@@ -487,7 +510,11 @@ async fn lock(
 ) -> Result<Option<Record>, StoreError> {
     let row = tx
         .query_opt(
-            "SELECT record, lease_until FROM oncegate_actions WHERE id = $1 FOR UPDATE",
+            &prepared(
+                tx,
+                "SELECT record, lease_until FROM oncegate_actions WHERE id = $1 FOR UPDATE",
+            )
+            .await?,
             &[&id],
         )
         .await
@@ -522,19 +549,20 @@ async fn write(
         &twin,
         &generation,
     ];
-    tx.execute(
-        "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, body, twin, generation)
+    let sql = "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, body, twin, generation)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
          ON CONFLICT (id) DO UPDATE SET state = $2, task = $5, owner = $6, lease_until = $7,
              created_at = $8, expires_at = $9, record = $10,
              body = CASE WHEN $11::bytea IS NULL THEN oncegate_actions.body ELSE $11 END,
-             twin = $12, generation = $13",
-        &params,
-    )
-    .await
-    .map_err(db)?;
+             twin = $12, generation = $13";
+    tx.execute(&prepared(tx, sql).await?, &params)
+        .await
+        .map_err(db)?;
     Ok(())
 }
+
+/// The write log's head: its newest entry's `seq` and hash.
+pub(super) type Head = (i64, String);
 
 /// Appends events to the one chain: the head row is locked last, so appends serialise.
 async fn append(
@@ -542,39 +570,84 @@ async fn append(
     chain: &Chain,
     events: Vec<LogEvent>,
 ) -> Result<(), StoreError> {
+    append_after(tx, chain, events, None).await.map(drop)
+}
+
+/// [`append`], chained after `known`, the head this proxy last committed, when given: moving
+/// the head on and inserting the entries are then one statement, which does nothing unless the
+/// head is still `known` (another transaction, here or on another proxy, may have moved it);
+/// then the head is read, locked, and the entries chained again after it. Returns the new head
+/// (`None` when there was nothing to append).
+async fn append_after(
+    tx: &Transaction<'_>,
+    chain: &Chain,
+    events: Vec<LogEvent>,
+    known: Option<Head>,
+) -> Result<Option<Head>, StoreError> {
     if events.is_empty() {
-        return Ok(());
+        return Ok(None);
+    }
+    let seal = |(mut seq, mut hash): Head| {
+        let (mut seqs, mut tss, mut lines) = (Vec::new(), Vec::new(), Vec::new());
+        for ev in events.iter().cloned() {
+            let (e, line) = chain.seal_line(ev, (seq as u64, &hash), now_millis());
+            seqs.push(e.seq as i64);
+            tss.push(e.ts);
+            lines.push(String::from_utf8(line).expect("JSON is UTF-8"));
+            seq = e.seq as i64;
+            hash = e.hash;
+        }
+        (seqs, tss, lines, (seq, hash))
+    };
+    if let Some(known) = known {
+        let (seqs, tss, lines, new) = seal(known.clone());
+        let sql = "WITH h AS (
+                 UPDATE oncegate_log_head SET seq = $4, hash = $5
+                 WHERE id = 1 AND seq = $6 AND hash = $7 RETURNING 1
+             ), entries AS (
+                 INSERT INTO oncegate_log (seq, ts, entry)
+                 SELECT u.* FROM UNNEST($1::bigint[], $2::text[], $3::text[]) AS u
+                 WHERE EXISTS (SELECT 1 FROM h)
+             )
+             SELECT count(*) FROM h";
+        let moved: i64 = tx
+            .query_one(
+                &prepared(tx, sql).await?,
+                &[&seqs, &tss, &lines, &new.0, &new.1, &known.0, &known.1],
+            )
+            .await
+            .map_err(db)?
+            .get(0);
+        if moved == 1 {
+            return Ok(Some(new));
+        }
     }
     let head = tx
         .query_one(
-            "SELECT seq, hash FROM oncegate_log_head WHERE id = 1 FOR UPDATE",
+            &prepared(
+                tx,
+                "SELECT seq, hash FROM oncegate_log_head WHERE id = 1 FOR UPDATE",
+            )
+            .await?,
             &[],
         )
         .await
         .map_err(db)?;
-    let (mut seq, mut hash): (i64, String) = (head.get(0), head.get(1));
-    let (mut seqs, mut tss, mut lines) = (Vec::new(), Vec::new(), Vec::new());
-    for ev in events {
-        let (e, line) = chain.seal_line(ev, (seq as u64, &hash), now_millis());
-        seqs.push(e.seq as i64);
-        tss.push(e.ts);
-        lines.push(String::from_utf8(line).expect("JSON is UTF-8"));
-        seq = e.seq as i64;
-        hash = e.hash;
-    }
+    let (seqs, tss, lines, (seq, hash)) = seal((head.get(0), head.get(1)));
     // Every entry in one statement, and the head moved in the same one: a batch's log costs
     // two round trips however many entries it has.
-    tx.execute(
-        "WITH entries AS (
+    let sql = "WITH entries AS (
              INSERT INTO oncegate_log (seq, ts, entry)
              SELECT * FROM UNNEST($1::bigint[], $2::text[], $3::text[])
          )
-         UPDATE oncegate_log_head SET seq = $4, hash = $5 WHERE id = 1",
+         UPDATE oncegate_log_head SET seq = $4, hash = $5 WHERE id = 1";
+    tx.execute(
+        &prepared(tx, sql).await?,
         &[&seqs, &tss, &lines, &seq, &hash],
     )
     .await
     .map_err(db)?;
-    Ok(())
+    Ok(Some((seq, hash)))
 }
 
 impl Store for PostgresStore {
@@ -609,8 +682,9 @@ impl Store for PostgresStore {
             let sql = format!(
                 "UPDATE oncegate_actions SET lease_until = COALESCE($4, {DB_NOW}) + $3 WHERE id = $1 AND owner = $2 AND state = 'in_flight'"
             );
+            let stmt = c.prepare_cached(&sql).await.map_err(db)?;
             let n = c
-                .execute(sql.as_str(), &[&id, &owner, &(lease as i64), &given])
+                .execute(&stmt, &[&id, &owner, &(lease as i64), &given])
                 .await
                 .map_err(db)?;
             Ok(n == 1)
@@ -641,9 +715,10 @@ impl Store for PostgresStore {
                  WHERE id = $1 AND owner = $2 AND state = 'in_flight' AND generation = $3
                    AND lease_until >= COALESCE($5, {DB_NOW})"
             );
+            let stmt = c.prepare_cached(&sql).await.map_err(db)?;
             let n = c
                 .execute(
-                    sql.as_str(),
+                    &stmt,
                     &[&id, &owner, &i64::from(attempt), &(lease as i64), &given],
                 )
                 .await

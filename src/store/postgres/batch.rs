@@ -17,11 +17,12 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use deadpool_postgres::Transaction;
 use tokio::sync::{mpsc, oneshot};
-use tokio_postgres::Transaction;
 
 use super::{
-    append, db, encode, judge_time, lock, pool_err, twin_holder, unavailable, write, Moves, Sealer,
+    append_after, db, encode, judge_time, lock, pool_err, prepared, twin_holder, unavailable,
+    write, Head, Moves, Sealer,
 };
 use crate::action::{
     apply_resolve, apply_settle, decide_claim, BodyRef, Claim, ClaimRequest, Millis, Record,
@@ -102,15 +103,38 @@ pub(super) struct Writer {
     pub(super) caller_clock: bool,
     pub(super) chain: Chain,
     pub(super) flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
+    /// The newest log head this proxy committed: the next batch chains after it without
+    /// reading the head first, unless another transaction moved it meanwhile.
+    pub(super) head: std::sync::Mutex<Option<Head>>,
 }
 
 impl Writer {
-    /// Commits what arrives, a batch at a time, until every sender is gone.
-    pub(super) async fn run(self, mut rx: mpsc::Receiver<Op>) {
-        let mut ops = Vec::with_capacity(BATCH_MAX);
-        while rx.recv_many(&mut ops, BATCH_MAX).await > 0 {
-            let batch = std::mem::take(&mut ops);
-            self.commit(batch).await;
+    /// Starts the writer: it commits what arrives, a batch at a time, until every sender is
+    /// gone. One writer a proxy: a second, committing while the first gathers, was measured
+    /// (bench/results-fleet.md) to make smaller batches and cost more CPU a write than it saved.
+    pub(super) fn spawn(self, mut rx: mpsc::Receiver<Op>) {
+        tokio::spawn(async move {
+            let mut ops = Vec::with_capacity(BATCH_MAX);
+            while rx.recv_many(&mut ops, BATCH_MAX).await > 0 {
+                let batch = std::mem::take(&mut ops);
+                self.commit(batch).await;
+            }
+        });
+    }
+
+    /// The head to chain the next batch after.
+    fn known_head(&self) -> Option<Head> {
+        self.head.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Keeps `new` as the head to chain after, unless a newer one was kept meanwhile; forgets
+    /// it when a batch failed (it may have read a head it then did not move).
+    fn keep_head(&self, new: Option<Head>, failed: bool) {
+        let mut h = self.head.lock().unwrap_or_else(|p| p.into_inner());
+        match (new, failed) {
+            (_, true) => *h = None,
+            (Some(n), false) if h.as_ref().is_none_or(|o| o.0 < n.0) => *h = Some(n),
+            _ => {}
         }
     }
 
@@ -150,28 +174,35 @@ impl Writer {
     async fn transaction(&self, ops: &[Op]) -> Result<Vec<Result<Done, StoreError>>, StoreError> {
         let mut c = self.pool.get().await.map_err(pool_err)?;
         let tx = c.transaction().await.map_err(db)?;
-        let db_now = match self.caller_clock {
-            true => None,
-            false => Some(judge_time(&tx, None).await?),
-        };
         let mut keys: Vec<&str> = ops.iter().filter_map(Op::twin_key).collect();
         keys.sort_unstable();
         keys.dedup();
-        if !keys.is_empty() {
-            tx.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended(k, 0)) FROM (SELECT unnest($1::text[]) AS k ORDER BY 1) s",
-                &[&keys],
-            )
-            .await
-            .map_err(db)?;
-        }
+        // The clock and the twin keys' locks, sent together.
+        let clock = async {
+            match self.caller_clock {
+                true => Ok(None),
+                false => judge_time(&tx, None).await.map(Some),
+            }
+        };
+        let locks = async {
+            if !keys.is_empty() {
+                let sql = "SELECT pg_advisory_xact_lock(hashtextextended(k, 0)) FROM (SELECT unnest($1::text[]) AS k ORDER BY 1) s";
+                tx.execute(&prepared(&tx, sql).await?, &[&keys])
+                    .await
+                    .map_err(db)?;
+            }
+            Ok::<_, StoreError>(())
+        };
+        let (db_now, locked) = tokio::join!(clock, locks);
+        let db_now = db_now?;
+        locked?;
         // The operations on one action run in order; those on different actions are sent
         // together, pipelined on the connection, instead of one round trip after another.
-        // Claims under the twin guard decide on what the claims before them wrote: they run
-        // one after another, as one group, before the rest.
+        // Claims under the twin guard decide on what the claims of the same twin key before
+        // them wrote: those run one after another, as one group.
         let (guarded, rest) = ops.split_at(ops.partition_point(|op| op.twin_key().is_some()));
-        let groups = std::iter::once(guarded)
-            .filter(|g| !g.is_empty())
+        let groups = guarded
+            .chunk_by(|a, b| a.twin_key() == b.twin_key())
             .chain(rest.chunk_by(|a, b| a.id() == b.id()))
             .map(|group| {
                 let tx = &tx;
@@ -208,9 +239,25 @@ impl Writer {
             moves.add(&mv);
             done.push(d);
         }
-        moves.save(&tx, &self.instance).await?;
-        append(&tx, &self.chain, events).await?;
-        tx.commit().await.map_err(db)?;
+        // The counts and the log, sent together.
+        let (saved, head) = tokio::join!(
+            moves.save(&tx, &self.instance),
+            append_after(&tx, &self.chain, events, self.known_head())
+        );
+        let committed = async {
+            saved?;
+            let head = head?;
+            tx.commit().await.map_err(db)?;
+            Ok::<_, StoreError>(head)
+        }
+        .await;
+        match committed {
+            Ok(head) => self.keep_head(head, false),
+            Err(e) => {
+                self.keep_head(None, true);
+                return Err(e);
+            }
+        }
         Ok(done)
     }
 
@@ -235,10 +282,11 @@ impl Writer {
             return Ok(Done::Claim(fresh_claim));
         };
         let lease = fresh.lease_until.map(|l| l as i64);
+        let sql = "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, twin, generation, sending_at)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $8) ON CONFLICT (id) DO NOTHING";
         let inserted = tx
             .execute(
-                "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, twin, generation)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT (id) DO NOTHING",
+                &prepared(tx, sql).await?,
                 &[
                     &fresh.id,
                     &fresh.state.as_str(),
