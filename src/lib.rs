@@ -147,6 +147,10 @@ pub fn store_options(config: &Config, metrics: &Metrics) -> Result<StoreOptions,
         },
         log_segment_bytes: None,
         caller_clock: false,
+        seen_dir: match &config.store {
+            StoreConfig::Postgres { path, .. } => Some(path.clone()),
+            StoreConfig::Sled { .. } => None,
+        },
     })
 }
 
@@ -164,7 +168,7 @@ pub async fn open_store(
                     .map_err(|e| StoreError::Unavailable(e.to_string()))??;
             Ok(Arc::new(store))
         }
-        StoreConfig::Postgres { url_env } => {
+        StoreConfig::Postgres { url_env, .. } => {
             let url = std::env::var(url_env).map_err(|_| {
                 StoreError::Unavailable(format!(
                     "store.url_env: the environment variable {url_env} (the PostgreSQL URL) is not set"

@@ -129,6 +129,9 @@ pub struct StoreOptions {
     pub caller_clock: bool,
     /// `store.encrypt_key_env`: seals stored heads and bodies (SPEC §13).
     pub sealer: Option<std::sync::Arc<seal::Sealer>>,
+    /// PostgreSQL: the folder where this proxy records the last write-log head it saw of each
+    /// database (`store.path`), checked at every start (SPEC §13 history). `None`: not kept.
+    pub seen_dir: Option<std::path::PathBuf>,
     /// sled: start a new write log file after this many bytes (default
     /// [`logfiles::SEGMENT_BYTES`]; smaller in tests). Pruning removes whole files.
     pub log_segment_bytes: Option<u64>,

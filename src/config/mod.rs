@@ -133,9 +133,8 @@ pub enum StoreConfig {
         path: PathBuf,
         wal_size: Option<u64>,
     },
-    Postgres {
-        url_env: String,
-    },
+    /// `path`: this proxy's own state, the last write-log head it saw (SPEC §13 history).
+    Postgres { url_env: String, path: PathBuf },
 }
 
 #[derive(Debug, Clone)]
@@ -301,15 +300,18 @@ impl RawConfig {
                 }
             }
             "postgres" => {
-                for (key, set) in [
-                    ("store.path", self.store.path.is_some()),
-                    ("store.wal_size", self.store.wal_size.is_some()),
-                ] {
-                    if set {
-                        return Err(invalid(key, "only applies to backend = \"sled\""));
-                    }
+                if self.store.wal_size.is_some() {
+                    return Err(invalid(
+                        "store.wal_size",
+                        "only applies to backend = \"sled\"",
+                    ));
                 }
                 StoreConfig::Postgres {
+                    path: self
+                        .store
+                        .path
+                        .clone()
+                        .unwrap_or_else(|| PathBuf::from("oncegate-data")),
                     url_env: self
                         .store
                         .url_env

@@ -21,6 +21,7 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::types::ToSql;
 
 mod batch;
+mod history;
 
 use super::seal::{seal_opt, Sealer};
 use super::{recover_event, BoxFuture, Filter, SettleRequest, Store, StoreError, StoreOptions};
@@ -205,6 +206,56 @@ pub struct PostgresStore {
     chain: Chain,
     log_retention: Option<Duration>,
     flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
+    /// The newest log head this proxy committed (its writer's).
+    head: Arc<std::sync::Mutex<Option<Head>>>,
+    /// Where this proxy records the last head it saw ([`history`]).
+    seen: Option<Arc<Seen>>,
+}
+
+/// This proxy's record of the last write-log head it saw of the database.
+struct Seen {
+    file: std::path::PathBuf,
+    /// The store's id.
+    id: String,
+    /// The `seq` of the head last written to `file`.
+    saved: std::sync::Mutex<i64>,
+}
+
+impl Seen {
+    /// Writes `head` to the file if it is newer than what it holds.
+    async fn save(self: &Arc<Self>, head: Option<Head>) {
+        let Some(head) = head else { return };
+        if head.0 <= *self.saved.lock().unwrap_or_else(|p| p.into_inner()) {
+            return;
+        }
+        let me = self.clone();
+        let saved = tokio::task::spawn_blocking(move || {
+            history::save_seen(&me.file, &me.id, &head).map(|()| head.0)
+        })
+        .await;
+        match saved {
+            Ok(Ok(seq)) => {
+                let mut s = self.saved.lock().unwrap_or_else(|p| p.into_inner());
+                *s = (*s).max(seq);
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(file = %self.file.display(), error = %e, "could not record the write-log head this proxy saw")
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not record the write-log head this proxy saw")
+            }
+        }
+    }
+}
+
+/// Records, once a second, the newest head this proxy committed, while its store is open.
+async fn keep_seen(seen: Arc<Seen>, head: std::sync::Weak<std::sync::Mutex<Option<Head>>>) {
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let Some(head) = head.upgrade() else { return };
+        let newest = head.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        seen.save(newest).await;
+    }
 }
 
 fn unavailable(e: impl std::fmt::Display) -> StoreError {
@@ -261,6 +312,10 @@ impl PostgresStore {
         // Durable commits, whatever the server's default.
         cfg.options("-c synchronous_commit=on");
         cfg.connect_timeout(Duration::from_secs(5));
+        let seen_file = options
+            .seen_dir
+            .as_deref()
+            .map(|d| history::seen_file(d, &cfg));
         let mgr_cfg = ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         };
@@ -300,6 +355,7 @@ impl PostgresStore {
                 now_millis()
             )
         ));
+        let head: Arc<std::sync::Mutex<Option<Head>>> = Arc::default();
         let writer = batch::Writer {
             instance: instance.clone(),
             pool: pool.clone(),
@@ -307,10 +363,10 @@ impl PostgresStore {
             caller_clock: options.caller_clock,
             chain: options.chain.clone(),
             flush_latency: options.flush_latency.clone(),
-            head: std::sync::Mutex::new(None),
+            head: head.clone(),
         };
         writer.spawn(rx);
-        let store = PostgresStore {
+        let mut store = PostgresStore {
             pool,
             ops,
             instance,
@@ -319,89 +375,26 @@ impl PostgresStore {
             chain: options.chain,
             log_retention: options.log_retention,
             flush_latency: options.flush_latency,
+            head: Arc::default(),
+            seen: None,
         };
         store.migrate().await?;
         store.check_key().await?;
-        store.check_history().await?;
+        let now = store.check_history().await?;
+        let id = store.store_id().await?;
+        if let Some(file) = seen_file {
+            store.check_seen(&file, &id, &now).await?;
+            let seen = Seen {
+                file,
+                id,
+                saved: std::sync::Mutex::new(now.0),
+            };
+            let seen = Arc::new(seen);
+            tokio::spawn(keep_seen(seen.clone(), Arc::downgrade(&head)));
+            store.seen = Some(seen);
+        }
+        store.head = head;
         Ok(store)
-    }
-
-    /// The database knows its own past (SPEC §13 history): a write log that ends before its
-    /// head (entries removed from its tail), or an actions table whose rows do not add up to the
-    /// counts every transaction kept (rows removed or added outside oncegate: an emptied or
-    /// truncated table), stops the proxy (exit 74) rather than letting it answer from a past
-    /// that was cut away (a write that succeeded, sent again). Read in one snapshot, so that
-    /// proxies committing meanwhile agree with it; the count is one scan of the table a start.
-    async fn check_history(&self) -> Result<(), StoreError> {
-        let c = self.pool.get().await.map_err(pool_err)?;
-        let row = c
-            .query_one(
-                "SELECT h.seq,
-                        (SELECT max(seq) FROM oncegate_log),
-                        (SELECT count(*) FROM oncegate_actions),
-                        (SELECT COALESCE(sum(n), 0)::bigint FROM oncegate_counts)
-                 FROM oncegate_log_head h WHERE h.id = 1",
-                &[],
-            )
-            .await
-            .map_err(db)?;
-        let (head, last, held, counted): (i64, Option<i64>, i64, i64) =
-            (row.get(0), row.get(1), row.get(2), row.get(3));
-        let restore = "restore the database from a backup (or, to start over on purpose, drop the oncegate_* tables), then start again";
-        if head > 0 && last.unwrap_or(0) < head {
-            return Err(unavailable(format!(
-                "the write log (table oncegate_log) ends at entry {} but its head is entry {head}: entries were removed from its tail; {restore}",
-                last.unwrap_or(0)
-            )));
-        }
-        if held != counted {
-            return Err(unavailable(format!(
-                "the actions table (oncegate_actions) holds {held} actions but the store's counts (oncegate_counts) say {counted}: rows were removed or added outside oncegate (an emptied or truncated table); {restore}"
-            )));
-        }
-        Ok(())
-    }
-
-    /// A database written with a key opens only with that key (see the sled store's check).
-    async fn check_key(&self) -> Result<(), StoreError> {
-        let c = self.pool.get().await.map_err(pool_err)?;
-        let stored: Option<Vec<u8>> = c
-            .query_opt(
-                "SELECT value FROM oncegate_meta WHERE key = 'key_check'",
-                &[],
-            )
-            .await
-            .map_err(db)?
-            .map(|r| r.get(0));
-        match (stored, self.sealer.as_deref()) {
-            (None, None) => Ok(()),
-            (Some(_), None) => Err(unavailable(
-                "the store is encrypted, but no key is configured: set store.encrypt_key_env and the variable it names to the store's key",
-            )),
-            (Some(v), Some(s)) if s.matches(&v) => Ok(()),
-            (Some(_), Some(_)) => Err(unavailable(
-                "the key in store.encrypt_key_env is not the key this store was encrypted with",
-            )),
-            (None, Some(s)) => {
-                c.execute(
-                    "INSERT INTO oncegate_meta (key, value) VALUES ('key_check', $1) ON CONFLICT (key) DO NOTHING",
-                    &[&s.check_value()],
-                )
-                .await
-                .map_err(db)?;
-                // Another proxy may have written its own check first: it must be this key's.
-                let v: Vec<u8> = c
-                    .query_one("SELECT value FROM oncegate_meta WHERE key = 'key_check'", &[])
-                    .await
-                    .map_err(db)?
-                    .get(0);
-                if s.matches(&v) {
-                    Ok(())
-                } else {
-                    Err(unavailable("the key in store.encrypt_key_env is not the key this store was encrypted with"))
-                }
-            }
-        }
     }
 
     /// The caller's time, when the store judges by it; `None`: the database's clock.
@@ -1055,7 +1048,12 @@ impl Store for PostgresStore {
 
     fn close(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
-            // Every change was committed before it returned; nothing is buffered here.
+            // Every change was committed before it returned; nothing is buffered here but the
+            // head this proxy saw last.
+            if let Some(seen) = &self.seen {
+                let newest = self.head.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                seen.save(newest).await;
+            }
             self.pool.close();
             Ok(())
         })

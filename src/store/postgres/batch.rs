@@ -105,7 +105,7 @@ pub(super) struct Writer {
     pub(super) flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
     /// The newest log head this proxy committed: the next batch chains after it without
     /// reading the head first, unless another transaction moved it meanwhile.
-    pub(super) head: std::sync::Mutex<Option<Head>>,
+    pub(super) head: Arc<std::sync::Mutex<Option<Head>>>,
 }
 
 impl Writer {
