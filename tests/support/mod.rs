@@ -24,6 +24,8 @@ use tokio::sync::{oneshot, Notify};
 use oncegate::config::Config;
 use oncegate::upstream::BoxError;
 
+pub mod pg_server;
+
 type Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
 
 fn full(b: impl Into<Bytes>) -> Body {
