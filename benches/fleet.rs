@@ -100,30 +100,6 @@ struct Target {
     postgres: bool,
 }
 
-fn config(dir: &Path, upstream: SocketAddr, store: &str) -> PathBuf {
-    let conf = dir.join("oncegate.toml");
-    std::fs::write(
-        &conf,
-        format!(
-            r#"[server]
-listen = "127.0.0.1:0"
-[admin]
-listen = "127.0.0.1:0"
-[store]
-{store}
-[defaults]
-timeout = "10s"
-[[upstreams]]
-name = "pay"
-prefix = "/pay"
-url = "http://{upstream}"
-"#
-        ),
-    )
-    .unwrap();
-    conf
-}
-
 /// Stops a proxy as an operator would (SIGTERM), and kills it if it has not exited in 10 s.
 fn stop(mut c: std::process::Child) {
     let _ = std::process::Command::new("kill")
@@ -304,10 +280,11 @@ async fn run(secs: f64, rounds: usize, out: Option<PathBuf>) {
     targets.push(Target {
         name: SLED,
         proxies: 1,
-        conf: config(
+        conf: load::config(
             &sled_dir,
             upstream,
             &format!("path = {:?}", sled_dir.join("store").display().to_string()),
+            "",
         ),
         env: Vec::new(),
         postgres: false,
@@ -321,10 +298,14 @@ async fn run(secs: f64, rounds: usize, out: Option<PathBuf>) {
         targets.push(Target {
             name,
             proxies,
-            conf: config(
+            conf: load::config(
                 &dir,
                 upstream,
-                "backend = \"postgres\"\nurl_env = \"ONCEGATE_BENCH_DB\"",
+                &format!(
+                    "backend = \"postgres\"\nurl_env = \"ONCEGATE_BENCH_DB\"\npath = {:?}",
+                    dir.join("state").display().to_string()
+                ),
+                "",
             ),
             env: vec![("ONCEGATE_BENCH_DB".into(), url)],
             postgres: true,

@@ -347,33 +347,8 @@ fn start_oncegate_telling(
     upstream: SocketAddr,
     defaults: &str,
 ) -> (std::process::Child, SocketAddr, SocketAddr, IdsAtOpen) {
-    let conf = dir.join("oncegate.toml");
-    std::fs::write(
-        &conf,
-        format!(
-            r#"[server]
-listen = "127.0.0.1:0"
-[admin]
-listen = "127.0.0.1:0"
-[store]
-path = "{}"
-[defaults]
-timeout = "10s"
-{defaults}
-[[upstreams]]
-name = "pay"
-prefix = "/pay"
-url = "http://{upstream}"
-[[upstreams]]
-name = "tools"
-prefix = "/tools"
-url = "http://{upstream}/tools"
-protocol = "mcp"
-"#,
-            dir.join("store").display()
-        ),
-    )
-    .unwrap();
+    let store = format!("path = {:?}", dir.join("store").display().to_string());
+    let conf = load::config(dir, upstream, &store, defaults);
     load::launch(
         &conf,
         &[],

@@ -419,3 +419,40 @@ pub fn launch(
     }
     (child, proxy.unwrap(), admin.unwrap(), ids)
 }
+
+/// Writes the proxy's config into `dir` (its `[store]` section's body `store`, lines added to its
+/// `[defaults]`): the upstream at `/pay`, and its MCP server at `/tools`. Returns its path.
+pub fn config(
+    dir: &std::path::Path,
+    upstream: SocketAddr,
+    store: &str,
+    defaults: &str,
+) -> std::path::PathBuf {
+    let conf = dir.join("oncegate.toml");
+    std::fs::write(
+        &conf,
+        format!(
+            r#"[server]
+listen = "127.0.0.1:0"
+[admin]
+listen = "127.0.0.1:0"
+[store]
+{store}
+[defaults]
+timeout = "10s"
+{defaults}
+[[upstreams]]
+name = "pay"
+prefix = "/pay"
+url = "http://{upstream}"
+[[upstreams]]
+name = "tools"
+prefix = "/tools"
+url = "http://{upstream}/tools"
+protocol = "mcp"
+"#
+        ),
+    )
+    .unwrap();
+    conf
+}
