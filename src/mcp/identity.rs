@@ -15,15 +15,40 @@ use crate::identity::{
 pub const META_KEY: &str = "oncegate/key";
 pub const META_TASK: &str = "oncegate/task";
 pub const META_STEP: &str = "oncegate/step";
+/// Aliases of [`META_KEY`]: the community's `params._meta.idempotencyKey`, and
+/// `params.idempotencyKey` of the MCP proposal SEP-3182.
+pub const META_KEY_ALIAS: &str = "idempotencyKey";
+pub const PARAMS_KEY: &str = "idempotencyKey";
 
 fn meta_str<'a>(call: &'a ToolCall, name: &str, max: usize) -> Result<Option<&'a str>, KeyError> {
-    match call.meta(name) {
+    string_member(call.meta(name), &format!("_meta[\"{name}\"]"), max)
+}
+
+/// A member that must be a string of visible ASCII, when present; `what` names it in the error.
+fn string_member<'a>(
+    v: Option<&'a Value>,
+    what: &str,
+    max: usize,
+) -> Result<Option<&'a str>, KeyError> {
+    match v {
         None => Ok(None),
         Some(Value::String(s)) if visible(s, max) => Ok(Some(s)),
         Some(_) => Err(KeyError::Invalid(format!(
-            "_meta[\"{name}\"] must be a string of 1 to {max} visible ASCII characters"
+            "{what} must be a string of 1 to {max} visible ASCII characters"
         ))),
     }
+}
+
+/// The key a call carries in its body (SPEC §14.2): `_meta["oncegate/key"]`, else the aliases
+/// `_meta.idempotencyKey` and `params.idempotencyKey`, in that order.
+fn body_key(call: &ToolCall) -> Result<Option<&str>, KeyError> {
+    if let Some(k) = meta_str(call, META_KEY, 255)? {
+        return Ok(Some(k));
+    }
+    if let Some(k) = meta_str(call, META_KEY_ALIAS, 255)? {
+        return Ok(Some(k));
+    }
+    string_member(call.params.get(PARAMS_KEY), "params.idempotencyKey", 255)
 }
 
 /// What a tool call's identity is made from, read from its body in one parse: the canonical
@@ -92,12 +117,13 @@ pub fn identify(
         Some(s) => Some(s),
         None => meta_str(call, META_STEP, 128)?,
     };
-    // `_meta["oncegate/key"]` is oncegate's own: a client that sets it means it as the
-    // action's key, so it is never per-call; the `Idempotency-Key` header may be an SDK's.
+    // A key in the body (`_meta["oncegate/key"]` or an alias) is set by the client that means
+    // it as the action's key, so it is never per-call; the `Idempotency-Key` header may be an
+    // SDK's.
     let (client_key, client_keys) = match header_key(headers)? {
         Some(k) => (Some(k), policy.client_keys),
         None => (
-            meta_str(call, META_KEY, 255)?
+            body_key(call)?
                 .map(|k| parse_key(k.as_bytes()))
                 .transpose()?,
             crate::config::ClientKeys::Stable,
@@ -197,6 +223,20 @@ mod tests {
             r#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"send","arguments":{},"_meta":{"oncegate/key":"order-9"},"requestState":"abc"}}"#,
         );
         assert!(cont.key.starts_with("order-9:"), "{}", cont.key);
+        // The aliases (SPEC §14.2), after oncegate's own member.
+        let alias = id_of(
+            r#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"send","arguments":{"n":1},"_meta":{"idempotencyKey":"order-9"}}}"#,
+        );
+        assert_eq!(alias.key, "order-9");
+        assert_eq!(alias.action_id, k.action_id);
+        let sep = id_of(
+            r#"{"jsonrpc":"2.0","id":4,"method":"tools/call","params":{"name":"send","arguments":{"n":2},"idempotencyKey":"order-9"}}"#,
+        );
+        assert_eq!(sep.action_id, k.action_id);
+        let both = id_of(
+            r#"{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"name":"send","arguments":{},"idempotencyKey":"other","_meta":{"oncegate/key":"order-9"}}}"#,
+        );
+        assert_eq!(both.key, "order-9");
         assert_eq!(cont.key.len(), "order-9:".len() + 16);
         assert_ne!(cont.action_id, k.action_id);
         let bad = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"send","_meta":{"oncegate/key":5}}}"#;
