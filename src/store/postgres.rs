@@ -22,6 +22,7 @@ use tokio_postgres::types::ToSql;
 
 mod batch;
 mod history;
+mod sets;
 
 use super::seal::{seal_opt, Sealer};
 use super::{recover_event, BoxFuture, Filter, SettleRequest, Store, StoreError, StoreOptions};

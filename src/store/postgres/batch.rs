@@ -14,12 +14,14 @@
 //! connection (sent together, answered in order); those of one action run one after another. The decisions are the pure transitions every store applies
 //! ([`crate::action::machine`]).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use deadpool_postgres::Transaction;
 use tokio::sync::{mpsc, oneshot};
 
+use super::sets::Outcome;
 use super::{
     append_after, db, encode, judge_time, lock, pool_err, prepared, twin_holder, unavailable,
     write, Head, Moves, Sealer,
@@ -44,7 +46,7 @@ pub(super) enum Op {
 }
 
 impl Op {
-    fn id(&self) -> &str {
+    pub(super) fn id(&self) -> &str {
         match self {
             Op::Claim(r, _) => &r.fresh.id,
             Op::Settle(r, _) => &r.id,
@@ -52,7 +54,7 @@ impl Op {
         }
     }
 
-    fn twin_key(&self) -> Option<&str> {
+    pub(super) fn twin_key(&self) -> Option<&str> {
         match self {
             Op::Claim(r, _) => r.twin_key(),
             _ => None,
@@ -85,14 +87,14 @@ impl Op {
 }
 
 /// What an operation came to.
-enum Done {
+pub(super) enum Done {
     Claim(Claim),
     Settle(Arc<Record>),
     Resolve(Box<Record>),
 }
 
 /// What one operation changes besides its record: its log entries and the counts' moves.
-type Changes = (Vec<LogEvent>, Moves);
+pub(super) type Changes = (Vec<LogEvent>, Moves);
 
 /// The writer's own part of the store.
 pub(super) struct Writer {
@@ -196,20 +198,51 @@ impl Writer {
         let (db_now, locked) = tokio::join!(clock, locks);
         let db_now = db_now?;
         locked?;
-        // The operations on one action run in order; those on different actions are sent
-        // together, pipelined on the connection, instead of one round trip after another.
-        // Claims under the twin guard decide on what the claims of the same twin key before
-        // them wrote: those run one after another, as one group.
-        let (guarded, rest) = ops.split_at(ops.partition_point(|op| op.twin_key().is_some()));
+        let now = |op: &Op| db_now.unwrap_or_else(|| op.given());
+        // An operation alone in the batch on its action (and on its twin key) goes with the
+        // others of its kind in set-based statements, claims and changes pipelined together.
+        let mut on_id: HashMap<&str, usize> = HashMap::new();
+        let mut on_twin: HashMap<&str, usize> = HashMap::new();
+        for op in ops {
+            *on_id.entry(op.id()).or_default() += 1;
+            if let Some(k) = op.twin_key() {
+                *on_twin.entry(k).or_default() += 1;
+            }
+        }
+        let alone = |op: &Op| on_id[op.id()] == 1 && op.twin_key().is_none_or(|k| on_twin[k] == 1);
+        let (mut claims, mut changes) = (Vec::new(), Vec::new());
+        for (i, op) in ops.iter().enumerate().filter(|(_, op)| alone(op)) {
+            match op {
+                Op::Claim(..) => claims.push(i),
+                _ => changes.push(i),
+            }
+        }
+        let (claimed, changed) = tokio::join!(
+            self.claim_set(&tx, ops, &claims, &now),
+            self.change_set(&tx, ops, &changes, &now)
+        );
+        let mut outcomes: Vec<Option<Outcome>> = (0..ops.len()).map(|_| None).collect();
+        for (i, o) in claimed?.into_iter() {
+            outcomes[i] = o;
+        }
+        for (i, o) in changed? {
+            outcomes[i] = Some(o);
+        }
+        // The rest one at a time: the operations on one action in order; those on different
+        // actions pipelined on the connection. Claims under the twin guard decide on what the
+        // claims of the same twin key before them wrote: those run one after another.
+        let rest: Vec<usize> = (0..ops.len()).filter(|&i| outcomes[i].is_none()).collect();
+        let (guarded, unguarded) =
+            rest.split_at(rest.partition_point(|&i| ops[i].twin_key().is_some()));
         let groups = guarded
-            .chunk_by(|a, b| a.twin_key() == b.twin_key())
-            .chain(rest.chunk_by(|a, b| a.id() == b.id()))
+            .chunk_by(|&a, &b| ops[a].twin_key() == ops[b].twin_key())
+            .chain(unguarded.chunk_by(|&a, &b| ops[a].id() == ops[b].id()))
             .map(|group| {
-                let tx = &tx;
+                let (tx, now) = (&tx, &now);
                 async move {
                     let mut out = Vec::with_capacity(group.len());
-                    for op in group {
-                        let now = db_now.unwrap_or_else(|| op.given());
+                    for &i in group {
+                        let (op, now) = (&ops[i], now(&ops[i]));
                         let mut ch: Changes = (Vec::new(), Moves::default());
                         let d = match op {
                             Op::Claim(req, _) => self.claim(tx, req, now, &mut ch).await,
@@ -218,19 +251,27 @@ impl Writer {
                                 self.resolve(tx, id, res, *event, now, &mut ch).await
                             }
                         };
-                        out.push((d, ch));
+                        out.push((i, (d, ch)));
                     }
                     out
                 }
             });
-        let mut events = Vec::new();
-        let mut moves = Moves::default();
-        let mut done = Vec::with_capacity(ops.len());
-        for (d, (evs, mv)) in futures_util::future::join_all(groups)
+        for (i, o) in futures_util::future::join_all(groups)
             .await
             .into_iter()
             .flatten()
         {
+            outcomes[i] = Some(o);
+        }
+        let mut events = Vec::new();
+        let mut moves = Moves::default();
+        let mut done = Vec::with_capacity(ops.len());
+        for outcome in outcomes {
+            let Some((d, (evs, mv))) = outcome else {
+                return Err(unavailable(
+                    "internal error: an operation of the batch was not made",
+                ));
+            };
             // A failed statement aborts the whole transaction.
             if let Err(e @ StoreError::Unavailable(_)) = d {
                 return Err(e);
@@ -343,19 +384,9 @@ impl Writer {
         (events, moves): &mut Changes,
     ) -> Result<Done, StoreError> {
         let sealer = self.sealer.as_deref();
-        let mut settlement = req.settlement.clone();
-        if let Some(resp) = settlement.response.as_mut() {
-            if req.body.is_some() {
-                resp.body = BodyRef::Inline;
-            }
-        }
-        settlement.now = now;
         let current = lock(tx, &req.id, sealer).await?;
-        let was = current.as_ref().map(|c| c.state);
-        let new = apply_settle(current, &req.id, req.attempt, settlement)?;
-        moves.moved(was, Some(new.state));
+        let new = settled(req, current, now, &mut (events, moves))?;
         write(tx, &new, req.body.as_ref(), sealer).await?;
-        events.push(settle_event(&new).into());
         Ok(Done::Settle(Arc::new(new)))
     }
 
@@ -369,24 +400,60 @@ impl Writer {
         (events, moves): &mut Changes,
     ) -> Result<Done, StoreError> {
         let sealer = self.sealer.as_deref();
-        let mut res = res.clone();
-        let body: Option<Bytes> = res.body.take();
-        if let (Some(resp), true) = (res.response.as_mut(), body.is_some()) {
-            resp.body = BodyRef::Inline;
-        }
-        let actor = if event == Event::Lookup {
-            Actor::Lookup
-        } else {
-            Actor::Admin
-        };
-        let reason = res.reason.clone();
-        res.now = now;
         let current = lock(tx, id, sealer).await?;
-        let was = current.as_ref().map(|c| c.state);
-        let new = apply_resolve(current, id, res)?;
-        moves.moved(was, Some(new.state));
+        let (new, body) = resolved(id, res, event, current, now, &mut (events, moves))?;
         write(tx, &new, body.as_ref(), sealer).await?;
-        events.push(resolve_event(event, &new, actor, reason).into());
         Ok(Done::Resolve(Box::new(new)))
     }
+}
+
+/// A settlement decided on `current` (the locked record): its new record, with the moves and
+/// the log entry it makes. `Err` when the transition refuses it (a stale settlement).
+pub(super) fn settled(
+    req: &SettleRequest,
+    current: Option<Record>,
+    now: Millis,
+    (events, moves): &mut (&mut Vec<LogEvent>, &mut Moves),
+) -> Result<Record, StoreError> {
+    let mut settlement = req.settlement.clone();
+    if let Some(resp) = settlement.response.as_mut() {
+        if req.body.is_some() {
+            resp.body = BodyRef::Inline;
+        }
+    }
+    settlement.now = now;
+    let was = current.as_ref().map(|c| c.state);
+    let new = apply_settle(current, &req.id, req.attempt, settlement)?;
+    moves.moved(was, Some(new.state));
+    events.push(settle_event(&new).into());
+    Ok(new)
+}
+
+/// A resolution decided on `current`: its new record and the body to store, with the moves and
+/// the log entry it makes. `Err` when the transition refuses it.
+pub(super) fn resolved(
+    id: &str,
+    res: &Resolve,
+    event: Event,
+    current: Option<Record>,
+    now: Millis,
+    (events, moves): &mut (&mut Vec<LogEvent>, &mut Moves),
+) -> Result<(Record, Option<Bytes>), StoreError> {
+    let mut res = res.clone();
+    let body: Option<Bytes> = res.body.take();
+    if let (Some(resp), true) = (res.response.as_mut(), body.is_some()) {
+        resp.body = BodyRef::Inline;
+    }
+    let actor = if event == Event::Lookup {
+        Actor::Lookup
+    } else {
+        Actor::Admin
+    };
+    let reason = res.reason.clone();
+    res.now = now;
+    let was = current.as_ref().map(|c| c.state);
+    let new = apply_resolve(current, id, res)?;
+    moves.moved(was, Some(new.state));
+    events.push(resolve_event(event, &new, actor, reason).into());
+    Ok((new, body))
 }

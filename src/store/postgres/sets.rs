@@ -1,0 +1,233 @@
+//! A batch's row work as set-based statements (SPEC §13): the fresh claims of a batch are
+//! inserted by one statement (after one that reads every twin slot they need), and its
+//! settlements and resolutions are read and locked by one statement and written by one. Each
+//! decision is still the pure transition every store makes, per operation.
+//!
+//! Only operations alone in the batch on their action (and, for a guarded claim, on its twin
+//! key) go this way; the rest, and a claim whose insert found the action already there, take
+//! the one-at-a-time path after ([`super::batch`]).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use deadpool_postgres::Transaction;
+
+use super::batch::{resolved, settled, Changes, Done, Op, Writer};
+use super::{db, decode, encode, prepared, Moves, Sealer};
+use crate::action::{decide_claim, Millis, Record};
+use crate::log::LogEvent;
+use crate::store::{claim_events, StoreError};
+
+/// What one operation came to: its answer, and what it changes besides its record.
+pub(super) type Outcome = (Result<Done, StoreError>, Changes);
+
+/// The columns of rows to write, one array each (`UNNEST`).
+#[derive(Default)]
+struct Rows {
+    id: Vec<String>,
+    state: Vec<&'static str>,
+    upstream: Vec<String>,
+    principal: Vec<String>,
+    task: Vec<Option<String>>,
+    owner: Vec<Option<String>>,
+    lease: Vec<Option<i64>>,
+    created: Vec<i64>,
+    expires: Vec<Option<i64>>,
+    record: Vec<String>,
+    body: Vec<Option<Vec<u8>>>,
+    twin: Vec<Option<String>>,
+    generation: Vec<i64>,
+}
+
+impl Rows {
+    fn push(&mut self, r: &Record, body: Option<&Bytes>, sealer: Option<&Sealer>) {
+        self.id.push(r.id.clone());
+        self.state.push(r.state.as_str());
+        self.upstream.push(r.upstream.clone());
+        self.principal.push(r.principal.clone());
+        self.task.push(r.task.clone());
+        self.owner.push(r.owner.clone());
+        self.lease.push(r.lease_until.map(|l| l as i64));
+        self.created.push(r.created_at as i64);
+        self.expires.push(r.expires_at.map(|e| e as i64));
+        self.record.push(encode(r, sealer));
+        self.body.push(body.map(|b| super::seal_opt(sealer, b)));
+        self.twin.push(r.holds_twin().then(|| r.twin_key()));
+        self.generation.push(i64::from(r.attempts));
+    }
+
+    fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 13] {
+        [
+            &self.id,
+            &self.state,
+            &self.upstream,
+            &self.principal,
+            &self.task,
+            &self.owner,
+            &self.lease,
+            &self.created,
+            &self.expires,
+            &self.record,
+            &self.body,
+            &self.twin,
+            &self.generation,
+        ]
+    }
+}
+
+const UNNEST: &str = "UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::bigint[], $8::bigint[], $9::bigint[], $10::text[], $11::bytea[], $12::text[], $13::bigint[])
+    AS u(id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, body, twin, generation)";
+
+impl Writer {
+    /// The claims `which` of `ops` (each alone on its action and twin key): their twin slots
+    /// read in one statement, the new actions inserted in one. A claim whose action already
+    /// exists is left (`None`) for the one-at-a-time path.
+    pub(super) async fn claim_set(
+        &self,
+        tx: &Transaction<'_>,
+        ops: &[Op],
+        which: &[usize],
+        now: &(dyn Fn(&Op) -> Millis + Sync),
+    ) -> Result<Vec<(usize, Option<Outcome>)>, StoreError> {
+        let sealer = self.sealer.as_deref();
+        let keys: Vec<&str> = which.iter().filter_map(|&i| ops[i].twin_key()).collect();
+        let mut holders: HashMap<String, Arc<Record>> = HashMap::new();
+        if !keys.is_empty() {
+            let sql =
+                "SELECT twin, id, record, lease_until FROM oncegate_actions WHERE twin = ANY($1)";
+            for row in tx
+                .query(&prepared(tx, sql).await?, &[&keys])
+                .await
+                .map_err(db)?
+            {
+                let rec = decode(row.get(1), row.get(2), row.get(3), sealer)?;
+                holders.insert(row.get(0), Arc::new(rec));
+            }
+        }
+        let mut out = Vec::with_capacity(which.len());
+        let mut rows = Rows::default();
+        let mut fresh = Vec::new();
+        for &i in which {
+            let Op::Claim(req, _) = &ops[i] else {
+                continue;
+            };
+            let mut req = (**req).clone();
+            req.now = now(&ops[i]);
+            // The holder of its twin slot, other than itself.
+            let twin = req
+                .twin_key()
+                .and_then(|k| holders.get(k))
+                .filter(|h| h.id != req.fresh.id)
+                .cloned();
+            let (claim, write) = decide_claim(None, twin, &req);
+            match write {
+                // Stopped by an unsettled twin.
+                None => out.push((i, Some((Ok(Done::Claim(claim)), Changes::default())))),
+                Some(w) => {
+                    rows.push(&w, None, sealer);
+                    fresh.push((i, claim, w));
+                }
+            }
+        }
+        if fresh.is_empty() {
+            return Ok(out);
+        }
+        let sql = format!(
+            "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, body, twin, generation, sending_at)
+             SELECT u.*, u.created_at FROM {UNNEST}
+             ON CONFLICT (id) DO NOTHING RETURNING id"
+        );
+        let inserted: std::collections::HashSet<String> = tx
+            .query(&prepared(tx, &sql).await?, &rows.params())
+            .await
+            .map_err(db)?
+            .into_iter()
+            .map(|r| r.get(0))
+            .collect();
+        for (i, claim, w) in fresh {
+            if !inserted.contains(&w.id) {
+                out.push((i, None));
+                continue;
+            }
+            let mut moves = Moves::default();
+            moves.moved(None, Some(w.state));
+            let events: Vec<LogEvent> = claim_events(&claim, &w)
+                .into_iter()
+                .map(LogEvent::from)
+                .collect();
+            out.push((i, Some((Ok(Done::Claim(claim)), (events, moves)))));
+        }
+        Ok(out)
+    }
+
+    /// The settlements and resolutions `which` of `ops` (each alone on its action): their
+    /// records read and locked in one statement, decided each, written in one.
+    pub(super) async fn change_set(
+        &self,
+        tx: &Transaction<'_>,
+        ops: &[Op],
+        which: &[usize],
+        now: &(dyn Fn(&Op) -> Millis + Sync),
+    ) -> Result<Vec<(usize, Outcome)>, StoreError> {
+        if which.is_empty() {
+            return Ok(Vec::new());
+        }
+        let sealer = self.sealer.as_deref();
+        let ids: Vec<&str> = which.iter().map(|&i| ops[i].id()).collect();
+        let sql = "SELECT id, record, lease_until FROM oncegate_actions WHERE id = ANY($1) ORDER BY id FOR UPDATE";
+        let mut current: HashMap<String, Record> = HashMap::new();
+        for row in tx
+            .query(&prepared(tx, sql).await?, &[&ids])
+            .await
+            .map_err(db)?
+        {
+            current.insert(
+                row.get(0),
+                decode(row.get(0), row.get(1), row.get(2), sealer)?,
+            );
+        }
+        let mut out = Vec::with_capacity(which.len());
+        let mut rows = Rows::default();
+        for &i in which {
+            let (mut events, mut moves) = (Vec::new(), Moves::default());
+            let was = current.remove(ops[i].id());
+            let ch = &mut (&mut events, &mut moves);
+            let decided = match &ops[i] {
+                Op::Settle(req, _) => {
+                    settled(req, was, now(&ops[i]), ch).map(|r| (r, req.body.clone()))
+                }
+                Op::Resolve(id, res, event, _) => resolved(id, res, *event, was, now(&ops[i]), ch),
+                Op::Claim(..) => continue,
+            };
+            match decided {
+                Ok((new, body)) => {
+                    rows.push(&new, body.as_ref(), sealer);
+                    let done = match &ops[i] {
+                        Op::Settle(..) => Done::Settle(Arc::new(new)),
+                        _ => Done::Resolve(Box::new(new)),
+                    };
+                    out.push((i, (Ok(done), (events, moves))));
+                }
+                // Refused by its transition: it fails alone, and changes nothing.
+                Err(e) => out.push((i, (Err(e), Changes::default()))),
+            }
+        }
+        if rows.id.is_empty() {
+            return Ok(out);
+        }
+        let sql = format!(
+            "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, body, twin, generation)
+             SELECT * FROM {UNNEST}
+             ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, task = EXCLUDED.task,
+                 owner = EXCLUDED.owner, lease_until = EXCLUDED.lease_until,
+                 created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at,
+                 record = EXCLUDED.record, body = COALESCE(EXCLUDED.body, oncegate_actions.body),
+                 twin = EXCLUDED.twin, generation = EXCLUDED.generation"
+        );
+        tx.execute(&prepared(tx, &sql).await?, &rows.params())
+            .await
+            .map_err(db)?;
+        Ok(out)
+    }
+}
