@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use deadpool_postgres::Transaction;
+use deadpool_postgres::{GenericClient, Transaction};
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::types::ToSql;
 
@@ -145,7 +145,7 @@ impl Moves {
     /// Adds them to this instance's counts, in `tx`.
     pub(super) async fn save(
         &self,
-        tx: &Transaction<'_>,
+        tx: &impl GenericClient,
         instance: &str,
     ) -> Result<(), StoreError> {
         let (states, deltas): (Vec<&str>, Vec<i64>) = State::ALL
@@ -175,7 +175,7 @@ const DB_NOW: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
 /// `sql`, prepared once per connection and kept in its statement cache: run again, a statement
 /// costs one round trip instead of two, and PostgreSQL neither parses nor plans it again.
 async fn prepared(
-    tx: &Transaction<'_>,
+    tx: &impl GenericClient,
     sql: &str,
 ) -> Result<tokio_postgres::Statement, StoreError> {
     tx.prepare_cached(sql).await.map_err(db)
@@ -183,7 +183,7 @@ async fn prepared(
 
 /// The time a decision is judged by: the database's, or the caller's `given` time when the
 /// store was opened with [`StoreOptions::caller_clock`].
-async fn judge_time(tx: &Transaction<'_>, given: Option<Millis>) -> Result<Millis, StoreError> {
+async fn judge_time(tx: &impl GenericClient, given: Option<Millis>) -> Result<Millis, StoreError> {
     if let Some(t) = given {
         return Ok(t);
     }
@@ -471,7 +471,7 @@ impl PostgresStore {
 /// unique index on `twin` backs this up: a second holder could not commit. The holder's row is
 /// read, not locked: a settlement committing meanwhile only makes the answer conservative.
 async fn twin_holder(
-    tx: &Transaction<'_>,
+    tx: &impl GenericClient,
     key: &str,
     own: &str,
     sealer: Option<&Sealer>,
@@ -498,7 +498,7 @@ async fn twin_holder(
 
 /// Reads and locks one record.
 async fn lock(
-    tx: &Transaction<'_>,
+    tx: &impl GenericClient,
     id: &str,
     sealer: Option<&Sealer>,
 ) -> Result<Option<Record>, StoreError> {
@@ -518,7 +518,7 @@ async fn lock(
 }
 
 async fn write(
-    tx: &Transaction<'_>,
+    tx: &impl GenericClient,
     r: &Record,
     body: Option<&Bytes>,
     sealer: Option<&Sealer>,
@@ -560,7 +560,7 @@ pub(super) type Head = (i64, String);
 
 /// Appends events to the one chain: the head row is locked last, so appends serialise.
 async fn append(
-    tx: &Transaction<'_>,
+    tx: &impl GenericClient,
     chain: &Chain,
     events: Vec<LogEvent>,
 ) -> Result<(), StoreError> {
@@ -573,7 +573,7 @@ async fn append(
 /// then the head is read, locked, and the entries chained again after it. Returns the new head
 /// (`None` when there was nothing to append).
 async fn append_after(
-    tx: &Transaction<'_>,
+    tx: &impl GenericClient,
     chain: &Chain,
     events: Vec<LogEvent>,
     known: Option<Head>,

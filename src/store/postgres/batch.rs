@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use deadpool_postgres::Transaction;
+use deadpool_postgres::GenericClient;
 use tokio::sync::{mpsc, oneshot};
 
 use super::sets::Outcome;
@@ -174,8 +174,59 @@ impl Writer {
     /// `Err` when the transaction failed (nothing is committed); an operation refused by its
     /// transition (a stale settlement, a resolution of a settled action) fails alone.
     async fn transaction(&self, ops: &[Op]) -> Result<Vec<Result<Done, StoreError>>, StoreError> {
-        let mut c = self.pool.get().await.map_err(pool_err)?;
-        let tx = c.transaction().await.map_err(db)?;
+        let c = self.pool.get().await.map_err(pool_err)?;
+        let done = self.in_transaction(&c, ops).await;
+        if done.is_err() {
+            // Nothing was committed: the transaction ends here, or with its connection.
+            if c.batch_execute("ROLLBACK").await.is_err() {
+                drop(deadpool_postgres::Object::take(c));
+            }
+        }
+        done
+    }
+
+    /// [`Writer::transaction`] on `tx`: its `BEGIN` goes out together with the batch's first
+    /// statements (the clock, the twin keys' locks, the reads of its rows), which the server
+    /// runs in order after it, so that opening the transaction costs no round trip of its own.
+    async fn in_transaction(
+        &self,
+        tx: &deadpool_postgres::Client,
+        ops: &[Op],
+    ) -> Result<Vec<Result<Done, StoreError>>, StoreError> {
+        let begin = tx.batch_execute("BEGIN");
+        let work = self.changes(tx, ops);
+        let (began, worked) = tokio::join!(begin, work);
+        began.map_err(db)?;
+        let (done, events, moves) = worked?;
+        // The counts and the log, sent together.
+        let (saved, head) = tokio::join!(
+            moves.save(tx, &self.instance),
+            append_after(tx, &self.chain, events, self.known_head())
+        );
+        let committed = async {
+            saved?;
+            let head = head?;
+            tx.batch_execute("COMMIT").await.map_err(db)?;
+            Ok::<_, StoreError>(head)
+        }
+        .await;
+        match committed {
+            Ok(head) => self.keep_head(head, false),
+            Err(e) => {
+                self.keep_head(None, true);
+                return Err(e);
+            }
+        }
+        Ok(done)
+    }
+
+    /// Every operation's change, decided and made: each one's answer, and the log entries and
+    /// count moves of them all.
+    async fn changes(
+        &self,
+        tx: &deadpool_postgres::Client,
+        ops: &[Op],
+    ) -> Result<(Vec<Result<Done, StoreError>>, Vec<LogEvent>, Moves), StoreError> {
         let mut keys: Vec<&str> = ops.iter().filter_map(Op::twin_key).collect();
         keys.sort_unstable();
         keys.dedup();
@@ -183,13 +234,13 @@ impl Writer {
         let clock = async {
             match self.caller_clock {
                 true => Ok(None),
-                false => judge_time(&tx, None).await.map(Some),
+                false => judge_time(tx, None).await.map(Some),
             }
         };
         let locks = async {
             if !keys.is_empty() {
                 let sql = "SELECT pg_advisory_xact_lock(hashtextextended(k, 0)) FROM (SELECT unnest($1::text[]) AS k ORDER BY 1) s";
-                tx.execute(&prepared(&tx, sql).await?, &[&keys])
+                tx.execute(&prepared(tx, sql).await?, &[&keys])
                     .await
                     .map_err(db)?;
             }
@@ -218,8 +269,8 @@ impl Writer {
             }
         }
         let (claimed, changed) = tokio::join!(
-            self.claim_set(&tx, ops, &claims, &now),
-            self.change_set(&tx, ops, &changes, &now)
+            self.claim_set(tx, ops, &claims, &now),
+            self.change_set(tx, ops, &changes, &now)
         );
         let mut outcomes: Vec<Option<Outcome>> = (0..ops.len()).map(|_| None).collect();
         for (i, o) in claimed?.into_iter() {
@@ -238,7 +289,7 @@ impl Writer {
             .chunk_by(|&a, &b| ops[a].twin_key() == ops[b].twin_key())
             .chain(unguarded.chunk_by(|&a, &b| ops[a].id() == ops[b].id()))
             .map(|group| {
-                let (tx, now) = (&tx, &now);
+                let (tx, now) = (tx, &now);
                 async move {
                     let mut out = Vec::with_capacity(group.len());
                     for &i in group {
@@ -280,31 +331,12 @@ impl Writer {
             moves.add(&mv);
             done.push(d);
         }
-        // The counts and the log, sent together.
-        let (saved, head) = tokio::join!(
-            moves.save(&tx, &self.instance),
-            append_after(&tx, &self.chain, events, self.known_head())
-        );
-        let committed = async {
-            saved?;
-            let head = head?;
-            tx.commit().await.map_err(db)?;
-            Ok::<_, StoreError>(head)
-        }
-        .await;
-        match committed {
-            Ok(head) => self.keep_head(head, false),
-            Err(e) => {
-                self.keep_head(None, true);
-                return Err(e);
-            }
-        }
-        Ok(done)
+        Ok((done, events, moves))
     }
 
     async fn claim(
         &self,
-        tx: &Transaction<'_>,
+        tx: &impl GenericClient,
         req: &ClaimRequest,
         now: Millis,
         (events, moves): &mut Changes,
@@ -378,7 +410,7 @@ impl Writer {
 
     async fn settle(
         &self,
-        tx: &Transaction<'_>,
+        tx: &impl GenericClient,
         req: &SettleRequest,
         now: Millis,
         (events, moves): &mut Changes,
@@ -392,7 +424,7 @@ impl Writer {
 
     async fn resolve(
         &self,
-        tx: &Transaction<'_>,
+        tx: &impl GenericClient,
         id: &str,
         res: &Resolve,
         event: Event,

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use deadpool_postgres::Transaction;
+use deadpool_postgres::GenericClient;
 
 use super::batch::{resolved, settled, Changes, Done, Op, Writer};
 use super::{db, decode, encode, prepared, Moves, Sealer};
@@ -85,7 +85,7 @@ impl Writer {
     /// exists is left (`None`) for the one-at-a-time path.
     pub(super) async fn claim_set(
         &self,
-        tx: &Transaction<'_>,
+        tx: &impl GenericClient,
         ops: &[Op],
         which: &[usize],
         now: &(dyn Fn(&Op) -> Millis + Sync),
@@ -165,7 +165,7 @@ impl Writer {
     /// records read and locked in one statement, decided each, written in one.
     pub(super) async fn change_set(
         &self,
-        tx: &Transaction<'_>,
+        tx: &impl GenericClient,
         ops: &[Op],
         which: &[usize],
         now: &(dyn Fn(&Op) -> Millis + Sync),
