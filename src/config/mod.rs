@@ -345,7 +345,10 @@ impl RawConfig {
         let defaults = Policy::builtin().layer(&self.defaults.overrides(), "defaults.")?;
         let mut upstreams: Vec<Arc<Upstream>> = Vec::new();
         for (i, u) in self.upstreams.iter().enumerate() {
-            upstreams.push(Arc::new(resolve_upstream(u, i, &defaults, &upstreams)?));
+            let wait_set = self.defaults.in_flight_wait.is_some();
+            upstreams.push(Arc::new(resolve_upstream(
+                u, i, &defaults, wait_set, &upstreams,
+            )?));
         }
         if upstreams.is_empty() {
             return Err(invalid("upstreams", "at least one [[upstreams]] is needed"));
@@ -400,6 +403,29 @@ mod tests {
         // PostgreSQL keeps records whole, so nothing to say.
         let pg = text(60).replace("path = \"s\"", "backend = \"postgres\"\nurl_env = \"X\"");
         assert!(cautions(&pg).is_empty());
+    }
+
+    /// SPEC §12: a duplicate of a running MCP tool call waits 10 s for its result by default;
+    /// an HTTP route does not wait; a value set in `[defaults]` or on the upstream is kept.
+    #[test]
+    fn mcp_upstreams_wait_for_a_running_call_by_default() {
+        let text = |defaults: &str, upstream: &str| {
+            format!(
+                "[server]\n[defaults]\n{defaults}\n[[upstreams]]\nname = \"h\"\nprefix = \"/h\"\nurl = \"http://127.0.0.1:1\"\n\
+                 [[upstreams]]\nname = \"m\"\nprefix = \"/m\"\nurl = \"http://127.0.0.1:1\"\nprotocol = \"mcp\"\n{upstream}\n"
+            )
+        };
+        let waits = |t: String| -> Vec<u64> {
+            Config::parse(&t)
+                .expect("valid")
+                .upstreams
+                .iter()
+                .map(|u| u.policy.in_flight_wait.as_secs())
+                .collect()
+        };
+        assert_eq!(waits(text("", "")), [0, 10]);
+        assert_eq!(waits(text("in_flight_wait = \"2s\"", "")), [2, 2]);
+        assert_eq!(waits(text("", "in_flight_wait = \"0s\"")), [0, 0]);
     }
 
     #[test]

@@ -222,10 +222,18 @@ impl Upstream {
     }
 }
 
+/// How long a duplicate of a running MCP tool call waits for its result by default (SPEC §12):
+/// two identical calls at once (a client's resend while the first runs) both get the result,
+/// rather than the second a `409 in-flight` error a model would read as a failure.
+pub const MCP_IN_FLIGHT_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// `defaults_wait`: whether `[defaults]` set `in_flight_wait` (else MCP upstreams wait
+/// [`MCP_IN_FLIGHT_WAIT`]).
 pub(super) fn resolve_upstream(
     u: &RawUpstream,
     i: usize,
     defaults: &Policy,
+    defaults_wait: bool,
     earlier: &[Arc<Upstream>],
 ) -> Result<Upstream, ConfigError> {
     let at = format!("upstreams[{i}].");
@@ -289,7 +297,14 @@ pub(super) fn resolve_upstream(
             ));
         }
     }
-    let mut policy = defaults.layer(&u.overrides(), &at)?;
+    let mut policy = match (u.protocol.as_deref(), defaults_wait) {
+        (Some("mcp"), false) => Policy {
+            in_flight_wait: MCP_IN_FLIGHT_WAIT,
+            ..defaults.clone()
+        }
+        .layer(&u.overrides(), &at)?,
+        _ => defaults.layer(&u.overrides(), &at)?,
+    };
     if let Some(l) = &u.lookup {
         policy.lookup = Some(lookup(l, &format!("{at}lookup"))?);
     }
