@@ -438,6 +438,16 @@ async fn run_client(
                         seen.unknown_suffix = about;
                         Next::Done
                     }
+                    _ if mode == Mode::NewKey && answer["duplicate_risk"] == true => {
+                        // Any answer that says the write may have happened (a 503 whose
+                        // outcome could not be recorded, as when another proxy settled it
+                        // meanwhile): the agent stops as at an unknown answer, since a new key
+                        // now would be a new charge once the first settles.
+                        seen.unknown_at.get_or_insert_with(tick);
+                        seen.unknown_since.get_or_insert_with(Instant::now);
+                        seen.unknown_suffix = about;
+                        Next::Done
+                    }
                     (_, _, "possible-duplicate") if opts.broken_client => {
                         // The guard stopped the naive agent's fresh key.
                         Next::Done
