@@ -497,6 +497,9 @@ async fn a_paused_owner_taken_over(by_operator: bool) {
             .await
     });
     up.wait_for(1).await;
+    // Paused once it has read the 503 and waits to try again (the scenario); paused before
+    // reading it, A would wake past its 500 ms timeout and find the answer lost instead.
+    tokio::time::sleep(Duration::from_millis(200)).await;
     let signal = |sig: &str| signal(&a, sig);
     signal("-STOP");
     let c = TestClient::default();
