@@ -100,21 +100,6 @@ struct Target {
     postgres: bool,
 }
 
-/// Stops a proxy as an operator would (SIGTERM), and kills it if it has not exited in 10 s.
-fn stop(mut c: std::process::Child) {
-    let _ = std::process::Command::new("kill")
-        .args(["-TERM", &c.id().to_string()])
-        .status();
-    for _ in 0..100 {
-        if c.try_wait().ok().flatten().is_some() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let _ = c.kill();
-    let _ = c.wait();
-}
-
 /// What a target did in all rounds: unique writes at 64 connections, and at 1.
 #[derive(Default)]
 struct Runs {
@@ -154,8 +139,8 @@ async fn run_target(t: &Target, server: &Server, secs: f64, into: &mut Runs) {
     }
     into.one
         .merge(drive_all(&addrs[..1], Workload::Write, 1, dur, &pids, false).await);
-    for (c, ..) in children {
-        tokio::task::spawn_blocking(move || stop(c)).await.unwrap();
+    for (mut c, ..) in children {
+        load::stop(&mut c).await;
     }
 }
 

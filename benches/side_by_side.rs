@@ -53,7 +53,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use load::{build, drive_all, rss_kib, upstream, Result_, Workload, BODY};
+use load::{build, drive_all, rss_kib, stop, upstream, Result_, Workload, BODY};
 
 /// The peer's targets, by how its Redis keeps what it is given.
 const PEER_VOLATILE: &str = "peer, Redis without persistence";
@@ -419,22 +419,6 @@ struct Spec {
     name: &'static str,
     workload: Workload,
     conns: usize,
-}
-
-/// Stops oncegate as an operator would (SIGTERM: it drains, flushes and closes its store), and
-/// kills it if it has not exited within 10 s.
-async fn stop(c: &mut std::process::Child) {
-    let _ = std::process::Command::new("kill")
-        .args(["-TERM", &c.id().to_string()])
-        .status();
-    for _ in 0..100 {
-        if c.try_wait().ok().flatten().is_some() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let _ = c.kill();
-    let _ = c.wait();
 }
 
 async fn drive(

@@ -456,3 +456,19 @@ protocol = "mcp"
     .unwrap();
     conf
 }
+
+/// Stops oncegate as an operator would (SIGTERM: it drains, flushes and closes its store), and
+/// kills it if it has not exited within 10 s.
+pub async fn stop(c: &mut std::process::Child) {
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &c.id().to_string()])
+        .status();
+    for _ in 0..100 {
+        if c.try_wait().ok().flatten().is_some() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = c.kill();
+    let _ = c.wait();
+}

@@ -129,14 +129,14 @@ impl Writer {
         self.head.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Keeps `new` as the head to chain after, unless a newer one was kept meanwhile; forgets
-    /// it when a batch failed (it may have read a head it then did not move).
+    /// Keeps the head a committed batch moved to (`None`: it appended nothing, the head kept
+    /// is still its own), or forgets it when a batch failed.
     fn keep_head(&self, new: Option<Head>, failed: bool) {
         let mut h = self.head.lock().unwrap_or_else(|p| p.into_inner());
-        match (new, failed) {
-            (_, true) => *h = None,
-            (Some(n), false) if h.as_ref().is_none_or(|o| o.0 < n.0) => *h = Some(n),
-            _ => {}
+        if failed {
+            *h = None;
+        } else if new.is_some() {
+            *h = new;
         }
     }
 
