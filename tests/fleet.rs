@@ -244,6 +244,62 @@ async fn a_paused_proxy_past_its_lease_never_lets_the_other_send_again() {
     assert_eq!(up.count_method("POST"), 1);
 }
 
+/// The same pause, but the other proxy's lookup finds the charge at the service and settles
+/// the action applied. When A wakes, its own attempt ends (with the upstream's answer, or its
+/// timeout) after the action was settled: its client gets the action's outcome, a replay, as
+/// any duplicate would; not a 503 that says the write may have happened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
+async fn a_paused_proxy_whose_action_a_lookup_settled_answers_with_the_settled_outcome() {
+    let up = FakeUpstream::start().await;
+    let extra = format!("timeout = \"2s\"\nretries = 0\n{LOOKUP_404}");
+    let f = fleet(&up, &extra).await;
+    up.on("/v1/lookup/", Behavior::json(200, r#"{"id":"ch_found"}"#));
+    let (a, b) = (f.proxy().await, f.proxy().await);
+    let gate = Arc::new(Notify::new());
+    up.push(Behavior::Gate(
+        gate.clone(),
+        Box::new(Behavior::json(201, r#"{"id":"ch_found"}"#)),
+    ));
+    let url = a.url("/pay/v1/charges");
+    let first = tokio::spawn(async move {
+        TestClient::default()
+            .post(&url, &[(KEY, "k-settled")], "x")
+            .await
+    });
+    up.wait_for(1).await;
+    signal(&a, "-STOP");
+    let c = TestClient::default();
+    let burl = b.url("/pay/v1/charges");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let r = loop {
+        let r = c.post(&burl, &[(KEY, "k-settled")], "x").await;
+        if r.status.is_success() || r.problem() != "in-flight" {
+            break r;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the lease never expired"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    assert!(r.status.is_success(), "B's lookup found it: {:?}", r.body);
+    assert_eq!(r.header("oncegate-outcome"), Some("replayed"));
+    gate.notify_one();
+    signal(&a, "-CONT");
+    let first = first.await.unwrap();
+    assert!(
+        first.status.is_success(),
+        "A's client is told the charge happened: {} {:?}",
+        first.status,
+        first.body
+    );
+    assert_eq!(first.header("oncegate-outcome"), Some("replayed"));
+    assert_eq!(up.count_method("POST"), 1);
+    let v = b.admin("GET", "/v1/log/verify", "").await.json();
+    assert_eq!(v["ok"], true, "{v}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
 async fn a_proxy_whose_clock_runs_ahead_does_not_judge_another_attempt_over() {

@@ -169,7 +169,22 @@ impl Proxy {
                 };
                 let body = kept.then(|| ans.body.clone());
                 let req = settle(state, stored, ext, needs, body);
-                let rec = self.settle(req, &rec).await?;
+                let rec = match self.settle(req, &rec).await {
+                    Ok(rec) => rec,
+                    // An answer that says the write happened is the better evidence to its
+                    // client than a record that says it did not (an operator's mistake).
+                    Err(Unsettled::Moved(now))
+                        if state == State::Succeeded && now.state != State::Succeeded =>
+                    {
+                        tracing::error!(action = %now.id, recorded = now.state.as_str(),
+                            "an attempt succeeded after its action was settled otherwise");
+                        Arc::new(*now)
+                    }
+                    Err(Unsettled::Moved(now)) => {
+                        return Box::pin(self.moved_on(&job, *now, state)).await
+                    }
+                    Err(Unsettled::Failed(e)) => return Err(e),
+                };
                 let outcome = match state {
                     State::Succeeded => Outcome::Sent,
                     State::Unknown => Outcome::Unknown,
@@ -189,9 +204,16 @@ impl Proxy {
                 Ok(resp)
             }
             AttemptResult::Unreachable(error) => {
-                let rec = self
+                let rec = match self
                     .settle(settle(State::Failed, None, None, false, None), &rec)
-                    .await?;
+                    .await
+                {
+                    Ok(rec) => rec,
+                    Err(Unsettled::Moved(now)) => {
+                        return Box::pin(self.moved_on(&job, *now, State::Failed)).await
+                    }
+                    Err(Unsettled::Failed(e)) => return Err(e),
+                };
                 Err(ProxyError::UpstreamUnreachable {
                     ctx: Some(self.ctx(rec).await),
                     error,
@@ -200,9 +222,16 @@ impl Proxy {
             // Relayed above.
             AttemptResult::Streaming { .. } => unreachable!("a streamed answer is relayed"),
             AttemptResult::Quiet { error, pending } => {
-                let rec = self
+                let rec = match self
                     .settle(settle(State::Unknown, None, None, false, None), &rec)
-                    .await?;
+                    .await
+                {
+                    Ok(rec) => rec,
+                    Err(Unsettled::Moved(now)) => {
+                        return Box::pin(self.moved_on(&job, *now, State::Unknown)).await
+                    }
+                    Err(Unsettled::Failed(e)) => return Err(e),
+                };
                 let err = ProxyError::OutcomeUnknown {
                     ctx: self.ctx(rec.clone()).await,
                     lost_now: true,
@@ -220,9 +249,16 @@ impl Proxy {
             }
             AttemptResult::Abandoned(why) => Box::pin(self.abandoned(&job, &rec, why)).await,
             AttemptResult::Lost { error, .. } => {
-                let rec = self
+                let rec = match self
                     .settle(settle(State::Unknown, None, None, false, None), &rec)
-                    .await?;
+                    .await
+                {
+                    Ok(rec) => rec,
+                    Err(Unsettled::Moved(now)) => {
+                        return Box::pin(self.moved_on(&job, *now, State::Unknown)).await
+                    }
+                    Err(Unsettled::Failed(e)) => return Err(e),
+                };
                 Err(ProxyError::OutcomeUnknown {
                     ctx: self.ctx(rec).await,
                     lost_now: true,
@@ -298,6 +334,17 @@ impl Proxy {
             Ok(Some(r)) => r,
             Ok(None) | Err(_) => claimed.clone(),
         };
+        self.as_it_stands(job, rec, why).await
+    }
+
+    /// The answer a duplicate arriving now would get for `rec`: an attempt whose action was
+    /// moved on by another answers its client with the action's own outcome.
+    async fn as_it_stands(
+        &self,
+        job: &WriteJob,
+        rec: Record,
+        why: String,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
         match rec.state {
             State::Succeeded => self.replay(&rec, None, &job.call).await,
             State::InFlight => Err(ProxyError::InFlight {
@@ -314,6 +361,30 @@ impl Proxy {
                 error: why,
             }),
         }
+    }
+
+    /// An attempt whose outcome the store refused because the action was moved on meanwhile
+    /// (a lookup or an operator settled it, after this proxy was paused past its lease): its
+    /// client gets the action's outcome as it stands, as a duplicate arriving now would. The
+    /// outcome this attempt saw is only in the proxy's log.
+    async fn moved_on(
+        &self,
+        job: &WriteJob,
+        rec: Record,
+        ours: State,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        tracing::warn!(
+            action = %rec.id,
+            seen = ours.as_str(),
+            recorded = rec.state.as_str(),
+            "the outcome of an attempt came after another had settled its action"
+        );
+        let why = format!(
+            "this attempt ended {} after its action was settled {} by another",
+            ours.as_str(),
+            rec.state.as_str()
+        );
+        self.as_it_stands(job, rec, why).await
     }
 
     /// Renews the lease of attempt `id` every third of it, for as long as it is polled; never
@@ -349,7 +420,7 @@ impl Proxy {
         &self,
         req: SettleRequest,
         claimed: &Record,
-    ) -> Result<Arc<Record>, ProxyError> {
+    ) -> Result<Arc<Record>, Unsettled> {
         let id = req.id.clone();
         let give_up = tokio::time::Instant::now() + SETTLE_PATIENCE;
         let mut wait = Duration::from_millis(50);
@@ -370,10 +441,45 @@ impl Proxy {
         self.waiters.wake(&id);
         match result {
             Ok(rec) => Ok(rec),
+            Err(StoreError::Settle(SettleError::Stale { .. })) => match self.store.get(&id).await {
+                Ok(Some(now)) => Err(Unsettled::Moved(Box::new(now))),
+                Ok(None) | Err(_) => Err(Unsettled::Failed(store_unavailable(
+                    StoreError::Unavailable("the action was settled by another".into()),
+                    Some(self.ctx(claimed.clone()).await),
+                ))),
+            },
             Err(e) => {
                 tracing::error!(error = %e, "could not record the outcome of an attempt");
-                Err(store_unavailable(e, Some(self.ctx(claimed.clone()).await)))
+                Err(Unsettled::Failed(store_unavailable(
+                    e,
+                    Some(self.ctx(claimed.clone()).await),
+                )))
             }
+        }
+    }
+}
+
+/// Why an attempt's outcome was not recorded.
+pub(super) enum Unsettled {
+    /// Another proxy's lookup or an operator settled the action first (this proxy was paused
+    /// past its lease): the record as it stands.
+    Moved(Box<Record>),
+    Failed(ProxyError),
+}
+
+/// Where an attempt cannot answer otherwise: the outcome could not be recorded (SPEC §6).
+impl From<Unsettled> for ProxyError {
+    fn from(u: Unsettled) -> Self {
+        match u {
+            Unsettled::Failed(e) => e,
+            Unsettled::Moved(rec) => ProxyError::StoreUnavailable {
+                error: format!(
+                    "the outcome was not recorded: action {} was settled {} by another first",
+                    rec.id,
+                    rec.state.as_str()
+                ),
+                ctx: None,
+            },
         }
     }
 }

@@ -40,13 +40,13 @@ mod write;
 
 use protocol::{Call, McpCall};
 
-use attempt::write_headers;
 pub use attempt::{external_id, stamp, SETTLE_PATIENCE};
+use attempt::{write_headers, Unsettled};
 pub use own::task_entry;
 
 use crate::action::{
-    BodyRef, Claim, ClaimRequest, Clock, Millis, Record, RequestInfo, Settlement, Source, State,
-    StoredResponse, Try, TwinGuard,
+    BodyRef, Claim, ClaimRequest, Clock, Millis, Record, RequestInfo, SettleError, Settlement,
+    Source, State, StoredResponse, Try, TwinGuard,
 };
 use crate::config::{Config, Policy, Protocol, Upstream};
 use crate::error::{action_json, ActionCtx, Completed, Outcome, ProxyError};

@@ -202,9 +202,15 @@ impl Proxy {
                         .expect("JSON serializes"),
                 )
             }
+            // Another settled the action first: its client still gets the tool's result.
+            (Err(Unsettled::Moved(_)), Some(last)) => last,
             (Err(e), _) => Bytes::from(
-                serde_json::to_vec(&answer::tool_error_json(&e, &call.id, call.modern))
-                    .expect("JSON serializes"),
+                serde_json::to_vec(&answer::tool_error_json(
+                    &ProxyError::from(e),
+                    &call.id,
+                    call.modern,
+                ))
+                .expect("JSON serializes"),
             ),
         };
         // A client that went away (or stopped reading) does not hold the action's task.
