@@ -33,6 +33,21 @@ impl Outcome {
             Outcome::Applied => "applied",
         }
     }
+
+    /// The outcome an `Oncegate-Outcome` header value names.
+    pub fn from_header(v: &[u8]) -> Option<Outcome> {
+        [
+            Outcome::Sent,
+            Outcome::Unknown,
+            Outcome::NotApplied,
+            Outcome::Replayed,
+            Outcome::Rejected,
+            Outcome::InFlight,
+            Outcome::Applied,
+        ]
+        .into_iter()
+        .find(|o| o.as_str().as_bytes() == v)
+    }
 }
 
 /// When a caller may try again.
@@ -90,6 +105,10 @@ pub enum ProxyError {
     BodyTimeout(std::time::Duration),
     #[error("{0}")]
     BadRequest(String),
+    /// A browser page of another origin, or a rebound host name, reached an MCP upstream (DNS
+    /// rebinding, SPEC §14.6).
+    #[error("{0}")]
+    ForeignOrigin(String),
     #[error("this key was already used for a different request")]
     KeyReused(Box<ActionCtx>),
     #[error("another attempt of this action is being sent now")]
@@ -315,6 +334,15 @@ impl ProxyError {
                 false,
                 Retry::AfterCorrection,
                 "Correct the request as the detail says (its framing or its path), then send it again.",
+            ),
+            ProxyError::ForeignOrigin(_) => s(
+                "foreign-origin",
+                "Foreign origin",
+                StatusCode::FORBIDDEN,
+                Outcome::Rejected,
+                false,
+                Retry::Never,
+                "Nothing was sent: this MCP server takes no requests from web pages of other origins or for other host names (DNS rebinding protection). If this page should reach it, add its origin to the upstream's allowed_origins.",
             ),
             ProxyError::KeyReused(c) => s(
                 "key-reused",

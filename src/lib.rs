@@ -270,15 +270,15 @@ pub async fn run(
         Some(t) => Some(server::tls_acceptor(t).map_err(RunError::Setup)?),
         None => None,
     };
-    let proxy = Arc::new(
-        Proxy::new(
-            config.clone(),
-            store.clone(),
-            metrics.clone(),
-            clock.clone(),
-        )
-        .map_err(RunError::Setup)?,
-    );
+    let mut proxy = Proxy::new(
+        config.clone(),
+        store.clone(),
+        metrics.clone(),
+        clock.clone(),
+    )
+    .map_err(RunError::Setup)?;
+    proxy.local = listeners.proxy.local_addr().ok();
+    let proxy = Arc::new(proxy);
     let listen = server::Listen {
         header_timeout: config.server.header_timeout,
         drain_timeout: config.server.drain_timeout,

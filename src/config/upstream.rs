@@ -34,6 +34,7 @@ with_policy_keys! {
         protocol: Option<String>,
         trust_annotations: Option<bool>,
         tools: Option<Vec<RawTool>>,
+        allowed_origins: Option<Vec<String>>,
     }
 }
 
@@ -89,6 +90,8 @@ pub struct McpRules {
     pub tools: Vec<ToolRule>,
     /// Tools the server's own `tools/list` marks `readOnlyHint: true` are reads.
     pub trust_annotations: bool,
+    /// Web origins whose pages may reach the server (SPEC §14.6); others are refused.
+    pub allowed_origins: Vec<String>,
 }
 
 /// One tool rule, resolved.
@@ -155,12 +158,12 @@ fn class(v: Option<&str>, key: String) -> Result<Option<Class>, ConfigError> {
 fn resolve_tools(u: &RawUpstream, at: &str, policy: &Policy) -> Result<Protocol, ConfigError> {
     match u.protocol.as_deref() {
         None | Some("http") => {
-            if u.tools.is_some() || u.trust_annotations.is_some() {
-                let key = if u.tools.is_some() {
-                    "tools"
-                } else {
-                    "trust_annotations"
-                };
+            let mcp_only = [
+                ("tools", u.tools.is_some()),
+                ("trust_annotations", u.trust_annotations.is_some()),
+                ("allowed_origins", u.allowed_origins.is_some()),
+            ];
+            if let Some((key, _)) = mcp_only.iter().find(|(_, set)| *set) {
                 return Err(invalid(
                     format!("{at}{key}"),
                     "applies to MCP upstreams only: set protocol = \"mcp\"",
@@ -203,9 +206,20 @@ fn resolve_tools(u: &RawUpstream, at: &str, policy: &Policy) -> Result<Protocol,
                     policy: Arc::new(tp),
                 });
             }
+            let allowed_origins = u.allowed_origins.clone().unwrap_or_default();
+            if let Some(bad) = allowed_origins
+                .iter()
+                .find(|o| !crate::mcp::origin::is_origin(o))
+            {
+                return Err(invalid(
+                    format!("{at}allowed_origins"),
+                    format!("{bad:?}: an origin is `http://` or `https://`, a lowercase host and an optional port, nothing after"),
+                ));
+            }
             Ok(Protocol::Mcp(McpRules {
                 tools,
                 trust_annotations: u.trust_annotations.unwrap_or(false),
+                allowed_origins,
             }))
         }
         Some(other) => Err(invalid(

@@ -7,12 +7,14 @@
 //! - `classify.rs`: a tool's class from `[[upstreams.tools]]` and learned annotations;
 //! - `identity.rs`: a tool call's key and fingerprint (§14.2);
 //! - `stream.rs`: SSE events as they arrive, the final response, and the outcome (§14.3);
-//! - `answer.rs`: replays and problems as JSON-RPC (§14.4).
+//! - `answer.rs`: replays and problems as JSON-RPC (§14.4);
+//! - `origin.rs`: DNS rebinding protection in the server's place (§14.6).
 
 pub mod answer;
 pub mod classify;
 pub mod identity;
 pub mod message;
+pub mod origin;
 pub mod stream;
 
 pub use classify::Annotations;

@@ -22,9 +22,31 @@ impl Proxy {
         req: Request<Incoming>,
         labels: &mut (&'static str, &'static str),
     ) -> Result<Response<ProxyBody>, ProxyError> {
+        // Every message but a guarded tool call is a read (SPEC §14.1).
+        *labels = (t.upstream.label, Class::Read.as_str());
+        // The server's own DNS rebinding check, made here: it would see the proxy's `Host`.
+        let host = req
+            .headers()
+            .get(http::header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .or_else(|| req.uri().authority().map(|a| a.as_str()));
+        let origin = req
+            .headers()
+            .get(http::header::ORIGIN)
+            .map(|o| o.as_bytes());
+        if let Some(why) = mcp::origin::foreign(origin, host, self.local, &rules.allowed_origins) {
+            *labels = (t.upstream.label, Class::Deny.as_str());
+            let e = ProxyError::ForeignOrigin(why);
+            tracing::info!(error = %e, upstream = t.upstream.label, "refused an MCP request");
+            let principal = identity::principal(req.headers(), t.policy);
+            let path = || t.rest.to_string();
+            self.note_problem(&e, t.upstream, req.method(), path, &principal, None);
+            let mut resp = answer::invalid(&e, None);
+            *resp.status_mut() = http::StatusCode::FORBIDDEN;
+            return Ok(resp);
+        }
         if req.method() != Method::POST {
             // GET (a stream the server opens) and DELETE (a session's end): never a tool call.
-            *labels = (t.upstream.label, Class::Read.as_str());
             return self.read(t, req).await;
         }
         let (parts, body) = req.into_parts();

@@ -123,6 +123,9 @@ pub struct Proxy {
     stopping: CancellationToken,
     /// Read-only tools learned from trusted MCP servers' `tools/list` answers (SPEC §14.1).
     annotations: Arc<crate::mcp::Annotations>,
+    /// The proxy listener's address: a loopback one makes MCP upstreams check `Host` too
+    /// (SPEC §14.6).
+    pub(crate) local: Option<std::net::SocketAddr>,
 }
 
 /// What a claim leads to.
@@ -208,6 +211,7 @@ impl Proxy {
             deadline: CancellationToken::new(),
             stopping: CancellationToken::new(),
             annotations: Arc::default(),
+            local: None,
         })
     }
 
@@ -241,14 +245,13 @@ impl Proxy {
             let (resp, outcome) = match self.call(req, &mut labels).await {
                 Ok(resp) => {
                     tracing::debug!(status = resp.status().as_u16(), "answered");
-                    let outcome = match resp.headers().get("oncegate-outcome").map(|v| v.as_bytes())
-                    {
+                    // MCP problems are answered, not raised (SPEC §14.4): their outcome is
+                    // in the header, as every other answer's.
+                    let outcome = match resp.headers().get("oncegate-outcome") {
                         None => "forwarded",
-                        Some(b"sent") => Outcome::Sent.as_str(),
-                        Some(b"replayed") => Outcome::Replayed.as_str(),
-                        Some(b"unknown") => Outcome::Unknown.as_str(),
-                        Some(b"not-applied") => Outcome::NotApplied.as_str(),
-                        Some(_) => "other",
+                        Some(v) => {
+                            Outcome::from_header(v.as_bytes()).map_or("other", Outcome::as_str)
+                        }
                     };
                     (resp, outcome)
                 }
@@ -340,6 +343,7 @@ impl Proxy {
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::BodyTimeout(_)
             | ProxyError::RouteDenied { .. }
+            | ProxyError::ForeignOrigin(_)
             | ProxyError::BadRequest(_) => Event::Rejected,
             _ => return,
         };

@@ -1,0 +1,195 @@
+//! An MCP server behind oncegate sees what it would see direct, and its protections hold (issue
+//! 57, SPEC §14.6): DNS rebinding is refused in the server's place; every message that is not a
+//! guarded tool call counts as a read, and a denied tool as rejected.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use serde_json::{json, Value};
+use support::{Behavior, FakeUpstream, TestClient, TestProxy};
+
+fn mcp_config(url: &str, extra: &str) -> String {
+    let tools = r#"
+[[upstreams.tools]]
+name = "search"
+class = "read"
+
+[[upstreams.tools]]
+name = "delete_*"
+class = "deny"
+"#;
+    support::config(
+        url,
+        &format!("protocol = \"mcp\"\nin_flight_wait = \"5s\"\n{extra}\n{tools}"),
+    )
+    .replacen("name = \"pay\"", "name = \"tools\"", 1)
+    .replacen("prefix = \"/pay\"", "prefix = \"/mcp\"", 1)
+}
+
+const JSON_SSE: &[(&str, &str)] = &[
+    ("content-type", "application/json"),
+    ("accept", "application/json, text/event-stream"),
+];
+
+fn initialize() -> String {
+    json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}})
+    .to_string()
+}
+
+fn call_body(id: u64, tool: &str, args: Value) -> String {
+    json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {"name": tool, "arguments": args}})
+        .to_string()
+}
+
+/// A web page whose name was rebound to the loopback proxy sends its own name as `Host` and
+/// its own `Origin`: the conformance suite's `dns-rebinding-protection` probe. Direct, the
+/// SDK's server answers 403; through oncegate, which rewrites `Host`, it must be 403 too, and
+/// nothing reaches the server. The proxy's own loopback names pass, as they do direct.
+#[tokio::test]
+async fn a_rebound_host_or_a_foreign_origin_is_refused_in_the_servers_place() {
+    let up = FakeUpstream::start().await;
+    up.set_default(Behavior::json(
+        200,
+        r#"{"jsonrpc":"2.0","id":1,"result":{}}"#,
+    ));
+    let extra = r#"allowed_origins = ["https://app.example.com"]"#;
+    let proxy = TestProxy::start(&mcp_config(&format!("{}/mcp", up.url()), extra)).await;
+    let c = TestClient::default();
+    let url = proxy.url("/mcp");
+    let port = url.split(':').nth(2).unwrap().split('/').next().unwrap();
+    let evil = [
+        ("host", "evil.example.com"),
+        ("origin", "http://evil.example.com"),
+    ];
+    for (what, headers, body) in [
+        ("the probe", evil.to_vec(), initialize()),
+        (
+            "a rebound Host alone",
+            vec![("host", "evil.example.com")],
+            initialize(),
+        ),
+        (
+            "a foreign Origin, to a write tool",
+            vec![("origin", "https://attacker.example")],
+            call_body(2, "send_email", json!({"to": "a"})),
+        ),
+    ] {
+        let mut h = JSON_SSE.to_vec();
+        h.extend(headers);
+        let r = c.post(&url, &h, &body).await;
+        assert_eq!(r.status, 403, "{what}: {r:?}");
+        let v = r.json();
+        assert_eq!(
+            v["error"]["data"]["type"], "urn:oncegate:problem:foreign-origin",
+            "{what}: {v}"
+        );
+    }
+    // A GET (the server's stream) is refused the same way.
+    let r = c.send("GET", &url, &evil, "").await;
+    assert_eq!(r.status, 403);
+    assert_eq!(up.count(), 0, "nothing refused reached the server");
+    // The valid probe: loopback names, and an allowed origin.
+    let local = format!("127.0.0.1:{port}");
+    let local_origin = format!("http://{local}");
+    let localhost = format!("localhost:{port}");
+    for headers in [
+        vec![("host", local.as_str()), ("origin", local_origin.as_str())],
+        vec![("host", localhost.as_str())],
+        vec![("origin", "https://app.example.com")],
+        vec![],
+    ] {
+        let mut h = JSON_SSE.to_vec();
+        h.extend(headers.iter().cloned());
+        let r = c.post(&url, &h, &initialize()).await;
+        assert_eq!(r.status, 200, "{headers:?}: {r:?}");
+    }
+    assert_eq!(up.count(), 4);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn allowed_origins_must_be_origins_and_apply_to_mcp_upstreams_only() {
+    let dir = tempfile::tempdir().unwrap();
+    for (extra, mcp, key) in [
+        (
+            r#"allowed_origins = ["https://app.example.com/"]"#,
+            true,
+            "allowed_origins",
+        ),
+        (
+            r#"allowed_origins = ["app.example.com"]"#,
+            true,
+            "allowed_origins",
+        ),
+        (
+            r#"allowed_origins = ["https://a.example"]"#,
+            false,
+            "allowed_origins",
+        ),
+    ] {
+        let text = if mcp {
+            mcp_config("http://127.0.0.1:9/mcp", extra)
+        } else {
+            support::config("http://127.0.0.1:9", extra)
+        };
+        let cfg = dir.path().join("c.toml");
+        std::fs::write(&cfg, text).unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_oncegate"))
+            .arg("check")
+            .arg("--config")
+            .arg(&cfg)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(64), "{extra}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(key), "{extra}: {err}");
+    }
+}
+
+/// Metrics (issue 57 item 8): `initialize`, `tools/list`, notifications and read tools are reads
+/// forwarded; a denied tool is a rejected deny, as a denied HTTP route is.
+#[tokio::test]
+async fn mcp_messages_are_counted_as_what_they_are() {
+    let up = FakeUpstream::start().await;
+    up.set_default(Behavior::json(
+        200,
+        r#"{"jsonrpc":"2.0","id":1,"result":{}}"#,
+    ));
+    let proxy = TestProxy::start(&mcp_config(&format!("{}/mcp", up.url()), "")).await;
+    let c = TestClient::default();
+    let url = proxy.url("/mcp");
+    let note = json!({"jsonrpc": "2.0", "method": "notifications/initialized"}).to_string();
+    let list = json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"}).to_string();
+    for body in [
+        initialize(),
+        note,
+        list,
+        call_body(3, "search", json!({"q": 1})),
+    ] {
+        assert_eq!(c.post(&url, JSON_SSE, &body).await.status, 200);
+    }
+    let denied = c
+        .post(&url, JSON_SSE, &call_body(4, "delete_all", json!({})))
+        .await;
+    assert_eq!(denied.status, 200, "a tool result that says it was denied");
+    let metrics = c.get(&proxy.admin_url("/metrics")).await;
+    let text = String::from_utf8_lossy(&metrics.body).to_string();
+    let count = |class: &str, outcome: &str| -> u64 {
+        text.lines()
+            .find(|l| {
+                l.starts_with("oncegate_requests_total{")
+                    && l.contains(r#"upstream="tools""#)
+                    && l.contains(&format!(r#"class="{class}""#))
+                    && l.contains(&format!(r#"outcome="{outcome}""#))
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    assert_eq!(count("read", "forwarded"), 4, "{text}");
+    assert_eq!(count("deny", "rejected"), 1, "{text}");
+    assert_eq!(count("write", "forwarded"), 0, "{text}");
+    assert!(!text.contains(r#"outcome="other""#), "{text}");
+    proxy.stop().await;
+}
