@@ -359,6 +359,9 @@ fn policy_line(p: &oncegate::config::Policy) -> String {
     if let Some(w) = p.fingerprint_window {
         parts.push(format!("fingerprint window {}", d(w)));
     }
+    if p.key_scope != oncegate::config::KeyScope::Arguments {
+        parts.push(format!("key scope {}", p.key_scope.as_str()));
+    }
     parts.push(
         if p.twin_guard {
             "twin guard on"

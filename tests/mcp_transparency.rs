@@ -193,3 +193,63 @@ async fn mcp_messages_are_counted_as_what_they_are() {
     assert!(!text.contains(r#"outcome="other""#), "{text}");
     proxy.stop().await;
 }
+
+/// `key_scope` (SPEC §14.2, issue 57 item 4): a toggle without arguments is a new effect at
+/// every call (`call`); a tool whose effect belongs to a session is one action per session
+/// (`session`); by default a resend in any session is the same call (`arguments`).
+#[tokio::test]
+async fn key_scope_makes_each_call_or_each_session_its_own_action() {
+    let up = FakeUpstream::start().await;
+    up.set_default(Behavior::json_rpc(
+        r#"{"content":[{"type":"text","text":"done"}]}"#,
+    ));
+    let rules = r#"
+[[upstreams.tools]]
+name = "toggle"
+class = "write"
+key_scope = "call"
+
+[[upstreams.tools]]
+name = "start_logging"
+class = "write"
+key_scope = "session"
+"#;
+    let cfg = mcp_config(&format!("{}/mcp", up.url()), "").replacen(
+        "\n[[upstreams.tools]]",
+        &format!("{rules}\n[[upstreams.tools]]"),
+        1,
+    );
+    let proxy = TestProxy::start(&cfg).await;
+    let c = TestClient::default();
+    let url = proxy.url("/mcp");
+    let call = |tool: &'static str, session: &'static str, id: u64| {
+        let (c, url) = (c.clone(), url.clone());
+        async move {
+            let mut h = JSON_SSE.to_vec();
+            h.push(("mcp-session-id", session));
+            let r = c.post(&url, &h, &call_body(id, tool, json!({}))).await;
+            assert_eq!(r.status, 200, "{r:?}");
+            r.header("oncegate-outcome").unwrap_or("").to_string()
+        }
+    };
+    let sends = |tool: &str| {
+        up.received()
+            .iter()
+            .filter(|r| String::from_utf8_lossy(&r.body).contains(tool))
+            .count()
+    };
+    // Two toggles in one session: both run.
+    assert_eq!(call("toggle", "s1", 1).await, "sent");
+    assert_eq!(call("toggle", "s1", 2).await, "sent");
+    assert_eq!(sends("toggle"), 2);
+    // A session's logging starts once in it, and once in the next session.
+    assert_eq!(call("start_logging", "s1", 3).await, "sent");
+    assert_eq!(call("start_logging", "s1", 4).await, "replayed");
+    assert_eq!(call("start_logging", "s2", 5).await, "sent");
+    assert_eq!(sends("start_logging"), 2);
+    // Any other tool: the resend in another session is the same call.
+    assert_eq!(call("send_email", "s1", 6).await, "sent");
+    assert_eq!(call("send_email", "s2", 7).await, "replayed");
+    assert_eq!(sends("send_email"), 1);
+    proxy.stop().await;
+}

@@ -38,7 +38,7 @@ mod units;
 mod upstream;
 
 use policy::header_name;
-pub use policy::{ClientKeys, LookupConfig, LookupHeaders, Policy, PolicyOverrides};
+pub use policy::{ClientKeys, KeyScope, LookupConfig, LookupHeaders, Policy, PolicyOverrides};
 pub use units::{parse_duration, parse_size, Dur, Size};
 use upstream::{resolve_upstream, RawUpstream};
 pub use upstream::{McpRules, NameGlob, Protocol, Route, ToolRule, Upstream};

@@ -155,6 +155,39 @@ pub struct Policy {
     pub twin_guard: bool,
     pub lookup: Option<LookupConfig>,
     pub stamp: Option<String>,
+    /// What an MCP tool call's fingerprint key covers (SPEC §14.2); set by tool rules only.
+    pub key_scope: KeyScope,
+}
+
+/// What a tool call's fingerprint key covers (SPEC §14.2 `key_scope`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeyScope {
+    /// The tool and its arguments: a resend in any session is the same call.
+    #[default]
+    Arguments,
+    /// Also the `Mcp-Session-Id`: for tools whose effect belongs to a session.
+    Session,
+    /// Nothing: each call is its own action unless the client sends a key (a toggle).
+    Call,
+}
+
+impl KeyScope {
+    pub fn parse(s: &str) -> Option<KeyScope> {
+        match s {
+            "arguments" => Some(KeyScope::Arguments),
+            "session" => Some(KeyScope::Session),
+            "call" => Some(KeyScope::Call),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyScope::Arguments => "arguments",
+            KeyScope::Session => "session",
+            KeyScope::Call => "call",
+        }
+    }
 }
 
 /// What a client's `Idempotency-Key` names (SPEC §4.1 rule 2).
@@ -216,6 +249,7 @@ impl Policy {
             twin_guard: true,
             lookup: None,
             stamp: None,
+            key_scope: KeyScope::Arguments,
         }
     }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use http::{Method, Uri};
 
-use super::policy::{lookup, with_policy_keys, LookupConfig, Policy, PolicyOverrides};
+use super::policy::{lookup, with_policy_keys, KeyScope, LookupConfig, Policy, PolicyOverrides};
 use super::{invalid, ConfigError, Dur};
 
 use crate::route::{Class, Glob};
@@ -44,6 +44,7 @@ with_policy_keys! {
         name: String,
         class: Option<String>,
         lookup: Option<LookupConfig>,
+        key_scope: Option<String>,
     }
 }
 
@@ -199,6 +200,14 @@ fn resolve_tools(u: &RawUpstream, at: &str, policy: &Policy) -> Result<Protocol,
                 let mut tp = policy.layer(&t.overrides(), &tat)?;
                 if let Some(l) = &t.lookup {
                     tp.lookup = Some(lookup(l, &format!("{tat}lookup"))?);
+                }
+                if let Some(scope) = &t.key_scope {
+                    tp.key_scope = KeyScope::parse(scope).ok_or_else(|| {
+                        invalid(
+                            format!("{tat}key_scope"),
+                            format!("{scope:?}: expected \"arguments\", \"session\" or \"call\""),
+                        )
+                    })?;
                 }
                 tools.push(ToolRule {
                     name: NameGlob::new(&t.name),

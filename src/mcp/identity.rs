@@ -5,7 +5,7 @@ use http::HeaderMap;
 use serde_json::Value;
 
 use super::ToolCall;
-use crate::config::Policy;
+use crate::config::{KeyScope, Policy};
 use crate::identity::{
     action_id, allow_twin, choose_key, header_key, header_str, hex32, parse_key, sha256_parts,
     visible, Identity, KeyError,
@@ -88,14 +88,39 @@ impl Canon {
         Canon { args, continuation }
     }
 
-    /// Hex SHA-256 over the tool name, the arguments and a continuation's members.
-    fn fingerprint(&self, call: &ToolCall) -> String {
+    /// Hex SHA-256 over the tool name, the arguments and a continuation's members, and what
+    /// the tool's `key_scope` adds: its session, or this call alone.
+    fn fingerprint(&self, call: &ToolCall, scope: &Scoped) -> String {
         let mut parts: Vec<&[u8]> = vec![call.name.as_bytes(), &self.args];
         if let Some(c) = &self.continuation {
             parts.push(c.as_bytes());
         }
+        let mut salt = Vec::new();
+        match scope {
+            Scoped::Arguments => {}
+            Scoped::Session(id) => {
+                salt.extend_from_slice(b"session\0");
+                salt.extend_from_slice(id.unwrap_or("").as_bytes());
+            }
+            Scoped::Call(nonce) => {
+                salt.extend_from_slice(b"call\0");
+                salt.extend_from_slice(nonce);
+            }
+        }
+        if !salt.is_empty() {
+            parts.push(&salt);
+        }
         crate::identity::hex(&sha256_parts(&parts))
     }
+}
+
+/// What a fingerprint covers besides the tool and its arguments (SPEC §14.2 `key_scope`).
+enum Scoped<'a> {
+    Arguments,
+    /// The `Mcp-Session-Id` (none: a revision without sessions, or a first call).
+    Session(Option<&'a str>),
+    /// A value of this call alone: no other call has its fingerprint.
+    Call([u8; 16]),
 }
 
 /// Derives a tool call's identity.
@@ -108,7 +133,13 @@ pub fn identify(
     policy: &Policy,
 ) -> Result<Identity, KeyError> {
     let canon = Canon::of(call, body, &policy.fingerprint_ignore);
-    let fingerprint = canon.fingerprint(call);
+    let scoped = match policy.key_scope {
+        KeyScope::Arguments => Scoped::Arguments,
+        KeyScope::Session => {
+            Scoped::Session(headers.get("mcp-session-id").and_then(|v| v.to_str().ok()))
+        }
+        KeyScope::Call => Scoped::Call(rand::random()),
+    };
     let task = match header_str(headers, "oncegate-task")? {
         Some(t) => Some(t),
         None => meta_str(call, META_TASK, 128)?,
@@ -129,6 +160,11 @@ pub fn identify(
             crate::config::ClientKeys::Stable,
         ),
     };
+    // A key the client means as the action's makes the call's identity, whatever the scope:
+    // a resend under it is the same call, a different call under it a reuse.
+    let keyed = task.is_some() && step.is_some()
+        || (client_key.is_some() && client_keys == crate::config::ClientKeys::Stable);
+    let fingerprint = canon.fingerprint(call, if keyed { &Scoped::Arguments } else { &scoped });
     let (key, source, client_key) = choose_key(
         upstream,
         principal,
@@ -206,6 +242,56 @@ mod tests {
         ] {
             assert_ne!(id_of(other).action_id, a.action_id, "{other}");
         }
+    }
+
+    fn id_scoped(body: &str, scope: KeyScope, session: Option<&str>) -> Identity {
+        let Intake::Call(call) = intake(body.as_bytes()).expect("test input") else {
+            panic!("not a call")
+        };
+        let mut headers = HeaderMap::new();
+        if let Some(s) = session {
+            headers.insert("mcp-session-id", s.parse().expect("a header value"));
+        }
+        let mut p = policy();
+        p.key_scope = scope;
+        identify("m", "anonymous", &headers, body.as_bytes(), &call, &p).expect("test input")
+    }
+
+    #[test]
+    fn key_scope_says_what_a_fingerprint_key_covers() {
+        let toggle = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"toggle","arguments":{}}}"#;
+        let keyed = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"toggle","arguments":{},"_meta":{"oncegate/key":"k1"}}}"#;
+        let a = |scope, session| id_scoped(toggle, scope, session).action_id;
+        // arguments: one action across calls and sessions.
+        assert_eq!(
+            a(KeyScope::Arguments, Some("s1")),
+            a(KeyScope::Arguments, Some("s2"))
+        );
+        // session: one action within a session, another in the next.
+        assert_eq!(
+            a(KeyScope::Session, Some("s1")),
+            a(KeyScope::Session, Some("s1"))
+        );
+        assert_ne!(
+            a(KeyScope::Session, Some("s1")),
+            a(KeyScope::Session, Some("s2"))
+        );
+        // call: every call its own action (and its own twin), unless the client sends a key.
+        let (c1, c2) = (
+            id_scoped(toggle, KeyScope::Call, Some("s1")),
+            id_scoped(toggle, KeyScope::Call, Some("s1")),
+        );
+        assert_ne!(c1.action_id, c2.action_id);
+        assert_ne!(c1.twin_key("m"), c2.twin_key("m"));
+        let (k1, k2) = (
+            id_scoped(keyed, KeyScope::Call, None),
+            id_scoped(keyed, KeyScope::Session, Some("s2")),
+        );
+        assert_eq!(k1.action_id, k2.action_id);
+        assert_eq!(
+            k1.fingerprint, k2.fingerprint,
+            "a keyed resend is no key reuse"
+        );
     }
 
     #[test]

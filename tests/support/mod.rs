@@ -87,6 +87,38 @@ impl Behavior {
         }
     }
 
+    /// A JSON-RPC response (HTTP 200, JSON) whose `id` is the request's: `result` is its
+    /// result member.
+    pub fn json_rpc(result: &str) -> Behavior {
+        Behavior::json(
+            200,
+            &format!(r#"{{"jsonrpc":"2.0","id":"$ID","result":{result}}}"#),
+        )
+    }
+
+    /// `"$ID"` in a response body becomes the JSON-RPC id of `request` (its JSON).
+    fn answering(self, request: &[u8]) -> Behavior {
+        match self {
+            Behavior::Respond {
+                status,
+                headers,
+                body,
+            } if body.windows(5).any(|w| w == b"\"$ID\"") => {
+                let id = serde_json::from_slice::<serde_json::Value>(request)
+                    .ok()
+                    .and_then(|v| v.get("id").cloned())
+                    .unwrap_or(serde_json::Value::Null);
+                let text = String::from_utf8_lossy(&body).replace("\"$ID\"", &id.to_string());
+                Behavior::Respond {
+                    status,
+                    headers,
+                    body: Bytes::from(text),
+                }
+            }
+            other => other,
+        }
+    }
+
     pub fn with_header(self, name: &str, value: &str) -> Behavior {
         match self {
             Behavior::Respond {
@@ -262,6 +294,7 @@ async fn handle(
         .path_and_query()
         .map(|p| p.as_str().to_string())
         .unwrap_or_default();
+    let request = body.clone();
     st.received.lock().unwrap().push(Received {
         method: parts.method.to_string(),
         target: target.clone(),
@@ -278,13 +311,13 @@ async fn handle(
         .find(|(prefix, _)| target.starts_with(prefix.as_str()))
         .map(|(_, b)| b.clone());
     if let Some(b) = routed {
-        return run_behavior(b).await;
+        return run_behavior(b.answering(&request)).await;
     }
     let behavior = {
         let next = st.script.lock().unwrap().pop_front();
         next.unwrap_or_else(|| st.default.lock().unwrap().clone())
     };
-    run_behavior(behavior).await
+    run_behavior(behavior.answering(&request)).await
 }
 
 fn run_behavior(
