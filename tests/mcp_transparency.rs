@@ -6,41 +6,14 @@
 mod support;
 
 use serde_json::{json, Value};
+use support::mcp::{call_body, mcp_config, run_client, script, McpServer, JSON_SSE};
 use support::{Behavior, FakeUpstream, TestClient, TestProxy};
-
-fn mcp_config(url: &str, extra: &str) -> String {
-    let tools = r#"
-[[upstreams.tools]]
-name = "search"
-class = "read"
-
-[[upstreams.tools]]
-name = "delete_*"
-class = "deny"
-"#;
-    support::config(
-        url,
-        &format!("protocol = \"mcp\"\nin_flight_wait = \"5s\"\n{extra}\n{tools}"),
-    )
-    .replacen("name = \"pay\"", "name = \"tools\"", 1)
-    .replacen("prefix = \"/pay\"", "prefix = \"/mcp\"", 1)
-}
-
-const JSON_SSE: &[(&str, &str)] = &[
-    ("content-type", "application/json"),
-    ("accept", "application/json, text/event-stream"),
-];
 
 fn initialize() -> String {
     json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
         "protocolVersion": "2025-11-25", "capabilities": {},
         "clientInfo": {"name": "t", "version": "1"}}})
     .to_string()
-}
-
-fn call_body(id: u64, tool: &str, args: Value) -> String {
-    json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {"name": tool, "arguments": args}})
-        .to_string()
 }
 
 /// A web page whose name was rebound to the loopback proxy sends its own name as `Host` and
@@ -251,5 +224,124 @@ key_scope = "session"
     assert_eq!(call("send_email", "s1", 6).await, "sent");
     assert_eq!(call("send_email", "s2", 7).await, "replayed");
     assert_eq!(sends("send_email"), 1);
+    proxy.stop().await;
+}
+
+/// A client's cancel (SPEC §14.3, issue 57 item 3): session clients send
+/// `notifications/cancelled` when their own timeout fires. For a guarded write still running it
+/// is not forwarded, so the server does not stop a call that may already have taken effect: the
+/// call runs to its end and the resend gets its result. A read's cancel goes on as usual.
+#[tokio::test]
+async fn a_cancel_of_a_running_write_is_held_back_and_the_resend_gets_the_result() {
+    let up = FakeUpstream::start().await;
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    up.push(Behavior::Gate(
+        gate.clone(),
+        Box::new(Behavior::json_rpc(
+            r#"{"content":[{"type":"text","text":"charged"}]}"#,
+        )),
+    ));
+    up.set_default(Behavior::status(202));
+    let proxy = TestProxy::start(&mcp_config(&format!("{}/mcp", up.url()), "")).await;
+    let c = TestClient::default();
+    let url = proxy.url("/mcp");
+    let mut h = JSON_SSE.to_vec();
+    h.push(("mcp-session-id", "s1"));
+    let charge = call_body(7, "charge", json!({"amount": 5}));
+    let first = {
+        let (c, url, h, charge) = (c.clone(), url.clone(), h.clone(), charge.clone());
+        tokio::spawn(async move { c.post(&url, &h, &charge).await })
+    };
+    up.wait_for(1).await;
+    let cancel = |id: Value| {
+        json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+               "params": {"requestId": id, "reason": "timed out"}})
+        .to_string()
+    };
+    let r = c.post(&url, &h, &cancel(json!(7))).await;
+    assert_eq!(r.status, 202, "{r:?}");
+    let cancels = || {
+        up.received()
+            .iter()
+            .filter(|r| String::from_utf8_lossy(&r.body).contains("notifications/cancelled"))
+            .count()
+    };
+    assert_eq!(cancels(), 0, "the server never heard the cancel");
+    // Another session's request 7 is not this call: its cancel goes on.
+    let mut other = JSON_SSE.to_vec();
+    other.push(("mcp-session-id", "s2"));
+    c.post(&url, &other, &cancel(json!(7))).await;
+    assert_eq!(cancels(), 1);
+    gate.notify_one();
+    let first = first.await.unwrap();
+    assert_eq!(first.header("oncegate-outcome"), Some("sent"));
+    let again = c
+        .post(&url, &h, &call_body(8, "charge", json!({"amount": 5})))
+        .await;
+    assert_eq!(again.header("oncegate-outcome"), Some("replayed"));
+    assert_eq!(again.json()["id"], 8);
+    let runs = up
+        .received()
+        .iter()
+        .filter(|r| String::from_utf8_lossy(&r.body).contains("tools/call"))
+        .count();
+    assert_eq!(runs, 1, "the tool ran once");
+    // Once the call has ended, a cancel naming it goes on (the server ignores it).
+    c.post(&url, &h, &cancel(json!(7))).await;
+    assert_eq!(cancels(), 2);
+    // The write log says a cancel was held back.
+    let log = proxy.admin("GET", "/v1/log?limit=50", "").await;
+    assert!(
+        String::from_utf8_lossy(&log.body).contains("cancel-requested"),
+        "{:?}",
+        log.body
+    );
+    proxy.stop().await;
+}
+
+/// The same with the official SDKs (issue 57 item 3): the TypeScript client's own timeout fires
+/// while the Python server's charge runs, and the SDK sends `notifications/cancelled`. Direct,
+/// the server cancels the charge mid-way; through oncegate, it runs to its end, once, and the
+/// client's resend (a new id) gets its result.
+#[tokio::test]
+#[ignore = "needs the MCP TypeScript SDK (ONCEGATE_MCP_NODE) and the Python SDK (ONCEGATE_PYTHON)"]
+async fn sdk_a_client_timeout_cancel_leaves_one_execution_and_the_resend_gets_the_result() {
+    let node_dir = std::env::var("ONCEGATE_MCP_NODE").unwrap_or_else(|_| {
+        panic!("this test needs ONCEGATE_MCP_NODE: a folder with @modelcontextprotocol/sdk installed (as .ci/run makes)")
+    });
+    let server = McpServer::start(&["--stateful"]);
+    let proxy = TestProxy::start(&mcp_config(&server.url(), "timeout = \"20s\"")).await;
+    let gate = server.tmp.path().join("open");
+    let args = json!({"amount": 42, "seconds": 15, "gate": gate.to_str().unwrap()});
+    let mut cmd = std::process::Command::new("node");
+    cmd.arg(script("client.mjs"))
+        .arg(proxy.url("/mcp"))
+        .arg("slow_charge")
+        .arg(args.to_string())
+        .arg("2")
+        .arg("[800, 20000]")
+        .env("ONCEGATE_MCP_NODE", &node_dir);
+    let client = tokio::spawn(run_client(cmd));
+    // The first call times out at the client (0.8 s) and is cancelled; the charge is let through
+    // a while after, while the resend waits for it.
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    std::fs::write(&gate, "").unwrap();
+    let out = client.await.unwrap();
+    assert!(
+        out["calls"][0]["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("timed out"),
+        "{out}"
+    );
+    assert_eq!(out["calls"][1]["is_error"], false, "{out}");
+    assert!(
+        out["calls"][1]["text"]
+            .as_str()
+            .unwrap_or("")
+            .contains("charged 42"),
+        "{out}"
+    );
+    assert_eq!(server.ran("slow_charge"), 1, "{out}");
     proxy.stop().await;
 }

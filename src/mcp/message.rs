@@ -12,6 +12,8 @@ pub enum Intake {
     Call(ToolCall),
     /// A JSON-RPC batch, with the names of the tools it calls.
     Batch { tools: Vec<String> },
+    /// A client's `notifications/cancelled`, naming the request it cancels (SPEC §14.3).
+    Cancel { request_id: Value },
 }
 
 /// One `tools/call` request.
@@ -63,6 +65,15 @@ pub fn intake(body: &[u8]) -> Result<Intake, String> {
     }
     match v {
         Value::Object(m) => {
+            if m.get("method")
+                .is_some_and(|x| x == "notifications/cancelled")
+            {
+                if let Some(id) = m.get("params").and_then(|p| p.get("requestId")) {
+                    return Ok(Intake::Cancel {
+                        request_id: id.clone(),
+                    });
+                }
+            }
             let tools_list = m.get("method").is_some_and(|x| x == "tools/list");
             Ok(match single(m)? {
                 Some(call) => Intake::Call(call),
@@ -138,6 +149,11 @@ mod tests {
         assert!(matches!(
             intake(note).expect("test input"),
             Intake::Other { tools_list: false }
+        ));
+        let cancel = br#"{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":"r-1","reason":"timeout"}}"#;
+        assert!(matches!(
+            intake(cancel).expect("test input"),
+            Intake::Cancel { request_id } if request_id == "r-1"
         ));
         let batch = br#"[{"jsonrpc":"2.0","id":1,"method":"ping"},{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"x"}}]"#;
         assert!(

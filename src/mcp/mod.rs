@@ -6,11 +6,13 @@
 //! - `message.rs`: what a POST holds (§14.1): a `tools/call`, a batch, or anything else (a read);
 //! - `classify.rs`: a tool's class from `[[upstreams.tools]]` and learned annotations;
 //! - `identity.rs`: a tool call's key and fingerprint (§14.2);
+//! - `calls.rs`: the guarded calls seen, by what a client's cancel names (§14.3);
 //! - `stream.rs`: SSE events as they arrive, the final response, and the outcome (§14.3);
 //! - `answer.rs`: replays and problems as JSON-RPC (§14.4);
 //! - `origin.rs`: DNS rebinding protection in the server's place (§14.6).
 
 pub mod answer;
+pub mod calls;
 pub mod classify;
 pub mod identity;
 pub mod message;

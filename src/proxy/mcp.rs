@@ -9,6 +9,7 @@ use http_body::{Body, Frame};
 
 use super::*;
 use crate::config::McpRules;
+use crate::mcp::calls::CallRef;
 use crate::mcp::{self, answer, Intake};
 
 /// The largest `tools/list` answer read for annotations; a larger one passes through unread.
@@ -84,6 +85,15 @@ impl Proxy {
                 }
                 return self.mcp_read(&t, t.policy, parts, body, false).await;
             }
+            Intake::Cancel { request_id } => {
+                let call = CallRef::new(&t.upstream.name, &principal, &parts.headers, &request_id);
+                if let Some(action) = self.calls.action(&call) {
+                    if let Some(resp) = self.absorb_cancel(&action).await {
+                        return Ok(resp);
+                    }
+                }
+                return self.mcp_read(&t, t.policy, parts, body, false).await;
+            }
             Intake::Call(call) => call,
         };
         // The transport headers of revision 2026-07-28 must say what the body says: a server
@@ -120,10 +130,10 @@ impl Proxy {
                 path: call.name.clone(),
             })),
             Class::Write => {
-                let principal = identity::principal(&parts.headers, policy);
+                let tool_principal = identity::principal(&parts.headers, policy);
                 let id = mcp::identity::identify(
                     &t.upstream.name,
-                    &principal,
+                    &tool_principal,
                     &parts.headers,
                     &body,
                     &call,
@@ -135,6 +145,8 @@ impl Proxy {
                     Err(KeyError::Required) => return Ok(problem(ProxyError::KeyRequired)),
                 };
                 span.record("action", identity.action_id.as_str());
+                let named = CallRef::new(&t.upstream.name, &principal, &parts.headers, &call.id);
+                self.calls.started(named, &identity.action_id);
                 let job = WriteJob {
                     upstream: t.upstream.clone(),
                     policy: policy.clone(),
@@ -157,6 +169,38 @@ impl Proxy {
                 }
             }
         }
+    }
+
+    /// A client's cancel of guarded call `action` (SPEC §14.3): while the call runs (or its
+    /// claim is being made), the cancel is not forwarded, since the server would stop a call
+    /// that may already have taken effect; it is noted in the write log, and answered 202 as
+    /// the server answers a notification. `None`: the call has ended, the cancel goes on.
+    async fn absorb_cancel(&self, action: &str) -> Option<Response<ProxyBody>> {
+        // Unsure whether the call runs (a store error): the cancel is held back, on the side
+        // of the write.
+        let rec = self.store.get(action).await.unwrap_or_default();
+        let running = rec.as_ref().is_none_or(|r| {
+            r.state == State::InFlight
+                || (r.state == State::Unknown
+                    && r.evidence.last().is_some_and(|a| a.ended_at.is_none()))
+        });
+        if !running {
+            return None;
+        }
+        tracing::info!(
+            action,
+            "a client's cancel of a guarded tool call was not forwarded"
+        );
+        if let Some(r) = &rec {
+            self.store.note(
+                LogEvent::for_record(Event::Rejected, r, Actor::Proxy)
+                    .outcome("in-flight")
+                    .detail("cancel-requested: not forwarded, the call runs to its end"),
+            );
+        }
+        let mut resp = Response::new(crate::upstream::empty());
+        *resp.status_mut() = http::StatusCode::ACCEPTED;
+        Some(resp)
     }
 
     /// A read on an MCP upstream, its body already buffered. `learn`: the answer lists the

@@ -126,6 +126,8 @@ pub struct Proxy {
     /// The proxy listener's address: a loopback one makes MCP upstreams check `Host` too
     /// (SPEC §14.6).
     pub(crate) local: Option<std::net::SocketAddr>,
+    /// Guarded MCP tool calls seen, for the cancels that name them (SPEC §14.3).
+    calls: crate::mcp::calls::Calls,
 }
 
 /// What a claim leads to.
@@ -212,6 +214,7 @@ impl Proxy {
             stopping: CancellationToken::new(),
             annotations: Arc::default(),
             local: None,
+            calls: Default::default(),
         })
     }
 

@@ -24,6 +24,7 @@ use tokio::sync::{oneshot, Notify};
 use oncegate::config::Config;
 use oncegate::upstream::BoxError;
 
+pub mod mcp;
 pub mod pg_server;
 
 type Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
@@ -115,6 +116,8 @@ impl Behavior {
                     body: Bytes::from(text),
                 }
             }
+            Behavior::Gate(g, b) => Behavior::Gate(g, Box::new(b.answering(request))),
+            Behavior::Delay(d, b) => Behavior::Delay(d, Box::new(b.answering(request))),
             other => other,
         }
     }
