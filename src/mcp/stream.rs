@@ -11,6 +11,8 @@ pub struct Event {
     pub raw: Bytes,
     /// Its `data` lines, joined by `\n`.
     pub data: String,
+    /// Its `id` field, when it has one: where a client resumes the stream (`Last-Event-ID`).
+    pub id: Option<String>,
 }
 
 /// Splits an SSE stream into events, whatever the chunking (lines end in `\n`, `\r\n` or `\r`).
@@ -55,10 +57,11 @@ impl Events {
             if i == self.line_start {
                 // A blank line: the event is complete.
                 let raw: Vec<u8> = self.buf.drain(..end).collect();
-                let data = data_of(&raw[..i]);
+                let (data, id) = fields_of(&raw[..i]);
                 out.push(Event {
                     raw: Bytes::from(raw),
                     data,
+                    id,
                 });
                 self.line_start = 0;
                 i = 0;
@@ -85,20 +88,24 @@ impl Events {
     }
 }
 
-/// The `data` field of an event's lines.
-fn data_of(lines: &[u8]) -> String {
+/// The `data` and `id` fields of an event's lines.
+fn fields_of(lines: &[u8]) -> (String, Option<String>) {
     let text = String::from_utf8_lossy(lines);
     let mut data: Vec<&str> = Vec::new();
+    let mut id = None;
     for line in text.split(['\n', '\r']).filter(|l| !l.is_empty()) {
         let (field, value) = match line.split_once(':') {
             Some((f, v)) => (f, v.strip_prefix(' ').unwrap_or(v)),
             None => (line, ""),
         };
-        if field == "data" {
-            data.push(value);
+        match field {
+            "data" => data.push(value),
+            // An id with a NUL is ignored (the SSE standard).
+            "id" if !value.contains('\0') => id = Some(value.to_string()),
+            _ => {}
         }
     }
-    data.join("\n")
+    (data.join("\n"), id)
 }
 
 /// The final response to request `id`, if this message is it.

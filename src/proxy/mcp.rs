@@ -48,7 +48,25 @@ impl Proxy {
         }
         if req.method() != Method::POST {
             // GET (a stream the server opens) and DELETE (a session's end): never a tool call.
-            return self.read(t, req).await;
+            // A GET of a session whose call waits for a resumed stream is read along.
+            let session = crate::mcp::calls::session_of(req.headers());
+            let upstream = t.upstream.name.clone();
+            let watch = req.method() == Method::GET && self.resumes.waiting(&upstream, &session);
+            let resp = self.read(t, req).await?;
+            if !watch {
+                return Ok(resp);
+            }
+            let resumes = self.resumes.clone();
+            return Ok(resp.map(|inner| {
+                super::resume::Watch {
+                    inner,
+                    events: mcp::stream::Events::default(),
+                    resumes,
+                    upstream,
+                    session,
+                }
+                .boxed_unsync()
+            }));
         }
         let (parts, body) = req.into_parts();
         let body = self.buffer(&parts.headers, body).await?;

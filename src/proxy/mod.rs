@@ -36,6 +36,7 @@ mod mcp;
 mod own;
 mod protocol;
 mod relay;
+mod resume;
 mod write;
 
 use protocol::{Call, McpCall};
@@ -128,6 +129,8 @@ pub struct Proxy {
     pub(crate) local: Option<std::net::SocketAddr>,
     /// Guarded MCP tool calls seen, for the cancels that name them (SPEC §14.3).
     calls: crate::mcp::calls::Calls,
+    /// Calls whose stream the server ended for the client to resume (SPEC §14.3).
+    resumes: Arc<crate::mcp::calls::Resumes>,
 }
 
 /// What a claim leads to.
@@ -215,6 +218,7 @@ impl Proxy {
             annotations: Arc::default(),
             local: None,
             calls: Default::default(),
+            resumes: Arc::default(),
         })
     }
 

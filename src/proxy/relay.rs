@@ -18,8 +18,10 @@ const EVENT_SLACK: usize = 64 * 1024;
 
 /// How a relayed stream ended.
 pub(super) struct Relayed {
-    /// The client's side of the stream (dropped by the client when it went away).
-    to_client: mpsc::Sender<Bytes>,
+    /// The client's side of the stream (dropped by the client when it went away); `None` when
+    /// the server ended it for the client to resume (SEP-1699): the final response reaches the
+    /// client on its resumed stream, from the server.
+    to_client: Option<mpsc::Sender<Bytes>>,
     /// The final JSON-RPC response to the request, when it came.
     last: Option<Bytes>,
     /// Why there is no final response.
@@ -29,8 +31,20 @@ pub(super) struct Relayed {
     late: Option<(Incoming, stream::Events)>,
 }
 
+/// A final response as a try's evidence: its first [`EVIDENCE_BODY_MAX`] bytes, cut on a
+/// character boundary.
+fn evidence(data: &[u8]) -> String {
+    let text = String::from_utf8_lossy(data);
+    let n = text.len().min(EVIDENCE_BODY_MAX);
+    let cut = (0..=n)
+        .rev()
+        .find(|i| text.is_char_boundary(*i))
+        .unwrap_or(0);
+    text[..cut].to_string()
+}
+
 /// How long a stream that went quiet is read on for a late final response.
-const LATE_PATIENCE: Duration = Duration::from_secs(300);
+pub(super) const LATE_PATIENCE: Duration = Duration::from_secs(300);
 
 impl Proxy {
     /// Answers the client with the stream's head at once, then relays its events until the
@@ -60,6 +74,8 @@ impl Proxy {
         let mut events = stream::Events::default();
         // Set when an event outgrew the limit: the rest is passed through unparsed.
         let mut oversized = false;
+        // The id of the last event that carried one: where the stream can be resumed.
+        let mut resume_at: Option<String> = None;
         let lost = loop {
             let frame = tokio::select! {
                 f = tokio::time::timeout(job.policy.timeout, body.frame()) => f,
@@ -74,7 +90,7 @@ impl Proxy {
                         job.policy.timeout
                     );
                     return Relayed {
-                        to_client,
+                        to_client: Some(to_client),
                         last: None,
                         lost: Some(error),
                         late: Some((body, events)),
@@ -89,7 +105,28 @@ impl Proxy {
                 Ok(None) if oversized => {
                     break "an event of the answer was larger than max_stored_response: its final response could not be read".to_string()
                 }
-                Ok(None) => break "the stream ended without the final response".to_string(),
+                Ok(None) => match resume_at.take() {
+                    // The server ended the stream for the client to resume (SEP-1699): the end
+                    // passes through, and the call waits for its final response.
+                    Some(at) => {
+                        drop(to_client);
+                        let last = self.resumed(job, call, at).await;
+                        if let (Ok(last), Some(t)) = (&last, tries.last_mut()) {
+                            t.body = Some(evidence(last));
+                        }
+                        let (last, lost) = match last {
+                            Ok(last) => (Some(last), None),
+                            Err(why) => (None, Some(why)),
+                        };
+                        return Relayed {
+                            to_client: None,
+                            last,
+                            lost,
+                            late: None,
+                        };
+                    }
+                    None => break "the stream ended without the final response".to_string(),
+                },
                 Ok(Some(Err(e))) => break format!("the stream broke: {e}"),
                 Ok(Some(Ok(frame))) => match frame.into_data() {
                     Ok(d) => d,
@@ -101,17 +138,15 @@ impl Proxy {
                 continue;
             }
             for ev in events.push(&data) {
+                if ev.id.is_some() {
+                    resume_at = ev.id.clone();
+                }
                 if stream::final_response(ev.data.as_bytes(), &call.id).is_some() {
                     if let Some(t) = tries.last_mut() {
-                        let n = ev.data.len().min(EVIDENCE_BODY_MAX);
-                        let cut = (0..=n)
-                            .rev()
-                            .find(|i| ev.data.is_char_boundary(*i))
-                            .unwrap_or(0);
-                        t.body = Some(ev.data[..cut].to_string());
+                        t.body = Some(evidence(ev.data.as_bytes()));
                     }
                     return Relayed {
-                        to_client,
+                        to_client: Some(to_client),
                         last: Some(Bytes::from(ev.data)),
                         lost: None,
                         late: None,
@@ -126,7 +161,7 @@ impl Proxy {
             }
         };
         Relayed {
-            to_client,
+            to_client: Some(to_client),
             last: None,
             lost: Some(lost),
             late: None,
@@ -214,12 +249,10 @@ impl Proxy {
             ),
         };
         // A client that went away (or stopped reading) does not hold the action's task.
-        let _ = tokio::time::timeout(
-            job.policy.timeout,
-            relayed.to_client.send(answer::event(&last)),
-        )
-        .await;
-        drop(relayed.to_client);
+        if let Some(to_client) = relayed.to_client {
+            let _ = tokio::time::timeout(job.policy.timeout, to_client.send(answer::event(&last)))
+                .await;
+        }
         if let (true, Some((body, events))) = (unknown_now, relayed.late) {
             self.read_late(job, &rec.id, body, events).await;
         }

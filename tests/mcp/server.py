@@ -3,7 +3,10 @@
 Every execution of a tool is appended to a ledger file (one JSON line), so a test counts what the
 server really ran. Prints `PORT <n>` once it listens on 127.0.0.1 (port chosen by the OS).
 
-    python server.py LEDGER [--stateful] [--json]
+    python server.py LEDGER [--stateful] [--json] [--resumable]
+
+`--resumable` keeps every event in memory (an event store), so that a client can resume a stream
+the server ended (`Last-Event-ID`, SEP-1699), which `polled_charge` does.
 """
 
 import asyncio
@@ -14,11 +17,13 @@ import sys
 
 import uvicorn
 from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.streamable_http import EventMessage, EventStore
 from mcp.types import ToolAnnotations
 
 LEDGER = sys.argv[1]
 STATEFUL = "--stateful" in sys.argv
 JSON_RESPONSE = "--json" in sys.argv
+RESUMABLE = "--resumable" in sys.argv
 
 server = MCPServer("oncegate-test")
 
@@ -74,6 +79,38 @@ async def slow_charge(amount: int, seconds: float, gate: str = "") -> str:
 
 
 @server.tool()
+async def polled_charge(amount: int, ctx: Context) -> str:
+    """Charges, after ending the call's stream for the client to resume (SEP-1699): the result
+    is delivered on the stream the client resumes with Last-Event-ID."""
+    await ctx.close_sse_stream()
+    await asyncio.sleep(0.3)
+    n = ran("polled_charge", amount=amount)
+    return f"charged {amount} (#{n})"
+
+
+class MemoryEvents(EventStore):
+    """Every event of every stream, in memory, for resumption."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, object]] = []
+
+    async def store_event(self, stream_id, message):
+        event_id = str(len(self.events) + 1)
+        self.events.append((event_id, stream_id, message))
+        return event_id
+
+    async def replay_events_after(self, last_event_id, send_callback):
+        at = next((i for i, e in enumerate(self.events) if e[0] == last_event_id), None)
+        if at is None:
+            return None
+        stream = self.events[at][1]
+        for event_id, stream_id, message in self.events[at + 1 :]:
+            if stream_id == stream and message is not None:
+                await send_callback(EventMessage(message, event_id))
+        return stream
+
+
+@server.tool()
 async def report(steps: int, ctx: Context) -> str:
     """Sends progress notifications, then its result."""
     for i in range(steps):
@@ -92,7 +129,10 @@ def refuse(reason: str) -> str:
 
 async def main() -> None:
     app = server.streamable_http_app(
-        stateless_http=not STATEFUL, json_response=JSON_RESPONSE
+        stateless_http=not STATEFUL,
+        json_response=JSON_RESPONSE,
+        event_store=MemoryEvents() if RESUMABLE else None,
+        retry_interval=100 if RESUMABLE else None,
     )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
