@@ -62,7 +62,7 @@ fn everything(modules: &Path) -> Everything {
         .local_addr()
         .unwrap()
         .port();
-    let mut child = Command::new(modules.join(".bin/node"))
+    let child = Command::new(modules.join(".bin/node"))
         .arg(modules.join("@modelcontextprotocol/server-everything/dist/index.js"))
         .arg("streamableHttp")
         .env("PORT", port.to_string())
@@ -70,13 +70,13 @@ fn everything(modules: &Path) -> Everything {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    let server = Everything(child, port);
     for _ in 0..100 {
         if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return Everything(child, port);
+            return server;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    let _ = child.kill();
     panic!("server-everything did not listen on {port}");
 }
 
