@@ -227,6 +227,24 @@ impl Outgoing {
         })
     }
 
+    /// A request to `path_and_query` at the upstream's origin, outside its base path (an MCP
+    /// server's OAuth metadata, SPEC §14.6), with the client's headers as a read sends them.
+    pub fn at_origin(
+        up: &Upstream,
+        method: &Method,
+        headers: HeaderMap,
+        path_and_query: &str,
+    ) -> Result<Outgoing, http::Error> {
+        let mut out = Self::from_owned(up, method, headers, "", None, None)?;
+        let uri = out.uri.clone().into_parts();
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = uri.scheme;
+        parts.authority = uri.authority;
+        parts.path_and_query = Some(path_and_query.parse()?);
+        out.uri = Uri::from_parts(parts)?;
+        Ok(out)
+    }
+
     fn request(&self, body: ProxyBody) -> Request<ProxyBody> {
         let mut req = Request::new(body);
         *req.method_mut() = self.method.clone();

@@ -9,13 +9,15 @@
 //! - `calls.rs`: the guarded calls seen, by what a client's cancel names (§14.3);
 //! - `stream.rs`: SSE events as they arrive, the final response, and the outcome (§14.3);
 //! - `answer.rs`: replays and problems as JSON-RPC (§14.4);
-//! - `origin.rs`: DNS rebinding protection in the server's place (§14.6).
+//! - `origin.rs`: DNS rebinding protection in the server's place (§14.6);
+//! - `oauth.rs`: the server's OAuth metadata routed and named as the proxy's (§14.6).
 
 pub mod answer;
 pub mod calls;
 pub mod classify;
 pub mod identity;
 pub mod message;
+pub mod oauth;
 pub mod origin;
 pub mod stream;
 

@@ -23,6 +23,21 @@ impl Proxy {
         req: Request<Incoming>,
         labels: &mut (&'static str, &'static str),
     ) -> Result<Response<ProxyBody>, ProxyError> {
+        let origin = self.origin_of(&req);
+        let up = t.upstream.clone();
+        let mut resp = self.mcp_message(t, rules, req, labels).await?;
+        // A challenge names the proxy's metadata for this upstream (SPEC §14.6).
+        Self::name_our_metadata(&up, origin.as_deref(), &mut resp);
+        Ok(resp)
+    }
+
+    async fn mcp_message(
+        self: &Arc<Self>,
+        t: Target<'_>,
+        rules: &McpRules,
+        req: Request<Incoming>,
+        labels: &mut (&'static str, &'static str),
+    ) -> Result<Response<ProxyBody>, ProxyError> {
         // Every message but a guarded tool call is a read (SPEC §14.1).
         *labels = (t.upstream.label, Class::Read.as_str());
         // The server's own DNS rebinding check, made here: it would see the proxy's `Host`.

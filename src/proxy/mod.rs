@@ -33,6 +33,7 @@ use tracing::Instrument;
 mod attempt;
 mod detach;
 mod mcp;
+mod oauth;
 mod own;
 mod protocol;
 mod relay;
@@ -289,6 +290,10 @@ impl Proxy {
             // Boxed, like the write path below: the read path's future stays small (it is
             // moved into hyper's connection task for every request).
             return Box::pin(self.own(req, path)).await;
+        }
+        if let Some(at) = self.oauth_path(req.method(), path) {
+            // An MCP server's OAuth metadata, as the proxy's own (SPEC §14.6).
+            return Box::pin(self.oauth(at, req)).await;
         }
         let target =
             route(&self.config, req.method(), path, req.headers()).map_err(|e| match e {
