@@ -495,3 +495,47 @@ async fn sdk_a_resumed_stream_settles_the_call_and_the_resend_replays_it() {
     assert_eq!(server.ran("polled_charge"), 2, "{py} {ts}");
     proxy.stop().await;
 }
+
+/// A write whose answer streams and ends at once (one final event): its client gets that
+/// stream, every time. The action's task could end before the request took the stream's head,
+/// and the request then answered the task's own end, an empty 200 with no content type (seen
+/// by the conformance suite's `tools-call-error`, 2 runs in 5, on a loaded machine: many calls
+/// at once make one likely here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_answer_that_ends_at_once_reaches_its_client_every_time() {
+    let up = FakeUpstream::start().await;
+    let event = |i: u64| {
+        format!(
+            "event: message\ndata: {{\"jsonrpc\":\"2.0\",\"id\":{i},\"result\":{{\"content\":[],\"isError\":true}}}}\n\n"
+        )
+    };
+    up.set_default(Behavior::Paced {
+        every: std::time::Duration::ZERO,
+        chunks: vec![bytes::Bytes::from(event(1))],
+    });
+    let proxy = TestProxy::start(&mcp_config(&format!("{}/mcp", up.url()), "")).await;
+    let url = proxy.url("/mcp");
+    let calls: Vec<_> = (0..200u64)
+        .map(|i| {
+            let (c, url) = (TestClient::default(), url.clone());
+            tokio::spawn(async move {
+                c.post(
+                    &url,
+                    JSON_SSE,
+                    &call_body(1, "fail_fast", json!({ "n": i })),
+                )
+                .await
+            })
+        })
+        .collect();
+    for (i, call) in calls.into_iter().enumerate() {
+        let r = call.await.unwrap();
+        assert_eq!(
+            r.header("content-type"),
+            Some("text/event-stream"),
+            "call {i}: {r:?}"
+        );
+        assert_eq!(String::from_utf8_lossy(&r.body), event(1), "call {i}");
+    }
+    proxy.stop().await;
+}

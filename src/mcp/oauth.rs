@@ -63,26 +63,26 @@ impl Mount<'_> {
         format!("{}{path_and_query}", self.split().0)
     }
 
-    /// A `WWW-Authenticate` value with its `resource_metadata` URL, when it names this server's
-    /// metadata, turned into the proxy's for this upstream. `None`: nothing to rewrite.
-    pub fn challenge(&self, value: &str, origin: &str) -> Option<String> {
+    /// A `WWW-Authenticate` value with its `resource_metadata` URL, when it names metadata at
+    /// this server's origin, turned into the proxy's for this upstream; with the path of the
+    /// server's metadata (which may be anywhere at its origin), for the proxy to fetch it from.
+    /// `None`: nothing to rewrite.
+    pub fn challenge(&self, value: &str, origin: &str) -> Option<(String, String)> {
         const PARAM: &str = "resource_metadata=\"";
         let start = value.find(PARAM)? + PARAM.len();
         let len = value[start..].find('"')?;
         let named = &value[start..start + len];
         let (server_origin, _) = self.split();
-        if !named.starts_with(&format!("{server_origin}{PROTECTED_RESOURCE}")) {
+        let path = named.strip_prefix(server_origin)?;
+        if !path.starts_with('/') {
             return None;
         }
         let ours = format!(
             "{origin}{PROTECTED_RESOURCE}{}",
             self.prefix.trim_end_matches('/')
         );
-        Some(format!(
-            "{}{ours}{}",
-            &value[..start],
-            &value[start + len..]
-        ))
+        let rewritten = format!("{}{ours}{}", &value[..start], &value[start + len..]);
+        Some((rewritten, path.to_string()))
     }
 
     /// Protected-resource metadata with its `resource` (the server's URL, or one under it)
@@ -92,10 +92,18 @@ impl Mount<'_> {
         let resource = v.get("resource")?.as_str()?.to_string();
         let (server_origin, base) = self.split();
         let base = base.trim_end_matches('/');
-        let under = resource
-            .strip_prefix(server_origin)
-            .and_then(|p| p.strip_prefix(base))
-            .filter(|rest| rest.is_empty() || rest.starts_with('/'))?;
+        let path = resource.strip_prefix(server_origin)?;
+        if !(path.is_empty() || path.starts_with('/')) {
+            return None;
+        }
+        // A resource under the server's base path keeps its place under the prefix; one above
+        // it (the server's origin: metadata at the root) covers the upstream, so it names the
+        // upstream's mount on the proxy.
+        let under = match path.strip_prefix(base) {
+            Some(rest) if rest.is_empty() || rest.starts_with('/') => rest,
+            _ if base.starts_with(path.trim_end_matches('/')) => "",
+            _ => return None,
+        };
         v["resource"] = Value::String(format!("{}{under}", self.resource(origin)));
         serde_json::to_vec(&v).ok()
     }
@@ -115,7 +123,7 @@ mod tests {
     fn the_challenge_names_the_proxys_metadata() {
         let h = r#"Bearer error="invalid_token", resource_metadata="http://127.0.0.1:9000/.well-known/oauth-protected-resource/mcp", scope="files""#;
         assert_eq!(
-            M.challenge(h, P).as_deref(),
+            M.challenge(h, P).map(|c| c.0).as_deref(),
             Some(
                 r#"Bearer error="invalid_token", resource_metadata="http://127.0.0.1:8080/.well-known/oauth-protected-resource/tools", scope="files""#
             )
@@ -123,6 +131,11 @@ mod tests {
         // Another server's metadata, or none: left as it is.
         assert_eq!(M.challenge(r#"Bearer resource_metadata="https://as.example/.well-known/oauth-protected-resource""#, P), None);
         assert_eq!(M.challenge("Bearer", P), None);
+        // Metadata at a place of the server's choosing: fetched from there.
+        let custom = r#"Bearer resource_metadata="http://127.0.0.1:9000/custom/metadata.json""#;
+        let (ours, at) = M.challenge(custom, P).expect("rewritten");
+        assert_eq!(at, "/custom/metadata.json");
+        assert!(ours.contains("http://127.0.0.1:8080/.well-known/oauth-protected-resource/tools"));
     }
 
     #[test]
@@ -141,6 +154,17 @@ mod tests {
         assert!(M
             .metadata(br#"{"resource":"http://127.0.0.1:9000/mcpx"}"#, P)
             .is_none());
+        assert!(M
+            .metadata(br#"{"resource":"http://127.0.0.1:9000/other"}"#, P)
+            .is_none());
+        // Metadata at the server's root, for its whole origin: the upstream's mount.
+        for root in ["http://127.0.0.1:9000", "http://127.0.0.1:9000/"] {
+            let body = format!(r#"{{"resource":"{root}"}}"#);
+            let out: Value =
+                serde_json::from_slice(&M.metadata(body.as_bytes(), P).expect("rewritten"))
+                    .expect("JSON");
+            assert_eq!(out["resource"], "http://127.0.0.1:8080/tools", "{root}");
+        }
         assert_eq!(
             M.metadata_at(""),
             "http://127.0.0.1:9000/.well-known/oauth-protected-resource/mcp"

@@ -27,7 +27,7 @@ impl Proxy {
         let up = t.upstream.clone();
         let mut resp = self.mcp_message(t, rules, req, labels).await?;
         // A challenge names the proxy's metadata for this upstream (SPEC §14.6).
-        Self::name_our_metadata(&up, origin.as_deref(), &mut resp);
+        self.name_our_metadata(&up, origin.as_deref(), &mut resp);
         Ok(resp)
     }
 

@@ -132,6 +132,8 @@ pub struct Proxy {
     calls: crate::mcp::calls::Calls,
     /// Calls whose stream the server ended for the client to resume (SPEC §14.3).
     resumes: Arc<crate::mcp::calls::Resumes>,
+    /// Where each MCP upstream's server said its OAuth metadata is (SPEC §14.6).
+    metadata_paths: Mutex<std::collections::HashMap<String, String>>,
 }
 
 /// What a claim leads to.
@@ -220,6 +222,7 @@ impl Proxy {
             local: None,
             calls: Default::default(),
             resumes: Arc::default(),
+            metadata_paths: Mutex::default(),
         })
     }
 

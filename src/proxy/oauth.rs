@@ -89,12 +89,23 @@ impl Proxy {
                 };
                 let headers = req.headers().clone();
                 let mut got = None;
-                for url in [m.metadata_at(&rest), m.root_metadata()] {
-                    let path = url
-                        .find("://")
-                        .and_then(|i| url[i + 3..].find('/').map(|j| &url[i + 3 + j..]))
-                        .unwrap_or("/")
-                        .to_string();
+                // Where the server said its metadata is (its challenge), else where RFC 9728
+                // puts it: under the resource's path, then at the root.
+                let named = self
+                    .metadata_paths
+                    .lock()
+                    .ok()
+                    .and_then(|m| m.get(&up.name).cloned());
+                let at_origin = |url: String| {
+                    url.find("://")
+                        .and_then(|i| url[i + 3..].find('/').map(|j| url[i + 3 + j..].to_string()))
+                        .unwrap_or_else(|| "/".into())
+                };
+                let places = named.into_iter().chain([
+                    at_origin(m.metadata_at(&rest)),
+                    at_origin(m.root_metadata()),
+                ]);
+                for path in places {
                     let out = Outgoing::at_origin(&up, &Method::GET, headers.clone(), &path)
                         .map_err(|e| {
                             ProxyError::BadRequest(format!("cannot build the request: {e}"))
@@ -110,7 +121,7 @@ impl Proxy {
                         break;
                     }
                 }
-                let (head, body) = got.expect("two tries");
+                let (head, body) = got.expect("at least two places");
                 let body = match (&origin, head.status.is_success()) {
                     (Some(origin), true) => {
                         m.metadata(&body, origin).map(Bytes::from).unwrap_or(body)
@@ -145,8 +156,9 @@ impl Proxy {
     }
 
     /// An MCP upstream's answer with its `WWW-Authenticate` challenge pointing at the proxy's
-    /// metadata for the upstream instead of the server's.
+    /// metadata for the upstream instead of the server's; where the server's is, is kept.
     pub(super) fn name_our_metadata(
+        &self,
         up: &Upstream,
         origin: Option<&str>,
         resp: &mut Response<ProxyBody>,
@@ -165,11 +177,13 @@ impl Proxy {
             .get_all(http::header::WWW_AUTHENTICATE)
             .iter()
             .map(|v| {
-                v.to_str()
-                    .ok()
-                    .and_then(|s| m.challenge(s, origin))
-                    .and_then(|s| HeaderValue::from_str(&s).ok())
-                    .unwrap_or_else(|| v.clone())
+                let Some((ours, at)) = v.to_str().ok().and_then(|s| m.challenge(s, origin)) else {
+                    return v.clone();
+                };
+                if let Ok(mut paths) = self.metadata_paths.lock() {
+                    paths.insert(up.name.clone(), at);
+                }
+                HeaderValue::from_str(&ours).unwrap_or_else(|_| v.clone())
             })
             .collect();
         if values.is_empty() {

@@ -163,13 +163,17 @@ impl Proxy {
         // The attempt this task owns, once it owns one (0: none yet).
         let claimed = Arc::new(AtomicU32::new(0));
         let slot = claimed.clone();
-        let (early_tx, early_rx) = tokio::sync::oneshot::channel();
+        let (early_tx, mut early_rx) = tokio::sync::oneshot::channel();
         job.early = job.call.relays().then_some(early_tx);
         let span = tracing::Span::current();
         let mut task = self
             .attempts
             .spawn(async move { me.claim_and_act(job, slot).await }.instrument(span));
+        // The answer first: an action that streamed a short answer may well have ended by
+        // the time this task looks, and its end's own value is not the client's answer.
         let early = tokio::select! {
+            biased;
+            Ok(resp) = &mut early_rx => resp,
             r = &mut task => return match r {
                 Ok(r) => r,
                 Err(e) => {
@@ -177,7 +181,6 @@ impl Proxy {
                         .await
                 }
             },
-            Ok(resp) = early_rx => resp,
         };
         // The answer streams from the action's task, which goes on alone: a panic there is
         // still recorded (the client's answer then ends without its final event).
