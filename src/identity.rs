@@ -170,6 +170,18 @@ pub(crate) fn header_str<'a>(
 }
 
 /// The principal: SHA-256 over the configured credential headers present, sorted by name.
+/// The headers that carry a credential (SPEC §4.3): the default `principal_headers`, and
+/// always redacted.
+pub const CREDENTIAL_HEADERS: &[&str] = &[
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "x-api-key",
+    "api-key",
+    "x-goog-api-key",
+    "x-auth-token",
+];
+
 pub fn principal(headers: &HeaderMap, policy: &Policy) -> String {
     let mut names: Vec<&str> = policy
         .principal_headers

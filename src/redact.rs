@@ -40,19 +40,13 @@ pub struct Redactor {
     query: HashSet<String>,
 }
 
-const ALWAYS: &[&str] = &[
-    "authorization",
-    "proxy-authorization",
-    "cookie",
-    "set-cookie",
-    "x-api-key",
-    "api-key",
-];
-
 impl Redactor {
     pub fn new(config: &Config) -> Redactor {
-        let mut headers: HashSet<HeaderName> =
-            ALWAYS.iter().map(|h| HeaderName::from_static(h)).collect();
+        // Every credential header, and the cookies a server sets.
+        let mut headers: HashSet<HeaderName> = (crate::identity::CREDENTIAL_HEADERS.iter())
+            .chain(&["set-cookie"])
+            .map(|h| HeaderName::from_static(h))
+            .collect();
         headers.extend(config.log.redact_headers.iter().cloned());
         // Every principal header anywhere is a credential.
         for u in &config.upstreams {

@@ -342,7 +342,15 @@ impl RawConfig {
                 retention: self.log.retention.map(|d| d.0),
             };
 
-        let defaults = Policy::builtin().layer(&self.defaults.overrides(), "defaults.")?;
+        // Every header that carries a credential names the caller (SPEC §4.3): those the
+        // proxy knows, and those the operator told it to redact.
+        let mut builtin = Policy::builtin();
+        for h in &log.redact_headers {
+            if !builtin.principal_headers.contains(h) {
+                builtin.principal_headers.push(h.clone());
+            }
+        }
+        let defaults = builtin.layer(&self.defaults.overrides(), "defaults.")?;
         let mut upstreams: Vec<Arc<Upstream>> = Vec::new();
         for (i, u) in self.upstreams.iter().enumerate() {
             let wait_set = self.defaults.in_flight_wait.is_some();

@@ -236,9 +236,9 @@ impl Policy {
             max_attempts: 5,
             in_flight_wait: Duration::ZERO,
             lookup_interval: Duration::from_secs(60),
-            principal_headers: ["authorization", "x-api-key", "api-key"]
-                .into_iter()
-                .map(HeaderName::from_static)
+            principal_headers: crate::identity::CREDENTIAL_HEADERS
+                .iter()
+                .map(|h| HeaderName::from_static(h))
                 .collect(),
             key_header: Some(HeaderName::from_static("idempotency-key")),
             require_key: false,
