@@ -192,23 +192,78 @@ fn strictest(
     method: &Method,
     rest: &str,
     headers: &HeaderMap,
+    query: Option<&str>,
 ) -> (Class, Arc<Policy>) {
     let (mut class, mut policy) = classify(upstream, method, rest);
+    let mut named: Vec<Method> = Vec::new();
     for name in METHOD_OVERRIDES {
         for v in headers.get_all(name) {
-            let m = v
-                .to_str()
-                .ok()
-                .and_then(|s| Method::from_bytes(s.trim().to_ascii_uppercase().as_bytes()).ok())
-                // An override that is no method is at least a write.
-                .unwrap_or(Method::POST);
-            let (c, p) = classify(upstream, &m, rest);
-            if rank(c) > rank(class) {
-                (class, policy) = (c, p);
-            }
+            // A list (`GET, DELETE`) names each of its methods: the strictest decides.
+            let Ok(text) = v.to_str() else {
+                named.push(Method::POST);
+                continue;
+            };
+            named.extend(text.split(',').map(method_named));
+        }
+    }
+    named.extend(query_methods(query));
+    for m in named {
+        let (c, p) = classify(upstream, &m, rest);
+        if rank(c) > rank(class) {
+            (class, policy) = (c, p);
         }
     }
     (class, policy.clone())
+}
+
+/// The method a string names, as the strictest servers read it: trimmed and upper-cased. One
+/// that is no method is at least a write.
+pub fn method_named(s: &str) -> Method {
+    Method::from_bytes(s.trim().to_ascii_uppercase().as_bytes()).unwrap_or(Method::POST)
+}
+
+/// Methods a query's `_method` parameters name (Rails, Laravel and others tunnel a method so).
+fn query_methods(query: Option<&str>) -> impl Iterator<Item = Method> + '_ {
+    query
+        .into_iter()
+        .flat_map(|q| q.split('&'))
+        .filter_map(|pair| {
+            let (k, v) = pair.split_once('=')?;
+            k.eq_ignore_ascii_case("_method").then(|| method_named(v))
+        })
+}
+
+/// Whether a form body tunnels a method (`_method=DELETE`) that a rule denies on this path: a
+/// write's body is read after routing, so this is asked then (SPEC §2).
+pub fn form_tunnels_denied(upstream: &Upstream, rest: &str, body: &[u8]) -> Option<Method> {
+    if !body.windows(7).any(|w| w.eq_ignore_ascii_case(b"_method")) {
+        return None;
+    }
+    let bare = without_params(rest);
+    let bare = if bare.is_empty() { "/" } else { &bare };
+    form_urlencoded::parse(body)
+        .filter(|(k, _)| k.eq_ignore_ascii_case("_method"))
+        .map(|(_, v)| method_named(&v))
+        .find(|m| classify(upstream, m, bare).0 == Class::Deny)
+}
+
+/// Whether a query tunnels a method (`_method=`).
+fn tunnels_method(query: Option<&str>) -> bool {
+    query_methods(query).next().is_some()
+}
+
+/// `rest` with each segment's path parameters (`;x=1`) left out: what a rule's path is matched
+/// against, since servers route `admin;x=1` as `admin`.
+fn without_params(rest: &str) -> Cow<'_, str> {
+    if !rest.contains(';') {
+        return Cow::Borrowed(rest);
+    }
+    Cow::Owned(
+        rest.split('/')
+            .map(|seg| seg.split(';').next().unwrap_or(""))
+            .collect::<Vec<_>>()
+            .join("/"),
+    )
 }
 
 fn rank(c: Class) -> u8 {
@@ -261,6 +316,7 @@ pub fn route<'a>(
     config: &'a Config,
     method: &Method,
     path: &'a str,
+    query: Option<&str>,
     headers: &HeaderMap,
 ) -> Result<Target<'a>, RouteError> {
     let (upstream, rest): (&Arc<Upstream>, Cow<'a, str>) = if is_plain(path) {
@@ -296,9 +352,32 @@ pub fn route<'a>(
         }
         (u, Cow::Owned(rest))
     };
-    let has_override = METHOD_OVERRIDES.iter().any(|h| headers.contains_key(*h));
+    // Path parameters: a dot segment with one (`..;`) climbs on some servers; the rest are
+    // left out of matching (SPEC §2).
+    if rest.contains(';')
+        && rest.split('/').any(|seg| {
+            let bare = seg.split(';').next().unwrap_or("");
+            seg.contains(';') && (bare == "." || bare == "..")
+        })
+    {
+        return Err(RouteError::BadPath(
+            "the path holds a dot segment with parameters (`..;`), which some servers read as `..`"
+                .into(),
+        ));
+    }
+    let bare = without_params(&rest);
+    // Methods are matched as the strictest servers read them: without regard to case.
+    let upper;
+    let method = if method.as_str().bytes().any(|b| b.is_ascii_lowercase()) {
+        upper = method_named(method.as_str());
+        &upper
+    } else {
+        method
+    };
+    let has_override =
+        METHOD_OVERRIDES.iter().any(|h| headers.contains_key(*h)) || tunnels_method(query);
     let (class, policy) = if has_override {
-        let (c, p) = strictest(upstream, method, &rest, headers);
+        let (c, p) = strictest(upstream, method, &bare, headers, query);
         // The policy of the route that decided; borrowed from the config.
         let p = std::iter::once(&upstream.policy)
             .chain(upstream.routes.iter().map(|r| &r.policy))
@@ -306,7 +385,7 @@ pub fn route<'a>(
             .unwrap_or(&upstream.policy);
         (c, p)
     } else {
-        classify(upstream, method, &rest)
+        classify(upstream, method, &bare)
     };
     Ok(Target {
         upstream,
@@ -412,7 +491,7 @@ mod tests {
         ];
         for (m, path, want) in cases {
             let method = Method::from_bytes(m.as_bytes()).expect("method");
-            let got = route(&c, &method, path, &HeaderMap::new())
+            let got = route(&c, &method, path, None, &HeaderMap::new())
                 .ok()
                 .map(|t| (t.upstream.name.as_str(), t.class));
             assert_eq!(got, *want, "{m} {path}");
@@ -474,7 +553,7 @@ mod tests {
             ),
         ];
         for (path, want) in cases {
-            let got = route(&c, &Method::POST, path, &HeaderMap::new());
+            let got = route(&c, &Method::POST, path, None, &HeaderMap::new());
             match (got, want) {
                 (Ok(t), Ok((u, rest, class))) => {
                     assert_eq!(
@@ -499,8 +578,9 @@ mod tests {
             h.insert(name, http::HeaderValue::from_static(v));
             h
         };
-        let class =
-            |m: Method, path: &str, h: &HeaderMap| route(&c, &m, path, h).expect("routes").class;
+        let class = |m: Method, path: &str, h: &HeaderMap| {
+            route(&c, &m, path, None, h).expect("routes").class
+        };
         assert_eq!(
             class(Method::GET, "/pay/v1/c", &HeaderMap::new()),
             Class::Read

@@ -116,6 +116,11 @@ impl NameGlob {
         &self.0
     }
 
+    /// Whether `loose` (a name trimmed and lower-cased) matches the pattern lower-cased.
+    pub fn matches_loosely(&self, loose: &str) -> bool {
+        NameGlob(self.0.trim().to_lowercase()).matches(loose)
+    }
+
     pub fn matches(&self, name: &str) -> bool {
         let mut parts = self.0.split('*');
         let first = parts.next().unwrap_or("");
@@ -137,9 +142,15 @@ impl NameGlob {
 }
 
 impl McpRules {
-    /// The rule for a tool, if one matches.
+    /// The rule for a tool, if one matches: the first in order. A `deny` or `write` rule also
+    /// matches a name that differs only by case or surrounding white space (`Delete_all`,
+    /// ` delete_all`), so that such a name cannot slip past it; a `read` rule matches exactly
+    /// (SPEC §14.1).
     pub fn rule(&self, tool: &str) -> Option<&ToolRule> {
-        self.tools.iter().find(|r| r.name.matches(tool))
+        let loose = tool.trim().to_lowercase();
+        self.tools.iter().find(|r| {
+            r.name.matches(tool) || (r.class != Class::Read && r.name.matches_loosely(&loose))
+        })
     }
 }
 

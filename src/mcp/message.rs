@@ -104,6 +104,13 @@ fn single(mut m: Map<String, Value>) -> Result<Option<ToolCall>, String> {
         Some(_) => return Err("`method` is not a string".into()),
     };
     if method != "tools/call" {
+        // A server that reads methods without regard to case would run a tool call that the
+        // proxy took for something else (SPEC §14.1).
+        if method.eq_ignore_ascii_case("tools/call") {
+            return Err(format!(
+                "the method {method:?} is tools/call written otherwise: send it as \"tools/call\""
+            ));
+        }
         return Ok(None);
     }
     let id = match m.remove("id") {

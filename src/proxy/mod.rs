@@ -298,11 +298,12 @@ impl Proxy {
             // An MCP server's OAuth metadata, as the proxy's own (SPEC §14.6).
             return Box::pin(self.oauth(at, req)).await;
         }
-        let target =
-            route(&self.config, req.method(), path, req.headers()).map_err(|e| match e {
+        let target = route(&self.config, req.method(), path, uri.query(), req.headers()).map_err(
+            |e| match e {
                 RouteError::NoRoute => ProxyError::NoRoute(path.to_string()),
                 RouteError::BadPath(why) => ProxyError::BadRequest(why),
-            })?;
+            },
+        )?;
         *labels = (target.upstream.label, target.class.as_str());
         if let Protocol::Mcp(rules) = &target.upstream.protocol {
             // The one protocol seam of this phase: MCP classifies by message (SPEC §14.1).

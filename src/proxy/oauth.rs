@@ -45,7 +45,8 @@ impl Proxy {
                 .max_by_key(|(u, _)| u.prefix.len())
                 .map(|(u, after)| OAuthPath::Metadata(u.clone(), after.to_string()));
         }
-        if FALLBACK.contains(&path) && route(&self.config, method, path, &HeaderMap::new()).is_err()
+        if FALLBACK.contains(&path)
+            && route(&self.config, method, path, None, &HeaderMap::new()).is_err()
         {
             return self
                 .mcp_upstreams()

@@ -35,6 +35,15 @@ impl Proxy {
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let (parts, body) = req.into_parts();
         let body = self.buffer(&parts.headers, body).await?;
+        if identity::is_form(&parts.headers) {
+            // A form that tunnels a denied method (`_method=DELETE`) is denied as that method.
+            if let Some(m) = crate::route::form_tunnels_denied(t.upstream, &t.rest, &body) {
+                return Err(ProxyError::RouteDenied {
+                    method: m.to_string(),
+                    path: self.redactor.path(&t.rest, parts.uri.query()),
+                });
+            }
+        }
         let query = parts.uri.query().map(str::to_string);
         let identity = identity::identify(
             &identity::WriteRequest {
