@@ -37,6 +37,7 @@ pub mod demo;
 pub mod error;
 pub mod framing;
 pub mod identity;
+pub mod idle;
 pub mod inplace;
 pub mod jsontext;
 pub mod log;

@@ -20,6 +20,7 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::config::TlsConfig;
 use crate::framing::{FramingGuard, Guarded};
+use crate::idle::{Busy, Counted, Idle};
 use crate::upstream::ProxyBody;
 
 /// Builds the listener's TLS acceptor (ALPN: h2, http/1.1).
@@ -111,33 +112,46 @@ where
         // In place: the connection's own wakes do not wake the runtime's other worker.
         tokio::spawn(crate::inplace::in_place(async move {
             let _permit = permit;
+            // An idle connection is closed after header_timeout, HTTP/2 too (crate::idle).
+            let busy = Busy::default();
+            let requests = busy.clone();
             let svc = service_fn(move |req| {
                 let h = handler.clone();
-                async move { Ok::<_, Infallible>(h(req).await) }
+                let guard = requests.begin();
+                async move {
+                    let resp = h(req).await;
+                    Ok::<_, Infallible>(resp.map(|inner| Counted {
+                        inner,
+                        _guard: guard,
+                    }))
+                }
             });
+            let idle = |io| Idle::new(io, busy.clone(), opts.header_timeout);
             let result = match &opts.tls {
                 None => {
                     let io = TokioIo::new(
-                        FramingGuard::new(stream).with_header_timeout(opts.header_timeout),
+                        FramingGuard::new(idle(stream)).with_header_timeout(opts.header_timeout),
                     );
                     let conn = builder.serve_connection(io, svc);
                     watcher.watch(conn.into_owned()).await
                 }
                 Some(acceptor) => {
-                    let tls =
-                        match tokio::time::timeout(opts.header_timeout, acceptor.accept(stream))
-                            .await
-                        {
-                            Ok(Ok(s)) => s,
-                            Ok(Err(e)) => {
-                                tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                                return;
-                            }
-                            Err(_) => {
-                                tracing::debug!(%peer, "TLS handshake timed out");
-                                return;
-                            }
-                        };
+                    let tls = match tokio::time::timeout(
+                        opts.header_timeout,
+                        acceptor.accept(idle(stream)),
+                    )
+                    .await
+                    {
+                        Ok(Ok(s)) => s,
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!(%peer, "TLS handshake timed out");
+                            return;
+                        }
+                    };
                     // The guard is for HTTP/1 framing; HTTP/2 frames carry their own lengths.
                     let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
                     let io = TokioIo::new(if h2 {

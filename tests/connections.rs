@@ -143,3 +143,56 @@ async fn at_most_max_connections_are_served_at_once() {
         .expect("served once a place is free");
     assert_eq!(r.status, 200);
 }
+
+/// The HTTP/2 client preface and an empty SETTINGS frame: an h2c connection that then says
+/// nothing.
+const H2_PREFACE_AND_SETTINGS: &[u8] =
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+
+/// HTTP/2 connections that send their preface and settings and then nothing (issue 58 item 4):
+/// each is closed at `header_timeout` as an HTTP/1 one is, so that a crowd of them cannot hold
+/// every place (`max_connections`) and starve ordinary requests.
+#[tokio::test]
+async fn idle_http2_connections_are_closed_at_header_timeout_and_free_their_places() {
+    let up = FakeUpstream::start().await;
+    let cfg = config(&up.url(), "").replace(
+        "header_timeout = \"2s\"",
+        "header_timeout = \"1s\"\nmax_connections = 5",
+    );
+    let proxy = TestProxy::start(&cfg).await;
+    let (_, closed) = held_for(&proxy, H2_PREFACE_AND_SETTINGS, Duration::from_secs(5)).await;
+    let held = closed.expect("an idle HTTP/2 connection is closed");
+    assert!(held >= Duration::from_millis(900), "closed early: {held:?}");
+    // Five of them take every place; an ordinary request is served once they are closed.
+    let mut crowd = Vec::new();
+    for _ in 0..5 {
+        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        s.write_all(H2_PREFACE_AND_SETTINGS).await.unwrap();
+        crowd.push(s);
+    }
+    let client = support::TestClient::default();
+    let r = tokio::time::timeout(Duration::from_secs(5), client.get(&proxy.url("/pay/v1/c")))
+        .await
+        .expect("served once the idle connections are closed");
+    assert_eq!(r.status, 200);
+    drop(crowd);
+}
+
+/// A request in progress keeps its connection however long its answer takes: over HTTP/2, a
+/// slow answer (3 s, past a 1 s header_timeout) arrives whole.
+#[tokio::test]
+async fn a_slow_answer_over_http2_is_not_cut_by_the_idle_bound() {
+    let up = FakeUpstream::start().await;
+    up.set_default(support::Behavior::Delay(
+        Duration::from_secs(3),
+        Box::new(support::Behavior::json(200, "{\"slow\":true}")),
+    ));
+    let cfg = config(&up.url(), "timeout = \"10s\"")
+        .replace("header_timeout = \"2s\"", "header_timeout = \"1s\"");
+    let proxy = TestProxy::start(&cfg).await;
+    let r = support::TestClient::http2()
+        .get(&proxy.url("/pay/v1/c"))
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(&r.body[..], b"{\"slow\":true}");
+}
