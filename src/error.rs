@@ -103,6 +103,9 @@ pub enum ProxyError {
     BodyTooLarge { limit: u64 },
     #[error("the request body did not arrive within body_timeout ({0:?})")]
     BodyTimeout(std::time::Duration),
+    /// The request bodies held in memory reached `max_buffered`.
+    #[error("the proxy holds max_buffered ({limit} bytes) of request bodies already")]
+    Busy { limit: u64 },
     #[error("{0}")]
     BadRequest(String),
     /// A browser page of another origin, or a rebound host name, reached an MCP upstream (DNS
@@ -326,6 +329,18 @@ impl ProxyError {
                     "Nothing was sent; send the whole request again, its body without pauses.",
                 )
             },
+            ProxyError::Busy { .. } => Shape {
+                no_retry_headers: false,
+                ..s(
+                    "busy",
+                    "Busy",
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    Outcome::Rejected,
+                    false,
+                    Retry::Later,
+                    "Nothing was sent: the proxy is holding as many request bodies as it may. Send the whole request again in a moment.",
+                )
+            },
             ProxyError::BadRequest(_) => s(
                 "bad-request",
                 "Bad request",
@@ -539,6 +554,9 @@ impl ProxyError {
                 http::header::RETRY_AFTER,
                 HeaderValue::from(*retry_after_secs),
             );
+        }
+        if let ProxyError::Busy { .. } = &self {
+            h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         if let Some(c) = self.ctx() {
             if let Ok(v) = HeaderValue::from_str(&c.record.id) {

@@ -196,3 +196,53 @@ async fn a_slow_answer_over_http2_is_not_cut_by_the_idle_bound() {
     assert_eq!(r.status, 200);
     assert_eq!(&r.body[..], b"{\"slow\":true}");
 }
+
+/// Request bodies held in memory are bounded all together (issue 58 item 5): while one upload
+/// holds `max_buffered`, another write gets 503 `busy` with `Retry-After`, and nothing of it is
+/// sent; once the first is done, writes go again.
+#[tokio::test]
+async fn bodies_held_at_once_are_bounded_by_max_buffered() {
+    let up = FakeUpstream::start().await;
+    let cfg = config(&up.url(), "").replace(
+        "header_timeout = \"2s\"",
+        "header_timeout = \"2s\"\nmax_body = \"64KiB\"\nmax_buffered = \"100KiB\"",
+    );
+    let proxy = TestProxy::start(&cfg).await;
+    // A slow upload declares 64 KiB and sends half: its whole length is held.
+    let mut slow = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    slow.write_all(
+        b"POST /pay/v1/files HTTP/1.1\r\nhost: x\r\nidempotency-key: big\r\ncontent-length: 65536\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    slow.write_all(&[b'a'; 32 * 1024]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let c = support::TestClient::default();
+    let body = "b".repeat(40 * 1024);
+    let busy = c
+        .post(
+            &proxy.url("/pay/v1/files"),
+            &[("idempotency-key", "k2")],
+            &body,
+        )
+        .await;
+    assert_eq!(busy.status, 503, "{busy:?}");
+    assert_eq!(busy.problem(), "busy");
+    assert_eq!(busy.header("retry-after"), Some("1"));
+    assert_eq!(busy.json()["duplicate_risk"], false);
+    assert_eq!(up.count(), 0, "nothing was sent");
+    // The slow upload ends; its share is given back.
+    slow.write_all(&[b'a'; 32 * 1024]).await.unwrap();
+    let mut answer = [0u8; 12];
+    slow.read_exact(&mut answer).await.unwrap();
+    assert_eq!(&answer, b"HTTP/1.1 200");
+    let again = c
+        .post(
+            &proxy.url("/pay/v1/files"),
+            &[("idempotency-key", "k2")],
+            &body,
+        )
+        .await;
+    assert_eq!(again.status, 200, "{again:?}");
+    assert_eq!(up.count(), 2);
+}

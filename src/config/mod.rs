@@ -56,6 +56,7 @@ struct RawServer {
     listen: Option<String>,
     max_body: Option<Size>,
     max_stored_response: Option<Size>,
+    max_buffered: Option<Size>,
     drain_timeout: Option<Dur>,
     header_timeout: Option<Dur>,
     body_timeout: Option<Dur>,
@@ -110,6 +111,9 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     pub max_body: u64,
     pub max_stored_response: u64,
+    /// The bytes of request bodies held in memory at once, all requests together; past it, a
+    /// write gets 503 `busy` and nothing is sent.
+    pub max_buffered: u64,
     pub drain_timeout: Duration,
     pub header_timeout: Duration,
     /// A write body must arrive whole within this (408 `body-timeout`, nothing sent).
@@ -248,12 +252,22 @@ impl RawConfig {
             )?,
             max_body: s.max_body.map_or(10 << 20, |v| v.0),
             max_stored_response: s.max_stored_response.map_or(10 << 20, |v| v.0),
+            max_buffered: s.max_buffered.map_or(256 << 20, |v| v.0),
             drain_timeout: s.drain_timeout.map_or(Duration::from_secs(30), |v| v.0),
             header_timeout: s.header_timeout.map_or(Duration::from_secs(10), |v| v.0),
             body_timeout: s.body_timeout.map_or(Duration::from_secs(30), |v| v.0),
             max_connections: s.max_connections.unwrap_or(10_000),
             tls: s.tls.clone(),
         };
+        if server.max_buffered < server.max_body {
+            return Err(invalid(
+                "server.max_buffered",
+                format!(
+                    "must be at least server.max_body ({} bytes): one body must fit",
+                    server.max_body
+                ),
+            ));
+        }
         if server.header_timeout.is_zero() {
             return Err(invalid("server.header_timeout", "must be positive"));
         }

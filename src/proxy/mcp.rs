@@ -84,7 +84,7 @@ impl Proxy {
             }));
         }
         let (parts, body) = req.into_parts();
-        let body = self.buffer(&parts.headers, body).await?;
+        let (body, held) = self.buffer(&parts.headers, body).await?;
         let principal = identity::principal(&parts.headers, t.policy);
         // A refused message or a problem about a call, in the write log (SPEC §11).
         let note = |e: &ProxyError, tool: Option<&str>| {
@@ -195,6 +195,7 @@ impl Proxy {
                         modern,
                     }),
                     early: None,
+                    _held: held,
                 };
                 match self.claim(job).await {
                     Ok(resp) => Ok(resp),

@@ -134,6 +134,8 @@ pub struct Proxy {
     resumes: Arc<crate::mcp::calls::Resumes>,
     /// Where each MCP upstream's server said its OAuth metadata is (SPEC §14.6).
     metadata_paths: Mutex<std::collections::HashMap<String, String>>,
+    /// Bytes of request bodies held in memory now, all requests together (`max_buffered`).
+    buffered: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// What a claim leads to.
@@ -159,6 +161,8 @@ struct WriteJob {
     /// Where an answer that streams (a relayed SSE answer) is handed to the client while the
     /// action's task goes on reading it.
     early: Option<tokio::sync::oneshot::Sender<Response<ProxyBody>>>,
+    /// The body's share of `max_buffered`, given back when the job ends.
+    _held: write::Held,
 }
 
 fn content_length(h: &HeaderMap) -> Option<u64> {
@@ -223,6 +227,7 @@ impl Proxy {
             calls: Default::default(),
             resumes: Arc::default(),
             metadata_paths: Mutex::default(),
+            buffered: Arc::default(),
         })
     }
 
@@ -358,6 +363,7 @@ impl Proxy {
             | ProxyError::KeyRequired
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::BodyTimeout(_)
+            | ProxyError::Busy { .. }
             | ProxyError::RouteDenied { .. }
             | ProxyError::ForeignOrigin(_)
             | ProxyError::BadRequest(_) => Event::Rejected,

@@ -25,6 +25,33 @@ pub(super) fn replay_detail(rec: &Record) -> String {
     )
 }
 
+/// A body's share of `max_buffered`, given back when dropped.
+pub(super) struct Held {
+    total: Arc<std::sync::atomic::AtomicU64>,
+    bytes: u64,
+    limit: u64,
+}
+
+impl Held {
+    /// Takes `n` bytes more, or refuses (503 `busy`) when all requests together would hold more
+    /// than the limit.
+    fn take(&mut self, n: u64) -> Result<(), ProxyError> {
+        let before = self.total.fetch_add(n, Ordering::Relaxed);
+        if before + n > self.limit {
+            self.total.fetch_sub(n, Ordering::Relaxed);
+            return Err(ProxyError::Busy { limit: self.limit });
+        }
+        self.bytes += n;
+        Ok(())
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
 impl Proxy {
     /// Phases `buffer` and `identify`, then `claim`.
     pub(super) async fn write(
@@ -34,7 +61,7 @@ impl Proxy {
         principal: &str,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let (parts, body) = req.into_parts();
-        let body = self.buffer(&parts.headers, body).await?;
+        let (body, held) = self.buffer(&parts.headers, body).await?;
         if identity::is_form(&parts.headers) {
             // A form that tunnels a denied method (`_method=DELETE`) is denied as that method.
             if let Some(m) = crate::route::form_tunnels_denied(t.upstream, &t.rest, &body) {
@@ -73,36 +100,63 @@ impl Proxy {
             identity,
             call: Call::Http,
             early: None,
+            _held: held,
         };
         let resp = self.claim(job).await?;
         Ok(resp)
     }
 
-    /// Phase `buffer`: the whole body, within `max_body` and `body_timeout`.
+    /// Phase `buffer`: the whole body, within `max_body` and `body_timeout`, and within what
+    /// all requests together may hold (`max_buffered`): a declared length is reserved before
+    /// anything is read, a streamed body as it arrives. Past it: 503 `busy`, nothing sent.
     pub(super) async fn buffer(
         &self,
         headers: &HeaderMap,
-        body: Incoming,
-    ) -> Result<Bytes, ProxyError> {
+        mut body: Incoming,
+    ) -> Result<(Bytes, Held), ProxyError> {
         let max = self.config.server.max_body;
-        if content_length(headers).is_some_and(|n| n > max) {
+        let declared = content_length(headers);
+        if declared.is_some_and(|n| n > max) {
             return Err(ProxyError::BodyTooLarge { limit: max });
         }
+        let mut held = Held {
+            total: self.buffered.clone(),
+            bytes: 0,
+            limit: self.config.server.max_buffered,
+        };
+        if let Some(n) = declared {
+            held.take(n)?;
+        }
         let limit = self.config.server.body_timeout;
-        Ok(tokio::time::timeout(
-            limit,
-            http_body_util::Limited::new(body, max as usize).collect(),
-        )
-        .await
-        .map_err(|_| ProxyError::BodyTimeout(limit))?
-        .map_err(|e| {
-            if e.is::<http_body_util::LengthLimitError>() {
-                ProxyError::BodyTooLarge { limit: max }
-            } else {
-                ProxyError::BadRequest(format!("could not read the request body: {e}"))
+        let read = async {
+            let mut parts: Vec<Bytes> = Vec::new();
+            let mut size = 0u64;
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|e| {
+                    ProxyError::BadRequest(format!("could not read the request body: {e}"))
+                })?;
+                let Ok(data) = frame.into_data() else {
+                    continue;
+                };
+                size += data.len() as u64;
+                if size > max {
+                    return Err(ProxyError::BodyTooLarge { limit: max });
+                }
+                if size > held.bytes {
+                    held.take(size - held.bytes)?;
+                }
+                parts.push(data);
             }
-        })?
-        .to_bytes())
+            Ok(match parts.len() {
+                0 => Bytes::new(),
+                1 => parts.pop().expect("one part"),
+                _ => Bytes::from(parts.concat()),
+            })
+        };
+        let bytes = tokio::time::timeout(limit, read)
+            .await
+            .map_err(|_| ProxyError::BodyTimeout(limit))??;
+        Ok((bytes, held))
     }
 
     fn fresh_record(&self, job: &WriteJob) -> Record {
