@@ -211,10 +211,22 @@ impl Admin {
             authority == local.to_string()
                 || (local.ip().is_loopback() && authority == format!("localhost:{}", local.port()))
         };
+        // A listener on every address (0.0.0.0) is reached under whichever of them the
+        // browser used: a page of the same origin is the one whose `Host` it names, on the
+        // listener's port.
+        let host = req
+            .headers()
+            .get(http::header::HOST)
+            .and_then(|h| h.to_str().ok());
+        let same_host = |authority: &str| {
+            local.ip().is_unspecified()
+                && host == Some(authority)
+                && authority.rsplit_once(':').map(|(_, p)| p) == Some(&local.port().to_string())
+        };
         if let Some(origin) = req.headers().get(http::header::ORIGIN) {
             let o = origin.to_str().unwrap_or("");
             let authority = o.strip_prefix("http://").unwrap_or("\u{0}");
-            if !own(authority) {
+            if !own(authority) && !same_host(authority) {
                 return Some(format!("requests from the origin {o:?} are refused"));
             }
         }
@@ -306,7 +318,11 @@ impl Admin {
                 self.resolve(&id, req).await
             }
             (Method::POST, ["v1", "actions", id, "lookup"]) => self.lookup(id).await,
-            (Method::GET, ["v1", "tasks", task]) => self.task(task).await,
+            // A task is any string, percent-encoded into its segment (`/`, `%`, `?`, `#`).
+            (Method::GET, ["v1", "tasks", task]) => {
+                let task = percent_encoding::percent_decode_str(task).decode_utf8_lossy();
+                self.task(&task).await
+            }
             (Method::GET, ["v1", "log"]) => self.log(&req).await,
             (Method::GET, ["v1", "log", "verify"]) => self.verify().await,
             (Method::GET, ["v1", "overview"]) => self.overview().await,

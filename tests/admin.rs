@@ -275,3 +275,80 @@ async fn the_console_reads_an_overview_a_filtered_log_and_actions_by_tool() {
     assert_eq!(r["actions"].as_array().unwrap().len(), 2, "{r}");
     proxy.stop().await;
 }
+
+/// An admin listener on every address (`0.0.0.0`), reached as `127.0.0.1:port`: the console's
+/// own requests carry the origin the browser used, which is the host it names, on the
+/// listener's port; they get through, and a foreign origin still does not (issue 58 item 12).
+#[tokio::test]
+async fn the_console_works_on_an_admin_listener_on_every_address() {
+    let up = FakeUpstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = support::child_config(dir.path(), &up.url(), "")
+        .to_string_lossy()
+        .to_string();
+    let text = std::fs::read_to_string(&cfg).unwrap().replacen(
+        "[admin]\nlisten = \"127.0.0.1:0\"",
+        "[admin]\nlisten = \"0.0.0.0:0\"",
+        1,
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let proxy = tokio::task::spawn_blocking(move || support::ChildProxy::spawn(cfg.as_ref()))
+        .await
+        .unwrap();
+    let port = proxy.admin.port();
+    let c = TestClient::default();
+    let url =
+        format!("http://127.0.0.1:{port}/v1/actions/00000000000000000000000000000000/resolve");
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    let send = |origin: String| {
+        let (c, url, auth) = (c.clone(), url.clone(), auth.clone());
+        async move {
+            c.send(
+                "POST",
+                &url,
+                &[
+                    ("authorization", &auth),
+                    ("origin", &origin),
+                    ("content-type", "application/json"),
+                ],
+                r#"{"outcome":"applied","reason":"x"}"#,
+            )
+            .await
+        }
+    };
+    // The console's own origin: past the guard (the action does not exist: 404).
+    let own = send(format!("http://127.0.0.1:{port}")).await;
+    assert_eq!(own.status, 404, "{own:?}");
+    for foreign in [
+        "https://evil.example".to_string(),
+        format!("http://127.0.0.1:{}", port + 1),
+    ] {
+        assert_eq!(send(foreign.clone()).await.status, 403, "{foreign}");
+    }
+}
+
+/// A task is any string: one holding `/`, `%`, `?` or `#` is shown by `/v1/tasks/{task}`
+/// percent-encoded, as the console asks for it (issue 58 item 13).
+#[tokio::test]
+async fn a_task_holding_reserved_characters_is_shown() {
+    let up = FakeUpstream::start().await;
+    up.set_default(Behavior::json(201, "{}"));
+    let proxy = TestProxy::start(&config(&up.url(), "")).await;
+    let c = TestClient::default();
+    let task = "onboard/acme%20?x#1";
+    let r = c
+        .post(
+            &proxy.url("/pay/v1/workspaces"),
+            &[("oncegate-task", task), ("oncegate-step", "create")],
+            "{}",
+        )
+        .await;
+    assert_eq!(r.status, 201);
+    let encoded = "onboard%2Facme%2520%3Fx%231";
+    let v = proxy
+        .admin("GET", &format!("/v1/tasks/{encoded}"), "")
+        .await
+        .json();
+    assert_eq!(v["task"], task, "{v}");
+    assert_eq!(v["actions"].as_array().map(Vec::len), Some(1), "{v}");
+}
