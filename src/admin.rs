@@ -335,8 +335,16 @@ impl Admin {
     }
 
     async fn ready(&self) -> Response<ProxyBody> {
-        match self.proxy.store.log_head().await {
-            Ok(_) => json_response(StatusCode::OK, &json!({"ready": true})),
+        if self.proxy.draining() {
+            // A drain has begun (SIGTERM): a load balancer sends new work elsewhere.
+            return problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not-ready",
+                "draining: the proxy is stopping",
+            );
+        }
+        match self.proxy.store.ready().await {
+            Ok(()) => json_response(StatusCode::OK, &json!({"ready": true})),
             Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, "not-ready", e.to_string()),
         }
     }

@@ -249,6 +249,11 @@ pub trait Store: Send + Sync + 'static {
     /// `(seq, hash)` of the newest write-log entry.
     fn log_head(&self) -> BoxFuture<'_, Result<(u64, String), StoreError>>;
 
+    /// Whether the store can take changes now (`/readyz`): by default, whether it answers.
+    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move { self.log_head().await.map(|_| ()) })
+    }
+
     /// How many actions are in each state.
     fn counts(&self) -> BoxFuture<'_, Result<Vec<(State, u64)>, StoreError>>;
 

@@ -240,6 +240,11 @@ impl Proxy {
         self.stopping.cancel();
     }
 
+    /// Whether shutdown has started (`/readyz` says so).
+    pub fn draining(&self) -> bool {
+        self.stopping.is_cancelled()
+    }
+
     /// Cuts the attempts still running: the drain deadline has come.
     pub fn cut_attempts(&self) {
         self.deadline.cancel();

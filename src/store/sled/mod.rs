@@ -435,6 +435,24 @@ impl Store for SledStore {
         })
     }
 
+    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        // Its folder, as well as its writer: a folder removed under a running store is seen
+        // at once, not at the next write that fails.
+        Box::pin(async move {
+            self.shared.check().map_err(StoreError::Unavailable)?;
+            for part in [crate::store::history::ID_FILE, "wal"] {
+                if std::fs::metadata(self.dir.join(part)).is_err() {
+                    return Err(StoreError::Broken(format!(
+                        "{} is gone from the store folder {}",
+                        part,
+                        self.dir.display()
+                    )));
+                }
+            }
+            Ok(())
+        })
+    }
+
     fn log_head(&self) -> BoxFuture<'_, Result<(u64, String), StoreError>> {
         // The head as of the last visible batch: a health probe or a scrape never waits on the
         // writer or the drainer.
