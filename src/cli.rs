@@ -359,6 +359,7 @@ pub fn log_verify_file(
         Some(Ok(e)) if e.seq != 1 => Some((e.seq, e.prev.clone())),
         _ => Some((1, GENESIS.to_string())),
     };
+    let keyed = hmac_key.is_some();
     let chain = Chain::new(hmac_key);
     let Verification {
         ok,
@@ -370,6 +371,13 @@ pub fn log_verify_file(
     } = verify(&chain, entries.iter().cloned(), anchor.clone());
     let mut ok = ok;
     let mut notes: Vec<String> = reason.into_iter().collect();
+    if !keyed {
+        // A log written with a key and rewritten without one chains as well as the genuine
+        // one does without the key: only the key tells them apart.
+        notes.push(
+            "checked without an HMAC key: a log written with log.hmac_key_env is proven only with that key (--config or --hmac-key-env)".into(),
+        );
+    }
     if n == 0 && first_bad_seq.is_none() {
         // Nothing was checked: an emptied file must not pass for a verified log.
         ok = false;

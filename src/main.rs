@@ -241,6 +241,7 @@ fn main() -> ExitCode {
             })
         }
         Command::Log { admin, command } => {
+            let config = cli.config.clone();
             operate(admin_client(admin, &cli.config), |c| async move {
                 match command {
                     LogCommand::Export { after, out } => {
@@ -257,11 +258,22 @@ fn main() -> ExitCode {
                         hmac_key_env,
                         expect_head,
                     } => {
-                        let key = match hmac_key_env {
+                        // The key: the one named here, else the one the config names (the
+                        // key the log was written with).
+                        let (var, from) = match hmac_key_env {
+                            Some(var) => (Some(var), "--hmac-key-env".to_string()),
+                            None => (
+                                configured_hmac_key_env(&config),
+                                format!("{}: log.hmac_key_env", config.display()),
+                            ),
+                        };
+                        let key = match var {
                             None => None,
                             Some(var) => Some(
                                 std::env::var(&var)
-                                    .map_err(|_| format!("--hmac-key-env: {var} is not set"))?
+                                    .map_err(|_| {
+                                        format!("{from} names {var}, which is not set: the log was written with that key, and verifies only with it")
+                                    })?
                                     .into_bytes(),
                             ),
                         };
@@ -272,6 +284,12 @@ fn main() -> ExitCode {
             })
         }
     }
+}
+
+/// The `log.hmac_key_env` of the config file, if it exists and names one.
+fn configured_hmac_key_env(config: &std::path::Path) -> Option<String> {
+    let table: toml::Table = std::fs::read_to_string(config).ok()?.parse().ok()?;
+    Some(table.get("log")?.get("hmac_key_env")?.as_str()?.to_string())
 }
 
 /// The tokio runtime: multi-threaded for the proxy, one thread for an operator command.

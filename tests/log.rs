@@ -504,3 +504,39 @@ async fn after_a_sigkill_under_load_the_log_verifies_and_every_received_write_wa
         );
     }
 }
+
+/// `log verify --file` takes the key the config names (issue 58 item 6): the genuine HMAC log
+/// verifies with `--config` and its key in the environment, and a log chained without the key
+/// (as a forger re-chains an edited one) fails that same command. Checked with no key at all, a
+/// report says the key was not used.
+#[tokio::test]
+async fn an_export_is_verified_with_the_key_its_config_names() {
+    let (tmp, _proxy, _up, genuine) = exported(Some("log-secret-key")).await;
+    let (_tmp2, _proxy2, _up2, plain) = exported(None).await;
+    let cfg = tmp.path().join("oncegate.toml");
+    std::fs::write(&cfg, "[log]\nhmac_key_env = \"TEST_LOG_KEY\"\n").unwrap();
+    let with_config = ["--config", cfg.to_str().unwrap()];
+    let key = [("TEST_LOG_KEY", "log-secret-key")];
+    let (ok, v) = verify_file(&write(tmp.path(), "genuine", &genuine), &with_config, &key);
+    assert!(ok, "the genuine log verifies with its config's key: {v}");
+    let (ok, v) = verify_file(&write(tmp.path(), "forged", &plain), &with_config, &key);
+    assert!(!ok, "a log chained without the key fails: {v}");
+    // The config names a key that is not set: refused, rather than checked without it.
+    let out = cli(
+        &[
+            "log",
+            "verify",
+            "--file",
+            tmp.path().join("genuine").to_str().unwrap(),
+            "--config",
+            cfg.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("TEST_LOG_KEY"));
+    // No key at all: the report says what that proves.
+    let (ok, v) = verify_file(&write(tmp.path(), "plain", &plain), &[], &[]);
+    assert!(ok, "{v}");
+    assert!(v.to_string().contains("without an HMAC key"), "{v}");
+}
