@@ -463,12 +463,20 @@ impl Admin {
     }
 
     async fn resolve(&self, id: &str, req: Request<Incoming>) -> Response<ProxyBody> {
-        let body = match http_body_util::Limited::new(req.into_body(), 64 * 1024)
-            .collect()
-            .await
-        {
-            Ok(b) => b.to_bytes(),
-            Err(e) => return problem(StatusCode::BAD_REQUEST, "bad-request", e.to_string()),
+        // Within the server's body_timeout, as a write's body: a trickled body does not hold
+        // the admin listener's connection.
+        let limit = self.proxy.config.server.body_timeout;
+        let read = http_body_util::Limited::new(req.into_body(), 64 * 1024).collect();
+        let body = match tokio::time::timeout(limit, read).await {
+            Ok(Ok(b)) => b.to_bytes(),
+            Ok(Err(e)) => return problem(StatusCode::BAD_REQUEST, "bad-request", e.to_string()),
+            Err(_) => {
+                return problem(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "body-timeout",
+                    format!("the request body did not arrive within body_timeout ({limit:?})"),
+                )
+            }
         };
         let b: ResolveBody = match serde_json::from_slice(&body) {
             Ok(b) => b,

@@ -352,3 +352,26 @@ async fn a_task_holding_reserved_characters_is_shown() {
     assert_eq!(v["task"], task, "{v}");
     assert_eq!(v["actions"].as_array().map(Vec::len), Some(1), "{v}");
 }
+
+/// The admin API's body is bounded in time too (issue 58 item 14): a resolve whose body trickles
+/// gets 408 at `body_timeout` and changes nothing.
+#[tokio::test]
+async fn a_trickled_admin_body_gets_408_at_body_timeout() {
+    let up = FakeUpstream::start().await;
+    let cfg = config(&up.url(), "").replace(
+        "header_timeout = \"2s\"",
+        "header_timeout = \"2s\"\nbody_timeout = \"1s\"",
+    );
+    let proxy = TestProxy::start(&cfg).await;
+    let req = format!(
+        "POST /v1/actions/00000000000000000000000000000000/resolve HTTP/1.1\r\nhost: {}\r\nauthorization: Bearer {ADMIN_TOKEN}\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{{\"out",
+        proxy.admin
+    );
+    let (resp, _) = support::raw(
+        proxy.admin,
+        req.as_bytes(),
+        std::time::Duration::from_secs(5),
+    )
+    .await;
+    assert!(resp.starts_with("HTTP/1.1 408"), "{resp}");
+}
