@@ -177,6 +177,33 @@ async fn a_missing_id_file_or_a_cut_write_log_does_not_open() {
     assert_eq!(up.count(), 1);
 }
 
+/// A write log rewritten to the same length and chained again (each hash recomputed) ends at
+/// the same entry number as the database recorded, but not at the same entry: the store keeps
+/// the head's hash, and does not open (issue 58 item 7).
+#[tokio::test]
+async fn a_write_log_rewritten_to_the_same_length_does_not_open() {
+    let up = FakeUpstream::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let store = a_store_with_a_charge(&up, tmp.path()).await;
+    let log = std::fs::read_dir(store.join("log"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "ndjson"))
+        .max()
+        .unwrap();
+    let text = std::fs::read_to_string(&log).unwrap();
+    let mut lines: Vec<String> = text.lines().map(String::from).collect();
+    // The last entry says another status; its hash is recomputed, as a forger would.
+    let last = lines.pop().unwrap();
+    let mut e: oncegate::log::Entry = serde_json::from_str(&last).unwrap();
+    e.ts = "2020-01-01T00:00:00.000Z".into();
+    e.hash = oncegate::log::Chain::new(None).hash(&e);
+    lines.push(serde_json::to_string(&e).unwrap());
+    std::fs::write(&log, lines.join("\n") + "\n").unwrap();
+    refuses_to_start(tmp.path(), "was rewritten");
+    assert_eq!(up.count(), 1);
+}
+
 #[tokio::test]
 async fn a_store_folder_removed_while_running_refuses_writes_and_is_not_ready() {
     let up = FakeUpstream::start().await;

@@ -133,11 +133,22 @@ pub fn check(dir: &Path, db: &sled::Db, seen: &Seen) -> Result<(), String> {
             return adopt(dir, db, &id, seen, true);
         }
     }
-    let head = db
-        .get(HEAD_KEY)
-        .map_err(|e| io("read the log head", &e))?
-        .and_then(|v| head_seq(&v));
+    let kept = db.get(HEAD_KEY).map_err(|e| io("read the log head", &e))?;
+    let head = kept.as_deref().and_then(head_seq);
+    // The same length is not the same log: the newest entry must be the one recorded.
+    let kept_hash = kept
+        .as_deref()
+        .and_then(|v| v.get(8..))
+        .map(|h| String::from_utf8_lossy(h).into_owned());
     match head {
+        Some(h) if seen.log_seq == h && kept_hash.as_deref() != Some(seen.log_hash.as_str()) => {
+            Err(refuse(
+                dir,
+                format!(
+                    "the write log's entry {h} is not the one the database recorded: the log was rewritten"
+                ),
+            ))
+        }
         Some(h) if seen.log_seq < h => Err(refuse(
             dir,
             format!(
