@@ -204,6 +204,47 @@ async fn a_write_log_rewritten_to_the_same_length_does_not_open() {
     assert_eq!(up.count(), 1);
 }
 
+/// The review's sequence for a deleted write log (issue 58 item 10): writes until the
+/// write-ahead log has been checkpointed, a SIGKILL, `log/` deleted, a start: refused (exit 74),
+/// never a log that starts again after the hole.
+#[tokio::test]
+async fn a_write_log_deleted_after_a_checkpoint_and_a_sigkill_does_not_open() {
+    let up = FakeUpstream::start().await;
+    up.set_default(Behavior::json(201, r#"{"id":"ch"}"#));
+    let tmp = tempfile::tempdir().unwrap();
+    let conf = child_config(tmp.path(), &up.url(), "");
+    let text = std::fs::read_to_string(&conf).unwrap();
+    let text = text.replacen("[store]\n", "[store]\nwal_size = \"64KiB\"\n", 1);
+    std::fs::write(&conf, text).unwrap();
+    let store = tmp.path().join("store");
+    let proxy = ChildProxy::spawn(&conf);
+    let c = TestClient::default();
+    for i in 0..150 {
+        let r = c
+            .post(
+                &proxy.url("/pay/v1/charges"),
+                &[(KEY, &format!("k{i}"))],
+                "amount=5",
+            )
+            .await;
+        assert_eq!(r.status, 201);
+    }
+    let wal_files = || {
+        std::fs::read_dir(store.join("wal"))
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().path().extension().unwrap() == "wal")
+            .count()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while wal_files() > 1 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    proxy.kill();
+    std::fs::remove_dir_all(store.join("log")).unwrap();
+    refuses_to_start(tmp.path(), "write log");
+    assert_eq!(up.count(), 150);
+}
+
 #[tokio::test]
 async fn a_store_folder_removed_while_running_refuses_writes_and_is_not_ready() {
     let up = FakeUpstream::start().await;

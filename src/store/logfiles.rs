@@ -245,6 +245,17 @@ impl LogFiles {
                 ));
                 break;
             }
+            if head.is_none() {
+                // An empty log starts at its anchor, or at 1: entries that would start it later
+                // follow a hole (the log was deleted, and a crash's replay brings only its tail).
+                let starts = self.anchor()?.map_or(1, |(s, _)| s);
+                if seq != starts {
+                    result = Err(format!(
+                        "write log gap: the write log is empty or missing, and entry {seq} would start it where it starts at {starts}: its earlier entries are gone"
+                    ));
+                    break;
+                }
+            }
             let rest = &block[start..];
             if rest.is_empty() {
                 continue;
