@@ -245,6 +245,35 @@ async fn a_write_log_deleted_after_a_checkpoint_and_a_sigkill_does_not_open() {
     assert_eq!(up.count(), 150);
 }
 
+/// A folder that lost `store.id`, `wal/` and `log/` after a SIGKILL holds only a stale
+/// database (issue 58 item 9): it does not open.
+#[tokio::test]
+async fn a_folder_left_with_only_its_database_after_a_sigkill_does_not_open() {
+    let up = FakeUpstream::start().await;
+    up.set_default(Behavior::json(201, r#"{"id":"ch"}"#));
+    let tmp = tempfile::tempdir().unwrap();
+    let conf = child_config(tmp.path(), &up.url(), "");
+    let store = tmp.path().join("store");
+    let proxy = ChildProxy::spawn(&conf);
+    let c = TestClient::default();
+    for i in 0..40 {
+        let r = c
+            .post(
+                &proxy.url("/pay/v1/charges"),
+                &[(KEY, &format!("k{i}"))],
+                "amount=5",
+            )
+            .await;
+        assert_eq!(r.status, 201);
+    }
+    proxy.kill();
+    std::fs::remove_file(store.join("store.id")).unwrap();
+    std::fs::remove_dir_all(store.join("wal")).unwrap();
+    std::fs::remove_dir_all(store.join("log")).unwrap();
+    refuses_to_start(tmp.path(), "store");
+    assert_eq!(up.count(), 40);
+}
+
 #[tokio::test]
 async fn a_store_folder_removed_while_running_refuses_writes_and_is_not_ready() {
     let up = FakeUpstream::start().await;

@@ -91,7 +91,6 @@ pub fn check(dir: &Path, db: &sled::Db, seen: &Seen) -> Result<(), String> {
         (Some(f), None) if unused && seen.db_was_empty => {
             return adopt(dir, db, f, seen, false);
         }
-        (None, Some(d)) if unused => return write_id(dir, d),
         (Some(f), Some(d)) => {
             return Err(refuse(
                 dir,
@@ -177,14 +176,17 @@ pub fn check(dir: &Path, db: &sled::Db, seen: &Seen) -> Result<(), String> {
 /// write log's head in the database.
 fn adopt(dir: &Path, db: &sled::Db, id: &str, seen: &Seen, file: bool) -> Result<(), String> {
     let io = |what: &str, e: &dyn std::fmt::Display| format!("{what}: {e}");
+    // The file first: a creation cut short by a crash then leaves a file and no id in the
+    // database (finished at the next open), never the reverse, which is what a folder that lost
+    // its id file looks like.
+    if file {
+        write_id(dir, id)?;
+    }
     db.insert(ID_KEY, id.as_bytes())
         .map_err(|e| io("write the store id", &e))?;
     db.insert(HEAD_KEY, head_value(seen.log_seq, &seen.log_hash))
         .map_err(|e| io("write the log head", &e))?;
     db.flush().map_err(|e| io("flush the store id", &e))?;
-    if file {
-        write_id(dir, id)?;
-    }
     if !seen.db_was_empty {
         tracing::info!(store = %id, "store: gave a store from before store ids its id");
     }
