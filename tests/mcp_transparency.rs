@@ -539,3 +539,45 @@ async fn a_streamed_answer_that_ends_at_once_reaches_its_client_every_time() {
     }
     proxy.stop().await;
 }
+
+/// `key_scope` with the official SDKs (issue 57 item 4): the Python SDK's client against its
+/// server, a session each. A toggle (`call`) runs at every call; a session's log (`session`)
+/// starts once per session, and again in the next one (the default scope, which replays across
+/// sessions, is the other SDK tests').
+#[tokio::test]
+#[ignore = "needs the MCP Python SDK (ONCEGATE_PYTHON)"]
+async fn sdk_key_scope_call_and_session() {
+    let server = McpServer::start(&["--stateful"]);
+    let rules = "\n[[upstreams.tools]]\nname = \"toggle_feature\"\nclass = \"write\"\nkey_scope = \"call\"\n\n[[upstreams.tools]]\nname = \"start_session_log\"\nclass = \"write\"\nkey_scope = \"session\"\n";
+    let cfg = mcp_config(&server.url(), "").replacen(
+        "\n[[upstreams.tools]]",
+        &format!("{rules}\n[[upstreams.tools]]"),
+        1,
+    );
+    let proxy = TestProxy::start(&cfg).await;
+    let url = proxy.url("/mcp");
+    // Revision 2025-11-25: sessions (`Mcp-Session-Id`). 2026-07-28 has none, so a `session`
+    // scope has nothing to hold there but the arguments.
+    let two = ["--calls", "2", "--mode", "legacy"];
+    let py = |tool: &'static str| support::mcp::py_client_at(&url, tool, json!({}), &two);
+    let a = py("toggle_feature").await;
+    assert_eq!(
+        server.ran("toggle_feature"),
+        2,
+        "two toggles in one session: {a}"
+    );
+    let b = py("start_session_log").await;
+    assert_eq!(
+        server.ran("start_session_log"),
+        1,
+        "once in the session: {b}"
+    );
+    assert_eq!(b["calls"][0]["text"], b["calls"][1]["text"], "{b}");
+    let c = py("start_session_log").await;
+    assert_eq!(
+        server.ran("start_session_log"),
+        2,
+        "again in the next session: {c}"
+    );
+    proxy.stop().await;
+}

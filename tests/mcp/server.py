@@ -79,6 +79,20 @@ async def slow_charge(amount: int, seconds: float, gate: str = "") -> str:
 
 
 @server.tool()
+def toggle_feature() -> str:
+    """Flips a switch: every call is a new effect (no arguments to tell calls apart)."""
+    n = ran("toggle_feature")
+    return f"toggled (#{n})"
+
+
+@server.tool()
+def start_session_log() -> str:
+    """Starts this session's log stream: one effect per session."""
+    n = ran("start_session_log")
+    return f"session log started (#{n})"
+
+
+@server.tool()
 async def polled_charge(amount: int, ctx: Context) -> str:
     """Charges, after ending the call's stream for the client to resume (SEP-1699): the result
     is delivered on the stream the client resumes with Last-Event-ID."""
