@@ -177,6 +177,23 @@ async fn a_missing_id_file_or_a_cut_write_log_does_not_open() {
     assert_eq!(up.count(), 1);
 }
 
+/// A proxy on `conf` that has charged `n` times (keys `k0`, `k1`, ...).
+async fn charged(conf: &Path, n: usize) -> ChildProxy {
+    let proxy = ChildProxy::spawn(conf);
+    let c = TestClient::default();
+    for i in 0..n {
+        let r = c
+            .post(
+                &proxy.url("/pay/v1/charges"),
+                &[(KEY, &format!("k{i}"))],
+                "amount=5",
+            )
+            .await;
+        assert_eq!(r.status, 201);
+    }
+    proxy
+}
+
 /// A write log rewritten to the same length and chained again (each hash recomputed) ends at
 /// the same entry number as the database recorded, but not at the same entry: the store keeps
 /// the head's hash, and does not open (issue 58 item 7).
@@ -217,18 +234,7 @@ async fn a_write_log_deleted_after_a_checkpoint_and_a_sigkill_does_not_open() {
     let text = text.replacen("[store]\n", "[store]\nwal_size = \"64KiB\"\n", 1);
     std::fs::write(&conf, text).unwrap();
     let store = tmp.path().join("store");
-    let proxy = ChildProxy::spawn(&conf);
-    let c = TestClient::default();
-    for i in 0..150 {
-        let r = c
-            .post(
-                &proxy.url("/pay/v1/charges"),
-                &[(KEY, &format!("k{i}"))],
-                "amount=5",
-            )
-            .await;
-        assert_eq!(r.status, 201);
-    }
+    let proxy = charged(&conf, 150).await;
     let wal_files = || {
         std::fs::read_dir(store.join("wal"))
             .unwrap()
@@ -254,18 +260,7 @@ async fn a_folder_left_with_only_its_database_after_a_sigkill_does_not_open() {
     let tmp = tempfile::tempdir().unwrap();
     let conf = child_config(tmp.path(), &up.url(), "");
     let store = tmp.path().join("store");
-    let proxy = ChildProxy::spawn(&conf);
-    let c = TestClient::default();
-    for i in 0..40 {
-        let r = c
-            .post(
-                &proxy.url("/pay/v1/charges"),
-                &[(KEY, &format!("k{i}"))],
-                "amount=5",
-            )
-            .await;
-        assert_eq!(r.status, 201);
-    }
+    let proxy = charged(&conf, 40).await;
     proxy.kill();
     std::fs::remove_file(store.join("store.id")).unwrap();
     std::fs::remove_dir_all(store.join("wal")).unwrap();

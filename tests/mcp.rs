@@ -13,7 +13,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use support::mcp::{
-    call_body, mcp_config, py_client_at, python, run_client, script, McpServer, JSON_SSE,
+    call_body, mcp_config, py_client_at, python, run_client, ts_client, McpServer, JSON_SSE,
 };
 use support::{Behavior, ChildProxy, FakeUpstream, TestClient, TestProxy};
 
@@ -415,21 +415,10 @@ async fn sdk_annotations_make_reads_only_when_trusted() {
 #[tokio::test]
 #[ignore = "needs the MCP TypeScript SDK (ONCEGATE_MCP_NODE) and the Python SDK (ONCEGATE_PYTHON)"]
 async fn sdk_typescript_client_resends_run_once() {
-    let node_dir = std::env::var("ONCEGATE_MCP_NODE").unwrap_or_else(|_| {
-        panic!("this test needs ONCEGATE_MCP_NODE: a folder with @modelcontextprotocol/sdk installed (as .ci/run makes)")
-    });
     let server = McpServer::start(&[]);
     let proxy = proxy_for(&server, "").await;
-    let run = || {
-        let mut cmd = Command::new("node");
-        cmd.arg(script("client.mjs"))
-            .arg(proxy.url("/mcp"))
-            .arg("send_email")
-            .arg(json!({"to": "ed@example.com", "subject": "ts"}).to_string())
-            .arg("2")
-            .env("ONCEGATE_MCP_NODE", &node_dir);
-        cmd
-    };
+    let args = json!({"to": "ed@example.com", "subject": "ts"});
+    let run = || ts_client(&proxy.url("/mcp"), "send_email", &args, &["2"]);
     let a = run_client(run()).await;
     let b = run_client(run()).await;
     assert_eq!(server.ran("send_email"), 1, "{a} {b}");

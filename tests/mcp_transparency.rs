@@ -6,7 +6,7 @@
 mod support;
 
 use serde_json::{json, Value};
-use support::mcp::{call_body, mcp_config, run_client, script, McpServer, JSON_SSE};
+use support::mcp::{call_body, mcp_config, run_client, ts_client, McpServer, JSON_SSE};
 use support::{Behavior, FakeUpstream, TestClient, TestProxy};
 
 fn initialize() -> String {
@@ -306,21 +306,16 @@ async fn a_cancel_of_a_running_write_is_held_back_and_the_resend_gets_the_result
 #[tokio::test]
 #[ignore = "needs the MCP TypeScript SDK (ONCEGATE_MCP_NODE) and the Python SDK (ONCEGATE_PYTHON)"]
 async fn sdk_a_client_timeout_cancel_leaves_one_execution_and_the_resend_gets_the_result() {
-    let node_dir = std::env::var("ONCEGATE_MCP_NODE").unwrap_or_else(|_| {
-        panic!("this test needs ONCEGATE_MCP_NODE: a folder with @modelcontextprotocol/sdk installed (as .ci/run makes)")
-    });
     let server = McpServer::start(&["--stateful"]);
     let proxy = TestProxy::start(&mcp_config(&server.url(), "timeout = \"20s\"")).await;
     let gate = server.tmp.path().join("open");
     let args = json!({"amount": 42, "seconds": 15, "gate": gate.to_str().unwrap()});
-    let mut cmd = std::process::Command::new("node");
-    cmd.arg(script("client.mjs"))
-        .arg(proxy.url("/mcp"))
-        .arg("slow_charge")
-        .arg(args.to_string())
-        .arg("2")
-        .arg("[800, 20000]")
-        .env("ONCEGATE_MCP_NODE", &node_dir);
+    let cmd = ts_client(
+        &proxy.url("/mcp"),
+        "slow_charge",
+        &args,
+        &["2", "[800, 20000]"],
+    );
     let client = tokio::spawn(run_client(cmd));
     // The first call times out at the client (0.8 s) and is cancelled; the charge is let through
     // a while after, while the resend waits for it.
@@ -455,9 +450,6 @@ async fn a_call_nobody_resumes_is_resumed_by_the_proxy() {
 #[tokio::test]
 #[ignore = "needs the MCP TypeScript SDK (ONCEGATE_MCP_NODE) and the Python SDK (ONCEGATE_PYTHON)"]
 async fn sdk_a_resumed_stream_settles_the_call_and_the_resend_replays_it() {
-    let node_dir = std::env::var("ONCEGATE_MCP_NODE").unwrap_or_else(|_| {
-        panic!("this test needs ONCEGATE_MCP_NODE: a folder with @modelcontextprotocol/sdk installed (as .ci/run makes)")
-    });
     let server = McpServer::start(&["--stateful", "--resumable"]);
     let proxy = TestProxy::start(&mcp_config(&server.url(), "")).await;
     let py = support::mcp::py_client_at(
@@ -476,13 +468,12 @@ async fn sdk_a_resumed_stream_settles_the_call_and_the_resend_replays_it() {
         "{py}"
     );
     assert_eq!(py["calls"][1]["text"], py["calls"][0]["text"], "{py}");
-    let mut cmd = std::process::Command::new("node");
-    cmd.arg(script("client.mjs"))
-        .arg(proxy.url("/mcp"))
-        .arg("polled_charge")
-        .arg(json!({"amount": 4}).to_string())
-        .arg("2")
-        .env("ONCEGATE_MCP_NODE", &node_dir);
+    let cmd = ts_client(
+        &proxy.url("/mcp"),
+        "polled_charge",
+        &json!({"amount": 4}),
+        &["2"],
+    );
     let ts = run_client(cmd).await;
     assert!(
         ts["calls"][0]["text"]

@@ -134,3 +134,23 @@ pub async fn run_client(mut cmd: Command) -> Value {
     serde_json::from_str(stdout.trim().lines().last().unwrap_or(""))
         .unwrap_or_else(|e| panic!("client output is not JSON ({e}): {stdout}"))
 }
+
+/// The folder with the TypeScript SDK (`ONCEGATE_MCP_NODE`, as `.ci/run` makes it).
+pub fn node_dir() -> String {
+    std::env::var("ONCEGATE_MCP_NODE").unwrap_or_else(|_| {
+        panic!("this test needs ONCEGATE_MCP_NODE: a folder with @modelcontextprotocol/sdk installed (as .ci/run makes)")
+    })
+}
+
+/// The TypeScript SDK's client (`tests/mcp/client.mjs`): `tool` with `args` at `url`, then
+/// `more` arguments (how many calls, their timeouts).
+pub fn ts_client(url: &str, tool: &str, args: &Value, more: &[&str]) -> Command {
+    let mut cmd = Command::new("node");
+    cmd.arg(script("client.mjs"))
+        .arg(url)
+        .arg(tool)
+        .arg(args.to_string())
+        .args(more)
+        .env("ONCEGATE_MCP_NODE", node_dir());
+    cmd
+}
