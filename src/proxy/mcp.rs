@@ -23,11 +23,11 @@ impl Proxy {
         req: Request<Incoming>,
         labels: &mut (&'static str, &'static str),
     ) -> Result<Response<ProxyBody>, ProxyError> {
-        let origin = self.origin_of(&req);
+        let host = super::oauth::host_of(&req);
         let up = t.upstream.clone();
         let mut resp = self.mcp_message(t, rules, req, labels).await?;
         // A challenge names the proxy's metadata for this upstream (SPEC §14.6).
-        self.name_our_metadata(&up, origin.as_deref(), &mut resp);
+        self.name_our_metadata(&up, host.as_ref(), &mut resp);
         Ok(resp)
     }
 

@@ -143,11 +143,11 @@ impl Proxy {
 
     /// The proxy's origin as the client called it (`http://127.0.0.1:8080`), from its `Host`.
     pub(super) fn origin_of<B>(&self, req: &Request<B>) -> Option<String> {
-        let host = req
-            .headers()
-            .get(http::header::HOST)
-            .and_then(|h| h.to_str().ok())
-            .or_else(|| req.uri().authority().map(|a| a.as_str()))?;
+        self.origin(host_of(req).as_ref())
+    }
+
+    fn origin(&self, host: Option<&HeaderValue>) -> Option<String> {
+        let host = host?.to_str().ok()?;
         let scheme = if self.config.server.tls.is_some() {
             "https"
         } else {
@@ -161,13 +161,17 @@ impl Proxy {
     pub(super) fn name_our_metadata(
         &self,
         up: &Upstream,
-        origin: Option<&str>,
+        host: Option<&HeaderValue>,
         resp: &mut Response<ProxyBody>,
     ) {
-        let Some(origin) = origin else { return };
+        // Almost every answer has no challenge: the origin is made only for one that has.
         if !resp.headers().contains_key(http::header::WWW_AUTHENTICATE) {
             return;
         }
+        let Some(origin) = self.origin(host) else {
+            return;
+        };
+        let origin = origin.as_str();
         let url = up.url.to_string();
         let m = Mount {
             url: &url,
@@ -195,4 +199,14 @@ impl Proxy {
             resp.headers_mut().append(http::header::WWW_AUTHENTICATE, v);
         }
     }
+}
+
+/// The `Host` a request names (or its URI's authority, over HTTP/2): kept before the request is
+/// taken apart, a cheap clone.
+pub(super) fn host_of<B>(req: &Request<B>) -> Option<HeaderValue> {
+    req.headers().get(http::header::HOST).cloned().or_else(|| {
+        req.uri()
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+    })
 }
