@@ -308,6 +308,32 @@ fn request(
     (h, format!(r#"{{"write":"{write}","amount":{n}}}"#))
 }
 
+/// The answer to a write once no proxy holds it any more. A write whose outcome a proxy could
+/// not record (a 503 while the database was down, with `duplicate_risk`) stays in flight under
+/// that proxy's lease; another proxy answers 409 `in-flight`, which sends nothing, until the lease
+/// lapses and the action becomes `unknown`. So the final check asks again while it is in flight,
+/// for longer than any lease in these runs, and judges the answer it then gets.
+async fn settled_answer(
+    client: &hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        Full<Bytes>,
+    >,
+    addr: SocketAddr,
+    mode: Mode,
+    headers: &[(String, String)],
+    body: &str,
+) -> Result<(u16, Option<String>, Bytes), ()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = send(client, addr, mode, headers, body).await;
+        let in_flight = matches!(&r, Ok((409, Some(o), _)) if o == "in-flight");
+        if !in_flight || Instant::now() > deadline {
+            return r;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 async fn send(
     client: &hyper_util::client::legacy::Client<
         hyper_util::client::legacy::connect::HttpConnector,
@@ -751,7 +777,7 @@ pub(crate) async fn harness(opts: Options) -> Report {
                 !applied_keys.is_empty() && applied_keys.iter().all(|k| unsearchable(k));
             if seen.success.is_none() && seen.unknown_at.is_some() && never_found {
                 let (h, b) = request(*mode, *client_id, n, write, seen.unknown_suffix);
-                let r = send(&client, children[0].addr, *mode, &h, &b).await;
+                let r = settled_answer(&client, children[0].addr, *mode, &h, &b).await;
                 if !matches!(&r, Ok((409, Some(o), _)) if o == "unknown") {
                     let mut msg = format!("{write}: was unknown for good, then {r:?}");
                     msg.truncate(300);
@@ -773,7 +799,7 @@ pub(crate) async fn harness(opts: Options) -> Report {
             }
         } else if seen.unknown_at.is_some() && !(opts.broken_client && *mode == Mode::Key) {
             let (h, b) = request(*mode, *client_id, n, write, seen.unknown_suffix);
-            let r = send(&client, children[0].addr, *mode, &h, &b).await;
+            let r = settled_answer(&client, children[0].addr, *mode, &h, &b).await;
             // Still unknown, or (with a lookup) found at the upstream and replayed from there.
             let settled = opts.lookup && matches!(&r, Ok((201, Some(o), _)) if o == "replayed");
             if !settled && !matches!(&r, Ok((409, Some(o), _)) if o == "unknown") {
