@@ -6,7 +6,7 @@
 mod support;
 
 use serde_json::{json, Value};
-use support::mcp::{call_body, mcp_config, run_client, ts_client, McpServer, JSON_SSE};
+use support::mcp::{call_body, mcp_config, JSON_SSE};
 use support::{Behavior, FakeUpstream, TestClient, TestProxy};
 
 fn initialize() -> String {
@@ -299,48 +299,6 @@ async fn a_cancel_of_a_running_write_is_held_back_and_the_resend_gets_the_result
     proxy.stop().await;
 }
 
-/// The same with the official SDKs (issue 57 item 3): the TypeScript client's own timeout fires
-/// while the Python server's charge runs, and the SDK sends `notifications/cancelled`. Direct,
-/// the server cancels the charge mid-way; through oncegate, it runs to its end, once, and the
-/// client's resend (a new id) gets its result.
-#[tokio::test]
-#[ignore = "needs the MCP TypeScript SDK (ONCEGATE_MCP_NODE) and the Python SDK (ONCEGATE_PYTHON)"]
-async fn sdk_a_client_timeout_cancel_leaves_one_execution_and_the_resend_gets_the_result() {
-    let server = McpServer::start(&["--stateful"]);
-    let proxy = TestProxy::start(&mcp_config(&server.url(), "timeout = \"20s\"")).await;
-    let gate = server.tmp.path().join("open");
-    let args = json!({"amount": 42, "seconds": 15, "gate": gate.to_str().unwrap()});
-    let cmd = ts_client(
-        &proxy.url("/mcp"),
-        "slow_charge",
-        &args,
-        &["2", "[800, 20000]"],
-    );
-    let client = tokio::spawn(run_client(cmd));
-    // The first call times out at the client (0.8 s) and is cancelled; the charge is let through
-    // a while after, while the resend waits for it.
-    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
-    std::fs::write(&gate, "").unwrap();
-    let out = client.await.unwrap();
-    assert!(
-        out["calls"][0]["error"]
-            .as_str()
-            .unwrap_or("")
-            .contains("timed out"),
-        "{out}"
-    );
-    assert_eq!(out["calls"][1]["is_error"], false, "{out}");
-    assert!(
-        out["calls"][1]["text"]
-            .as_str()
-            .unwrap_or("")
-            .contains("charged 42"),
-        "{out}"
-    );
-    assert_eq!(server.ran("slow_charge"), 1, "{out}");
-    proxy.stop().await;
-}
-
 /// An SSE response of `events`, each sent 20 ms after the one before; the stream then ends.
 fn sse(events: &[&str]) -> Behavior {
     Behavior::Paced {
@@ -443,50 +401,6 @@ async fn a_call_nobody_resumes_is_resumed_by_the_proxy() {
     proxy.stop().await;
 }
 
-/// The same with the official SDKs: the Python SDK's server ends `polled_charge`'s stream after
-/// its priming event; the client (Python, then TypeScript; revision 2025-11-25) resumes it and
-/// gets the result. Through oncegate the tool runs once, the first call gets its result, and a
-/// second call (a resend) replays it.
-#[tokio::test]
-#[ignore = "needs the MCP TypeScript SDK (ONCEGATE_MCP_NODE) and the Python SDK (ONCEGATE_PYTHON)"]
-async fn sdk_a_resumed_stream_settles_the_call_and_the_resend_replays_it() {
-    let server = McpServer::start(&["--stateful", "--resumable"]);
-    let proxy = TestProxy::start(&mcp_config(&server.url(), "")).await;
-    let py = support::mcp::py_client_at(
-        &proxy.url("/mcp"),
-        "polled_charge",
-        json!({"amount": 3}),
-        &["--calls", "2"],
-    )
-    .await;
-    assert_eq!(py["calls"][0]["is_error"], false, "{py}");
-    assert!(
-        py["calls"][0]["text"]
-            .as_str()
-            .unwrap_or("")
-            .contains("charged 3"),
-        "{py}"
-    );
-    assert_eq!(py["calls"][1]["text"], py["calls"][0]["text"], "{py}");
-    let cmd = ts_client(
-        &proxy.url("/mcp"),
-        "polled_charge",
-        &json!({"amount": 4}),
-        &["2"],
-    );
-    let ts = run_client(cmd).await;
-    assert!(
-        ts["calls"][0]["text"]
-            .as_str()
-            .unwrap_or("")
-            .contains("charged 4"),
-        "{ts}"
-    );
-    assert_eq!(ts["calls"][1]["text"], ts["calls"][0]["text"], "{ts}");
-    assert_eq!(server.ran("polled_charge"), 2, "{py} {ts}");
-    proxy.stop().await;
-}
-
 /// A write whose answer streams and ends at once (one final event): its client gets that
 /// stream, every time. The action's task could end before the request took the stream's head,
 /// and the request then answered the task's own end, an empty 200 with no content type (seen
@@ -528,47 +442,5 @@ async fn a_streamed_answer_that_ends_at_once_reaches_its_client_every_time() {
         );
         assert_eq!(String::from_utf8_lossy(&r.body), event(1), "call {i}");
     }
-    proxy.stop().await;
-}
-
-/// `key_scope` with the official SDKs (issue 57 item 4): the Python SDK's client against its
-/// server, a session each. A toggle (`call`) runs at every call; a session's log (`session`)
-/// starts once per session, and again in the next one (the default scope, which replays across
-/// sessions, is the other SDK tests').
-#[tokio::test]
-#[ignore = "needs the MCP Python SDK (ONCEGATE_PYTHON)"]
-async fn sdk_key_scope_call_and_session() {
-    let server = McpServer::start(&["--stateful"]);
-    let rules = "\n[[upstreams.tools]]\nname = \"toggle_feature\"\nclass = \"write\"\nkey_scope = \"call\"\n\n[[upstreams.tools]]\nname = \"start_session_log\"\nclass = \"write\"\nkey_scope = \"session\"\n";
-    let cfg = mcp_config(&server.url(), "").replacen(
-        "\n[[upstreams.tools]]",
-        &format!("{rules}\n[[upstreams.tools]]"),
-        1,
-    );
-    let proxy = TestProxy::start(&cfg).await;
-    let url = proxy.url("/mcp");
-    // Revision 2025-11-25: sessions (`Mcp-Session-Id`). 2026-07-28 has none, so a `session`
-    // scope has nothing to hold there but the arguments.
-    let two = ["--calls", "2", "--mode", "legacy"];
-    let py = |tool: &'static str| support::mcp::py_client_at(&url, tool, json!({}), &two);
-    let a = py("toggle_feature").await;
-    assert_eq!(
-        server.ran("toggle_feature"),
-        2,
-        "two toggles in one session: {a}"
-    );
-    let b = py("start_session_log").await;
-    assert_eq!(
-        server.ran("start_session_log"),
-        1,
-        "once in the session: {b}"
-    );
-    assert_eq!(b["calls"][0]["text"], b["calls"][1]["text"], "{b}");
-    let c = py("start_session_log").await;
-    assert_eq!(
-        server.ran("start_session_log"),
-        2,
-        "again in the next session: {c}"
-    );
     proxy.stop().await;
 }

@@ -4,9 +4,13 @@ Calls one tool through the proxy and prints what the model would see, as one JSO
 
     python client.py URL TOOL ARGS_JSON [--meta JSON] [--header NAME=VALUE]... [--progress]
                      [--mode auto|legacy] [--list] [--calls N] [--read-timeout SECONDS]
+                     [--read-timeouts JSON]
 
 `--calls N` calls the tool N times on one connection (each call gets a new JSON-RPC id, as an
 agent's resend does). `--list` lists the tools first (as an agent does before calling).
+`--read-timeouts [0.8, 20]` gives each call its own timeout (seconds); when one fires, the SDK
+abandons the call: at 2025-11-25 it sends `notifications/cancelled`, at 2026-07-28 it closes the
+call's stream.
 """
 
 import argparse
@@ -31,6 +35,7 @@ async def main() -> None:
     p.add_argument("--list", action="store_true")
     p.add_argument("--calls", type=int, default=1)
     p.add_argument("--read-timeout", type=float)
+    p.add_argument("--read-timeouts", default="[]")
     a = p.parse_args()
     headers = dict(h.split("=", 1) for h in a.header)
     http = create_mcp_http_client(headers=headers)
@@ -46,12 +51,13 @@ async def main() -> None:
             if a.list:
                 tools = await client.list_tools()
                 out["tools"] = sorted(t.name for t in tools.tools)
-            for _ in range(a.calls):
+            timeouts = json.loads(a.read_timeouts)
+            for i in range(a.calls):
                 try:
                     r = await client.call_tool(
                         a.tool,
                         json.loads(a.args),
-                        read_timeout_seconds=a.read_timeout,
+                        read_timeout_seconds=timeouts[i] if i < len(timeouts) else a.read_timeout,
                         progress_callback=on_progress if a.progress else None,
                         meta=json.loads(a.meta) if a.meta else None,
                     )
@@ -65,6 +71,7 @@ async def main() -> None:
                     )
                 except Exception as e:  # the SDK's own error (a JSON-RPC error, a timeout)
                     out["calls"].append({"exception": f"{type(e).__name__}: {e}"})
+            out["protocol_version"] = client.protocol_version
     out["progress"] = progress
     print(json.dumps(out))
 
