@@ -2324,6 +2324,67 @@ async fn postgres_fences_a_try_to_its_own_current_attempt() {
     s.close().await.unwrap();
 }
 
+/// Two proxies' stores on one database, taking turns: each batch of one chains its log after a
+/// head the other has moved, so its last statement finds the head moved, the batch is rolled
+/// back and made again under the head's lock (SPEC §13). Every claim and settlement of both
+/// lands, once, in one chain that verifies.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
+async fn postgres_two_stores_on_one_database_keep_one_chain() {
+    let url = support::fresh_database(&support::postgres_url()).await;
+    let open = || async {
+        let options = oncegate::store::StoreOptions {
+            caller_clock: true,
+            ..Default::default()
+        };
+        let s = oncegate::store::postgres::PostgresStore::open(&url, options)
+            .await
+            .unwrap();
+        Arc::new(s) as S
+    };
+    let (a, b) = (open().await, open().await);
+    for i in 0..20u64 {
+        for (s, name) in [(&a, "a"), (&b, "b")] {
+            let id = format!("{name}{i}");
+            let c = s
+                .claim(claim_req(record(&id, &id, None), T0 + i, 10_000))
+                .await
+                .unwrap();
+            assert!(matches!(c, Claim::Claimed(_)), "{id}: {c:?}");
+        }
+        for (s, name) in [(&a, "a"), (&b, "b")] {
+            settle(
+                s,
+                &format!("{name}{i}"),
+                1,
+                State::Succeeded,
+                T0 + i,
+                Some("{}"),
+            )
+            .await;
+        }
+        // And at once, each on its own proxy.
+        let (x, y) = (format!("a{i}x"), format!("b{i}x"));
+        let (ca, cb) = tokio::join!(
+            a.claim(claim_req(record(&x, &x, None), T0 + i, 10_000)),
+            b.claim(claim_req(record(&y, &y, None), T0 + i, 10_000))
+        );
+        assert!(matches!(ca.unwrap(), Claim::Claimed(_)));
+        assert!(matches!(cb.unwrap(), Claim::Claimed(_)));
+    }
+    let v = a.verify_log().await.unwrap();
+    // 40 actions claimed and settled (intent, sent, outcome) and 40 claimed (intent, sent).
+    assert!(v.ok && v.entries == 40 * 3 + 40 * 2, "{v:?}");
+    assert_eq!(a.log_head().await.unwrap(), b.log_head().await.unwrap());
+    let counts = a.counts().await.unwrap();
+    let of = |st: State| counts.iter().find(|(s, _)| *s == st).map(|(_, n)| *n);
+    assert_eq!(of(State::Succeeded), Some(40), "{counts:?}");
+    assert_eq!(of(State::InFlight), Some(40), "{counts:?}");
+    for s in [a, b] {
+        s.close().await.unwrap();
+    }
+}
+
 /// A PostgreSQL store whose past was cut away under it does not open (the proxy exits 74):
 /// entries removed from the write log's tail, or rows removed from the actions table while its
 /// log and counts stayed (SPEC §13 history). Each run on a store that held three writes.

@@ -21,6 +21,8 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::types::ToSql;
 
 mod batch;
+mod clock;
+mod commit;
 mod history;
 mod sets;
 
@@ -143,6 +145,16 @@ impl Moves {
     }
 
     /// Adds them to this instance's counts, in `tx`.
+    /// The states whose counts moved, and by how much.
+    pub(super) fn columns(&self) -> (Vec<&'static str>, Vec<i64>) {
+        State::ALL
+            .into_iter()
+            .zip(self.0)
+            .filter(|(_, d)| *d != 0)
+            .map(|(s, d)| (s.as_str(), d))
+            .unzip()
+    }
+
     pub(super) async fn save(
         &self,
         tx: &impl GenericClient,
@@ -365,6 +377,8 @@ impl PostgresStore {
             chain: options.chain.clone(),
             flush_latency: options.flush_latency.clone(),
             head: head.clone(),
+            clock: Default::default(),
+            contended: Default::default(),
         };
         writer.spawn(rx);
         let mut store = PostgresStore {

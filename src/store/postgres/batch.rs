@@ -21,10 +21,11 @@ use bytes::Bytes;
 use deadpool_postgres::GenericClient;
 use tokio::sync::{mpsc, oneshot};
 
-use super::sets::Outcome;
+use super::commit::{write_and_commit, Ending};
+use super::sets::{Outcome, Rows};
 use super::{
-    append_after, db, encode, judge_time, lock, pool_err, prepared, twin_holder, unavailable,
-    write, Head, Moves, Sealer,
+    db, encode, judge_time, lock, pool_err, prepared, twin_holder, unavailable, write, Head, Moves,
+    Sealer,
 };
 use crate::action::{
     apply_resolve, apply_settle, decide_claim, BodyRef, Claim, ClaimRequest, Millis, Record,
@@ -35,6 +36,9 @@ use crate::store::{claim_events, resolve_event, settle_event, SettleRequest, Sto
 
 /// At most this many operations a transaction.
 const BATCH_MAX: usize = 128;
+
+/// How long a proxy that found the log's head moved by another reads it under lock.
+const CONTENDED_FOR: std::time::Duration = std::time::Duration::from_secs(1);
 
 type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
 
@@ -108,6 +112,10 @@ pub(super) struct Writer {
     /// The newest log head this proxy committed: the next batch chains after it without
     /// reading the head first, unless another transaction moved it meanwhile.
     pub(super) head: Arc<std::sync::Mutex<Option<Head>>>,
+    /// The database's clock, read once a second.
+    pub(super) clock: super::clock::DbClock,
+    /// Until when the head is read under lock (another proxy moved it lately).
+    pub(super) contended: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 impl Writer {
@@ -135,6 +143,7 @@ impl Writer {
         let mut h = self.head.lock().unwrap_or_else(|p| p.into_inner());
         if failed {
             *h = None;
+            self.clock.forget();
         } else if new.is_some() {
             *h = new;
         }
@@ -175,41 +184,60 @@ impl Writer {
     /// transition (a stale settlement, a resolution of a settled action) fails alone.
     async fn transaction(&self, ops: &[Op]) -> Result<Vec<Result<Done, StoreError>>, StoreError> {
         let c = self.pool.get().await.map_err(pool_err)?;
-        let done = self.in_transaction(&c, ops).await;
-        if done.is_err() {
-            // Nothing was committed: the transaction ends here, or with its connection.
-            if c.batch_execute("ROLLBACK").await.is_err() {
-                drop(deadpool_postgres::Object::take(c));
+        let mut done = self.in_transaction(&c, ops, self.chain_after()).await;
+        if let Err(Ending::HeadMoved) = done {
+            // Another proxy shares the log: nothing of the batch was committed; it is made
+            // again with the head read under lock, as the next batches are for a while.
+            self.keep_head(None, false);
+            *self.contended.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some(std::time::Instant::now() + CONTENDED_FOR);
+            done = self.in_transaction(&c, ops, None).await;
+        }
+        match done {
+            Ok(done) => Ok(done),
+            Err(e) => {
+                // Nothing was committed: the transaction ends here, or with its connection.
+                if c.batch_execute("ROLLBACK").await.is_err() {
+                    drop(deadpool_postgres::Object::take(c));
+                }
+                Err(match e {
+                    Ending::Failed(e) => e,
+                    Ending::HeadMoved => unavailable("the write log's head moved under its lock"),
+                })
             }
         }
-        done
+    }
+
+    /// The head the batch chains after without reading it: the one this proxy last committed,
+    /// unless another proxy moved it lately.
+    fn chain_after(&self) -> Option<Head> {
+        let mut contended = self.contended.lock().unwrap_or_else(|p| p.into_inner());
+        match *contended {
+            Some(until) if std::time::Instant::now() < until => None,
+            _ => {
+                *contended = None;
+                self.known_head()
+            }
+        }
     }
 
     /// [`Writer::transaction`] on `tx`: its `BEGIN` goes out together with the batch's first
-    /// statements (the clock, the twin keys' locks, the reads of its rows), which the server
-    /// runs in order after it, so that opening the transaction costs no round trip of its own.
+    /// statements (the twin keys' locks, the reads and inserts of its rows), which the server
+    /// runs in order after it, so that opening the transaction costs no round trip of its own;
+    /// its last statement goes with the `COMMIT` ([`super::commit`]).
     async fn in_transaction(
         &self,
         tx: &deadpool_postgres::Client,
         ops: &[Op],
-    ) -> Result<Vec<Result<Done, StoreError>>, StoreError> {
+        head: Option<Head>,
+    ) -> Result<Vec<Result<Done, StoreError>>, Ending> {
         let begin = tx.batch_execute("BEGIN");
         let work = self.changes(tx, ops);
         let (began, worked) = tokio::join!(begin, work);
         began.map_err(db)?;
-        let (done, events, moves) = worked?;
-        // The counts and the log, sent together.
-        let (saved, head) = tokio::join!(
-            moves.save(tx, &self.instance),
-            append_after(tx, &self.chain, events, self.known_head())
-        );
-        let committed = async {
-            saved?;
-            let head = head?;
-            tx.batch_execute("COMMIT").await.map_err(db)?;
-            Ok::<_, StoreError>(head)
-        }
-        .await;
+        let (done, events, moves, rows) = worked?;
+        let committed =
+            write_and_commit(tx, &self.chain, &self.instance, &rows, &moves, events, head).await;
         match committed {
             Ok(head) => self.keep_head(head, false),
             Err(e) => {
@@ -226,16 +254,22 @@ impl Writer {
         &self,
         tx: &deadpool_postgres::Client,
         ops: &[Op],
-    ) -> Result<(Vec<Result<Done, StoreError>>, Vec<LogEvent>, Moves), StoreError> {
+    ) -> Result<(Vec<Result<Done, StoreError>>, Vec<LogEvent>, Moves, Rows), StoreError> {
         let mut keys: Vec<&str> = ops.iter().filter_map(Op::twin_key).collect();
         keys.sort_unstable();
         keys.dedup();
         // The clock and the twin keys' locks, sent together.
         let clock = async {
-            match self.caller_clock {
-                true => Ok(None),
-                false => judge_time(tx, None).await.map(Some),
+            if self.caller_clock {
+                return Ok::<_, StoreError>(None);
             }
+            if let Some(t) = self.clock.now() {
+                return Ok(Some(t));
+            }
+            let sent = std::time::Instant::now();
+            let t = judge_time(tx, None).await?;
+            self.clock.sampled(t, sent);
+            Ok(Some(t))
         };
         let locks = async {
             if !keys.is_empty() {
@@ -276,7 +310,8 @@ impl Writer {
         for (i, o) in claimed?.into_iter() {
             outcomes[i] = o;
         }
-        for (i, o) in changed? {
+        let (changed, rows) = changed?;
+        for (i, o) in changed {
             outcomes[i] = Some(o);
         }
         // The rest one at a time: the operations on one action in order; those on different
@@ -331,7 +366,7 @@ impl Writer {
             moves.add(&mv);
             done.push(d);
         }
-        Ok((done, events, moves))
+        Ok((done, events, moves, rows))
     }
 
     async fn claim(

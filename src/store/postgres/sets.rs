@@ -1,6 +1,7 @@
 //! A batch's row work as set-based statements (SPEC §13): the fresh claims of a batch are
 //! inserted by one statement (after one that reads every twin slot they need), and its
-//! settlements and resolutions are read and locked by one statement and written by one. Each
+//! settlements and resolutions are read and locked by one statement and written by the batch's
+//! last one. Each
 //! decision is still the pure transition every store makes, per operation.
 //!
 //! Only operations alone in the batch on their action (and, for a guarded claim, on its twin
@@ -24,7 +25,7 @@ pub(super) type Outcome = (Result<Done, StoreError>, Changes);
 
 /// The columns of rows to write, one array each (`UNNEST`).
 #[derive(Default)]
-struct Rows {
+pub(super) struct Rows {
     id: Vec<String>,
     state: Vec<&'static str>,
     upstream: Vec<String>,
@@ -41,7 +42,7 @@ struct Rows {
 }
 
 impl Rows {
-    fn push(&mut self, r: &Record, body: Option<&Bytes>, sealer: Option<&Sealer>) {
+    pub(super) fn push(&mut self, r: &Record, body: Option<&Bytes>, sealer: Option<&Sealer>) {
         self.id.push(r.id.clone());
         self.state.push(r.state.as_str());
         self.upstream.push(r.upstream.clone());
@@ -57,7 +58,7 @@ impl Rows {
         self.generation.push(i64::from(r.attempts));
     }
 
-    fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 13] {
+    pub(super) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 13] {
         [
             &self.id,
             &self.state,
@@ -76,7 +77,7 @@ impl Rows {
     }
 }
 
-const UNNEST: &str = "UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::bigint[], $8::bigint[], $9::bigint[], $10::text[], $11::bytea[], $12::text[], $13::bigint[])
+pub(super) const UNNEST: &str = "UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::bigint[], $8::bigint[], $9::bigint[], $10::text[], $11::bytea[], $12::text[], $13::bigint[])
     AS u(id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, body, twin, generation)";
 
 impl Writer {
@@ -162,16 +163,17 @@ impl Writer {
     }
 
     /// The settlements and resolutions `which` of `ops` (each alone on its action): their
-    /// records read and locked in one statement, decided each, written in one.
+    /// records read and locked in one statement, and decided each. Their new rows are returned
+    /// to be written by the batch's last statement ([`super::commit`]).
     pub(super) async fn change_set(
         &self,
         tx: &impl GenericClient,
         ops: &[Op],
         which: &[usize],
         now: &(dyn Fn(&Op) -> Millis + Sync),
-    ) -> Result<Vec<(usize, Outcome)>, StoreError> {
+    ) -> Result<(Vec<(usize, Outcome)>, Rows), StoreError> {
         if which.is_empty() {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), Rows::default()));
         }
         let sealer = self.sealer.as_deref();
         let ids: Vec<&str> = which.iter().map(|&i| ops[i].id()).collect();
@@ -213,21 +215,6 @@ impl Writer {
                 Err(e) => out.push((i, (Err(e), Changes::default()))),
             }
         }
-        if rows.id.is_empty() {
-            return Ok(out);
-        }
-        let sql = format!(
-            "INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, body, twin, generation)
-             SELECT * FROM {UNNEST}
-             ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, task = EXCLUDED.task,
-                 owner = EXCLUDED.owner, lease_until = EXCLUDED.lease_until,
-                 created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at,
-                 record = EXCLUDED.record, body = COALESCE(EXCLUDED.body, oncegate_actions.body),
-                 twin = EXCLUDED.twin, generation = EXCLUDED.generation"
-        );
-        tx.execute(&prepared(tx, &sql).await?, &rows.params())
-            .await
-            .map_err(db)?;
-        Ok(out)
+        Ok((out, rows))
     }
 }
