@@ -34,6 +34,14 @@ const PG: [(&str, usize); 3] = [
 ];
 const PGBENCH: &str = "pgbench, INSERT + INSERT";
 
+/// The PostgreSQL targets' names when run by the baseline build (`BENCH_BASELINE`), by the
+/// number of proxies' power of two.
+const BASELINE_NAMES: [&str; 3] = [
+    "baseline ×1, PostgreSQL",
+    "baseline ×2, one PostgreSQL",
+    "baseline ×4, one PostgreSQL",
+];
+
 /// Where the fresh databases are made.
 struct Server {
     base: String,
@@ -98,6 +106,8 @@ struct Target {
     env: Vec<(String, String)>,
     /// Whether the PostgreSQL server's CPU counts.
     postgres: bool,
+    /// The binary its proxies run: this build's, or the baseline's (`BENCH_BASELINE`).
+    bin: Option<String>,
 }
 
 /// What a target did in all rounds: unique writes at 64 connections, and at 1.
@@ -113,10 +123,13 @@ struct Runs {
 async fn run_target(t: &Target, server: &Server, secs: f64, into: &mut Runs) {
     let mut children = Vec::new();
     for _ in 0..t.proxies {
-        let (conf, env) = (t.conf.clone(), t.env.clone());
-        let started = tokio::task::spawn_blocking(move || load::launch(&conf, &env, &[]))
-            .await
-            .unwrap();
+        let (conf, env, bin) = (t.conf.clone(), t.env.clone(), t.bin.clone());
+        let started = tokio::task::spawn_blocking(move || match bin {
+            Some(bin) => load::launch_bin(&bin, &conf, &env, &[]),
+            None => load::launch(&conf, &env, &[]),
+        })
+        .await
+        .unwrap();
         children.push(started);
     }
     let addrs: Vec<SocketAddr> = children.iter().map(|c| c.1).collect();
@@ -273,12 +286,32 @@ async fn run(secs: f64, rounds: usize, out: Option<PathBuf>) {
         ),
         env: Vec::new(),
         postgres: false,
+        bin: None,
     });
     let mut databases = Vec::new();
-    for (name, proxies) in PG {
-        let (db, url) = server.database(&format!("p{proxies}")).await;
+    // `BENCH_BASELINE=path/to/oncegate`: the same PostgreSQL targets run by another build too,
+    // in the same rounds, for a before-and-after pair measured under the same conditions.
+    let baseline = std::env::var("BENCH_BASELINE")
+        .ok()
+        .filter(|b| !b.is_empty());
+    let builds = std::iter::once(None).chain(baseline.map(Some));
+    let pg_targets: Vec<(&str, usize, Option<String>)> = builds
+        .flat_map(|bin| {
+            PG.into_iter().map(move |(name, n)| match &bin {
+                None => (name, n, None),
+                Some(b) => (
+                    BASELINE_NAMES[n.trailing_zeros() as usize],
+                    n,
+                    Some(b.clone()),
+                ),
+            })
+        })
+        .collect();
+    for (name, proxies, bin) in pg_targets {
+        let tag = if bin.is_some() { "b" } else { "p" };
+        let (db, url) = server.database(&format!("{tag}{proxies}")).await;
         databases.push(db);
-        let dir = tmp.path().join(format!("pg{proxies}"));
+        let dir = tmp.path().join(format!("pg{tag}{proxies}"));
         std::fs::create_dir_all(&dir).unwrap();
         targets.push(Target {
             name,
@@ -294,6 +327,7 @@ async fn run(secs: f64, rounds: usize, out: Option<PathBuf>) {
             ),
             env: vec![("ONCEGATE_BENCH_DB".into(), url)],
             postgres: true,
+            bin,
         });
     }
     let (floor_db, floor_url) = server.database("floor").await;
@@ -450,6 +484,17 @@ fn report(
         if p99 <= 5.0 { "met" } else { "**missed**" }
     )
     .unwrap();
+    if let Some(b) = std::env::var("BENCH_BASELINE")
+        .ok()
+        .filter(|b| !b.is_empty())
+    {
+        let label = std::env::var("BENCH_BASELINE_LABEL").unwrap_or(b);
+        writeln!(
+            md,
+            "The baseline rows run another build, {label} (`BENCH_BASELINE`), in the same rounds.\n"
+        )
+        .unwrap();
+    }
     writeln!(
         md,
         "On {cores} cores the proxies, the database and the load generator share the same CPUs, \

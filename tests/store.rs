@@ -2372,9 +2372,27 @@ async fn postgres_two_stores_on_one_database_keep_one_chain() {
         assert!(matches!(ca.unwrap(), Claim::Claimed(_)));
         assert!(matches!(cb.unwrap(), Claim::Claimed(_)));
     }
+    // A note (a replay's audit entry) goes with the writer's next batch, in the same chain.
+    a.note(oncegate::log::LogEvent::bare(
+        Event::Replayed,
+        oncegate::log::Actor::Proxy,
+    ));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while a.log_head().await.unwrap().0 < 40 * 3 + 40 * 2 + 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the note was never written"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     let v = a.verify_log().await.unwrap();
-    // 40 actions claimed and settled (intent, sent, outcome) and 40 claimed (intent, sent).
-    assert!(v.ok && v.entries == 40 * 3 + 40 * 2, "{v:?}");
+    // 40 actions claimed and settled (intent, sent, outcome), 40 claimed (intent, sent), a note.
+    assert!(v.ok && v.entries == 40 * 3 + 40 * 2 + 1, "{v:?}");
+    let last = a.log(40 * 3 + 40 * 2, 10).await.unwrap();
+    assert_eq!(
+        last.iter().map(|e| e.event).collect::<Vec<_>>(),
+        [Event::Replayed]
+    );
     assert_eq!(a.log_head().await.unwrap(), b.log_head().await.unwrap());
     let counts = a.counts().await.unwrap();
     let of = |st: State| counts.iter().find(|(s, _)| *s == st).map(|(_, n)| *n);

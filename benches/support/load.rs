@@ -362,15 +362,20 @@ pub fn launch(
     env: &[(String, String)],
     flags: &'static [(&'static str, &'static str)],
 ) -> (std::process::Child, SocketAddr, SocketAddr, &'static str) {
+    launch_bin(env!("CARGO_BIN_EXE_oncegate"), conf, env, flags)
+}
+
+/// [`launch`], of the oncegate binary at `bin` (a baseline build, for a same-run comparison).
+pub fn launch_bin(
+    bin: &str,
+    conf: &std::path::Path,
+    env: &[(String, String)],
+    flags: &'static [(&'static str, &'static str)],
+) -> (std::process::Child, SocketAddr, SocketAddr, &'static str) {
     // `BENCH_WRAP='heaptrack -o /tmp/og'` runs the proxy under a profiler.
     let wrap = std::env::var("BENCH_WRAP").unwrap_or_default();
     let mut argv: Vec<&str> = wrap.split_whitespace().collect();
-    argv.extend([
-        env!("CARGO_BIN_EXE_oncegate"),
-        "run",
-        "--config",
-        conf.to_str().unwrap(),
-    ]);
+    argv.extend([bin, "run", "--config", conf.to_str().unwrap()]);
     let mut child = std::process::Command::new(argv[0])
         .args(&argv[1..])
         .envs(env.iter().map(|(k, v)| (k, v)))

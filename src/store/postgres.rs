@@ -736,22 +736,13 @@ impl Store for PostgresStore {
     }
 
     fn note(&self, event: LogEvent) {
-        // Audit entries for events that change no record: appended in their own small
-        // transaction, off the request path.
-        let pool = self.pool.clone();
-        let chain = self.chain.clone();
-        tokio::spawn(async move {
-            let result = async {
-                let mut c = pool.get().await.map_err(pool_err)?;
-                let tx = c.transaction().await.map_err(db)?;
-                append(&tx, &chain, vec![event]).await?;
-                tx.commit().await.map_err(db)
-            }
-            .await;
-            if let Err(e) = result {
-                tracing::warn!(error = %e, "could not append a write-log entry");
-            }
-        });
+        // Audit entries for events that change no record go with the writer's next batch, off
+        // the request path: the log's head stays the writer's own.
+        let op = batch::Op::Note(Box::new(event));
+        if let Err(tokio::sync::mpsc::error::TrySendError::Full(op)) = self.ops.try_send(op) {
+            let ops = self.ops.clone();
+            tokio::spawn(async move { ops.send(op).await });
+        }
     }
 
     fn log(&self, after: u64, limit: usize) -> BoxFuture<'_, Result<Vec<Entry>, StoreError>> {

@@ -47,6 +47,9 @@ pub(super) enum Op {
     Claim(Box<ClaimRequest>, Reply<Claim>),
     Settle(Box<SettleRequest>, Reply<Arc<Record>>),
     Resolve(String, Box<Resolve>, Event, Reply<Record>),
+    /// An audit entry for an event that changes no record (a replay, a refusal): written with
+    /// the batch's log, answered to nobody.
+    Note(Box<LogEvent>),
 }
 
 impl Op {
@@ -55,6 +58,7 @@ impl Op {
             Op::Claim(r, _) => &r.fresh.id,
             Op::Settle(r, _) => &r.id,
             Op::Resolve(id, ..) => id,
+            Op::Note(..) => "",
         }
     }
 
@@ -71,6 +75,7 @@ impl Op {
             Op::Claim(r, _) => r.now,
             Op::Settle(r, _) => r.settlement.now,
             Op::Resolve(_, r, ..) => r.now,
+            Op::Note(..) => 0,
         }
     }
 
@@ -82,6 +87,10 @@ impl Op {
             (Op::Claim(_, tx), Err(e)) => drop(tx.send(Err(e))),
             (Op::Settle(_, tx), Err(e)) => drop(tx.send(Err(e))),
             (Op::Resolve(.., tx), Err(e)) => drop(tx.send(Err(e))),
+            (Op::Note(..), Ok(_)) => {}
+            (Op::Note(..), Err(e)) => {
+                tracing::warn!(error = %e, "could not append a write-log entry")
+            }
             (op, Ok(_)) => {
                 let e = unavailable("internal error: an answer of another kind");
                 op.answer(Err(e))
@@ -95,6 +104,7 @@ pub(super) enum Done {
     Claim(Claim),
     Settle(Arc<Record>),
     Resolve(Box<Record>),
+    Note,
 }
 
 /// What one operation changes besides its record: its log entries and the counts' moves.
@@ -295,18 +305,23 @@ impl Writer {
             }
         }
         let alone = |op: &Op| on_id[op.id()] == 1 && op.twin_key().is_none_or(|k| on_twin[k] == 1);
+        let mut outcomes: Vec<Option<Outcome>> = (0..ops.len()).map(|_| None).collect();
         let (mut claims, mut changes) = (Vec::new(), Vec::new());
-        for (i, op) in ops.iter().enumerate().filter(|(_, op)| alone(op)) {
+        for (i, op) in ops.iter().enumerate() {
             match op {
-                Op::Claim(..) => claims.push(i),
-                _ => changes.push(i),
+                Op::Note(ev) => {
+                    let ch = (vec![(**ev).clone()], Moves::default());
+                    outcomes[i] = Some((Ok(Done::Note), ch));
+                }
+                Op::Claim(..) if alone(op) => claims.push(i),
+                _ if alone(op) => changes.push(i),
+                _ => {}
             }
         }
         let (claimed, changed) = tokio::join!(
             self.claim_set(tx, ops, &claims, &now),
             self.change_set(tx, ops, &changes, &now)
         );
-        let mut outcomes: Vec<Option<Outcome>> = (0..ops.len()).map(|_| None).collect();
         for (i, o) in claimed?.into_iter() {
             outcomes[i] = o;
         }
@@ -336,6 +351,7 @@ impl Writer {
                             Op::Resolve(id, res, event, _) => {
                                 self.resolve(tx, id, res, *event, now, &mut ch).await
                             }
+                            Op::Note(..) => Ok(Done::Note),
                         };
                         out.push((i, (d, ch)));
                     }

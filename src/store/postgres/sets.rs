@@ -200,7 +200,7 @@ impl Writer {
                     settled(req, was, now(&ops[i]), ch).map(|r| (r, req.body.clone()))
                 }
                 Op::Resolve(id, res, event, _) => resolved(id, res, *event, was, now(&ops[i]), ch),
-                Op::Claim(..) => continue,
+                Op::Claim(..) | Op::Note(..) => continue,
             };
             match decided {
                 Ok((new, body)) => {
