@@ -251,6 +251,83 @@ async fn a_write_log_deleted_after_a_checkpoint_and_a_sigkill_does_not_open() {
     assert_eq!(up.count(), 150);
 }
 
+/// The review's sequence for an older copy of the database (issue 58 item 8): a copy of sled's
+/// files taken at a clean stop, many more charges (several checkpoints), a SIGKILL, the copy put
+/// back, a start. The write-ahead log's frames since the last checkpoint would have moved the old
+/// copy's head up to the log's, and every charge between the copy and that checkpoint would have
+/// been sent again; the start is refused (exit 74), before any frame is replayed into it.
+#[tokio::test]
+async fn an_older_copy_of_the_database_put_back_after_a_sigkill_does_not_open() {
+    let up = FakeUpstream::start().await;
+    up.set_default(Behavior::json(201, r#"{"id":"ch"}"#));
+    let tmp = tempfile::tempdir().unwrap();
+    let conf = child_config(tmp.path(), &up.url(), "");
+    let text = std::fs::read_to_string(&conf).unwrap();
+    let text = text.replacen("[store]\n", "[store]\nwal_size = \"64KiB\"\n", 1);
+    std::fs::write(&conf, text).unwrap();
+    let store = tmp.path().join("store");
+    let proxy = charged(&conf, 20).await;
+    assert!(proxy.terminate().success());
+    // sled's own files: its database and snapshot (the rest of the folder is oncegate's).
+    let sled_files = |from: &Path, to: &Path| {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let p = e.unwrap().path();
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            if name == "db" || name == "conf" || name.starts_with("snap.") {
+                std::fs::copy(&p, to.join(&name)).unwrap();
+            }
+        }
+    };
+    let old = tmp.path().join("old-db");
+    sled_files(&store, &old);
+    let proxy = ChildProxy::spawn(&conf);
+    let c = TestClient::default();
+    for i in 20..200 {
+        let r = c
+            .post(
+                &proxy.url("/pay/v1/charges"),
+                &[(KEY, &format!("k{i}"))],
+                "amount=5",
+            )
+            .await;
+        assert_eq!(r.status, 201);
+    }
+    // The checkpoints let go of every write-ahead log file but the current one: the frames
+    // between the copy and the last checkpoint are gone (a copy the remaining log still reaches
+    // back to is whole, and opens).
+    let wal_files = || {
+        std::fs::read_dir(store.join("wal"))
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().path().extension().unwrap() == "wal")
+            .count()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while wal_files() > 1 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = c
+        .post(&proxy.url("/pay/v1/charges"), &[(KEY, "k200")], "amount=5")
+        .await;
+    assert_eq!(r.status, 201);
+    proxy.kill();
+    for e in std::fs::read_dir(&store).unwrap() {
+        let p = e.unwrap().path();
+        if p.file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("snap.")
+        {
+            std::fs::remove_file(p).unwrap();
+        }
+    }
+    sled_files(&old, &store);
+    refuses_to_start(tmp.path(), "older than its write-ahead log");
+    // Nothing was replayed into it: a second start is refused the same way.
+    refuses_to_start(tmp.path(), "older than its write-ahead log");
+    assert_eq!(up.count(), 201);
+}
+
 /// A folder that lost `store.id`, `wal/` and `log/` after a SIGKILL holds only a stale
 /// database (issue 58 item 9): it does not open.
 #[tokio::test]

@@ -172,6 +172,26 @@ pub fn check(dir: &Path, db: &sled::Db, seen: &Seen) -> Result<(), String> {
     }
 }
 
+/// The write log's head the database holds (`None`: none, a new store or one from before ids).
+pub fn kept_head(db: &sled::Db) -> Result<Option<u64>, sled::Error> {
+    Ok(db.get(HEAD_KEY)?.as_deref().and_then(head_seq))
+}
+
+/// Whether the write-ahead log, whose first frame that appends to the write log starts at entry
+/// `first`, takes up where a database holding `kept` left off. Checked before that frame is
+/// replayed, so a database refused here is left as it was found.
+pub fn wal_follows(dir: &Path, kept: Option<u64>, first: u64) -> Result<(), String> {
+    match kept {
+        Some(h) if first > h + 1 => Err(refuse(
+            dir,
+            format!(
+                "the database (db) recorded the write log up to entry {h}, but the write-ahead log takes up at entry {first}: the database is older than its write-ahead log (an older copy put back?), and the changes between them are in neither"
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Gives the store `id` (in the database, then, with `file`, in the id file) and records the
 /// write log's head in the database.
 fn adopt(dir: &Path, db: &sled::Db, id: &str, seen: &Seen, file: bool) -> Result<(), String> {

@@ -175,7 +175,28 @@ impl SledStore {
         // The filter of held ids a checkpoint or a clean close saved, which the replayed frames
         // complete (`ids/saved.rs`).
         let mut saved_ids = ids::Saved::read(dir);
+        // The write-ahead log must take up where the database left off: its first frame that
+        // appends to the write log appends right after (or before: a frame already checkpointed)
+        // the head the database holds. A database older than that (a copy of itself from before
+        // the last checkpoint, put back after a crash) would open with every change between the
+        // two missing, and the replay would move its head up to the log's as if nothing were.
+        let db_head = history::kept_head(&db).map_err(|e| fail("read the database", &e))?;
+        let mut follows: Option<Result<(), String>> = None;
         let (wal, replayed) = Wal::open(&dir.join("wal"), |changes| {
+            if follows.is_none() {
+                let first = changes.iter().filter_map(|c| match c {
+                    Change::Put(k, _) => log_seq(k),
+                    _ => None,
+                });
+                if let Some(first) = first.min() {
+                    let ok = history::wal_follows(dir, db_head, first);
+                    let stale = ok.is_err();
+                    follows = Some(ok);
+                    if stale {
+                        return Err("the database is older than the write-ahead log".into());
+                    }
+                }
+            }
             if let Some(s) = saved_ids.as_mut() {
                 s.replayed(&changes);
             }
@@ -185,7 +206,10 @@ impl SledStore {
                 .collect::<Result<Vec<_>, _>>()?;
             apply_changes(&db, &logfiles, changes.into_iter())
         })
-        .map_err(|e| fail("replay the write-ahead log", &e))?;
+        .map_err(|e| match follows {
+            Some(Err(refused)) => StoreError::Unavailable(refused),
+            _ => fail("replay the write-ahead log", &e),
+        })?;
         let mut logfiles = logfiles
             .into_inner()
             .map_err(|_| fail("replay the write-ahead log", &"lock poisoned"))?;
