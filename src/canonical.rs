@@ -358,10 +358,6 @@ pub fn multipart(body: &[u8], boundary: &str, ignore: &[String]) -> Option<Vec<u
     };
     let mut rest = &body[start..];
     let mut out = b"multipart/form-data\0".to_vec();
-    let mut put = |bytes: &[u8]| {
-        out.extend_from_slice(&(bytes.len() as u64).to_be_bytes());
-        out.extend_from_slice(bytes);
-    };
     loop {
         if rest.starts_with(b"--") {
             // The close delimiter; an epilogue after it means nothing.
@@ -375,12 +371,15 @@ pub fn multipart(body: &[u8], boundary: &str, ignore: &[String]) -> Option<Vec<u
         let content = &after[..end];
         rest = &after[end + next.len()..];
         let (mut disposition, mut content_type) = (None, "");
+        // What else the part says that changes what its bytes mean (its
+        // `Content-Transfer-Encoding`, an RFC 8187 `filename*`, any other header).
+        let mut more: Vec<(String, &str)> = Vec::new();
         for line in head.split("\r\n") {
             let (k, v) = line.split_once(':')?;
             match k.trim().to_ascii_lowercase().as_str() {
                 "content-disposition" => disposition = Some(v.trim()),
                 "content-type" => content_type = v.trim(),
-                _ => {}
+                other => more.push((other.to_string(), v.trim())),
             }
         }
         let disposition = disposition?;
@@ -388,12 +387,39 @@ pub fn multipart(body: &[u8], boundary: &str, ignore: &[String]) -> Option<Vec<u
         if ignore.iter().any(|i| i == name) {
             continue;
         }
-        put(name.as_bytes());
-        put(param(disposition, "filename").unwrap_or("").as_bytes());
-        put(content_type.as_bytes());
-        put(content);
+        if let Some(f) = param(disposition, "filename*") {
+            more.push(("filename*".into(), f));
+        }
+        put(&mut out, name.as_bytes());
+        put(
+            &mut out,
+            param(disposition, "filename").unwrap_or("").as_bytes(),
+        );
+        put(&mut out, content_type.as_bytes());
+        put(&mut out, content);
+        if !more.is_empty() {
+            // Only a part that has them adds them, so the form of every other part is what it
+            // was. Behind a byte no length starts with (lengths are below 2^56), so that they
+            // never read as the next part: how many, then each name and value.
+            more.sort_unstable();
+            out.push(MORE);
+            out.extend_from_slice(&(more.len() as u64).to_be_bytes());
+            for (k, v) in &more {
+                put(&mut out, k.as_bytes());
+                put(&mut out, v.as_bytes());
+            }
+        }
     }
 }
+
+/// `bytes`, length-prefixed.
+fn put(out: &mut Vec<u8>, bytes: &[u8]) {
+    out.extend_from_slice(&(bytes.len() as u64).to_be_bytes());
+    out.extend_from_slice(bytes);
+}
+
+/// Marks a multipart part's further headers in its canonical form.
+const MORE: u8 = 0xff;
 
 #[cfg(test)]
 mod tests {
@@ -521,6 +547,42 @@ mod tests {
         assert_eq!(
             multipart(a.as_bytes(), "a1b2c3", &["purpose".into()]),
             multipart(e.as_bytes(), "q", &["purpose".into()])
+        );
+    }
+
+    /// Issue 58 item 14: a part's transfer encoding and its RFC 8187 `filename*` change what
+    /// the upstream makes of it, so they change the form; a part without them keeps the form it
+    /// had (name, filename, type, bytes), so fingerprints made before stay the same.
+    #[test]
+    fn multipart_tells_parts_apart_by_transfer_encoding_and_extended_filename() {
+        let with = |disposition: &str, more: &str| {
+            let body = format!(
+                "--b\r\nContent-Disposition: form-data; name=\"file\"{disposition}\r\n{more}\r\nAAAA\r\n--b--\r\n"
+            );
+            multipart(body.as_bytes(), "b", &[]).expect("parses")
+        };
+        let plain = with("", "");
+        let mut expected = b"multipart/form-data\0".to_vec();
+        for field in [&b"file"[..], b"", b"", b"AAAA"] {
+            put(&mut expected, field);
+        }
+        assert_eq!(plain, expected);
+        let forms = [
+            plain,
+            with("", "Content-Transfer-Encoding: base64\r\n"),
+            with("", "Content-Transfer-Encoding: 7bit\r\n"),
+            with("; filename*=UTF-8''%E2%82%AC.txt", ""),
+            with("; filename*=UTF-8''%C2%A3.txt", ""),
+        ];
+        for (i, a) in forms.iter().enumerate() {
+            for b in &forms[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+        // Header names' case and order do not matter.
+        assert_eq!(
+            with("", "content-transfer-encoding: base64\r\nX-A: 1\r\n"),
+            with("", "X-A: 1\r\nContent-Transfer-Encoding: base64\r\n")
         );
     }
 

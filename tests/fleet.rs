@@ -112,6 +112,39 @@ async fn fifty_concurrent_writes_split_across_two_proxies_reach_the_upstream_onc
     assert_eq!(v["ok"], true, "{v}");
 }
 
+/// Distinct writes, many at once on both proxies: each proxy's batches chain after a head the
+/// other keeps moving, so batches are rolled back and made again under the head's lock. Every
+/// write is sent once and answered 201; none gets an error for the other's commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
+async fn distinct_writes_on_two_proxies_at_once_are_each_sent_once() {
+    let up = FakeUpstream::start().await;
+    up.set_default(Behavior::json(201, r#"{"id":"ch"}"#));
+    let f = fleet(&up, "").await;
+    let (a, b) = (f.proxy().await, f.proxy().await);
+    let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(64));
+    let tasks: Vec<_> = (0..1200)
+        .map(|i| {
+            let url = [&a, &b][i % 2].url("/pay/v1/charges");
+            let sem = sem.clone();
+            tokio::spawn(async move {
+                let _p = sem.acquire().await.unwrap();
+                let body = format!("amount={i}");
+                TestClient::default()
+                    .post(&url, &[(KEY, &format!("d{i}"))], &body)
+                    .await
+            })
+        })
+        .collect();
+    for t in tasks {
+        let r = t.await.unwrap();
+        assert_eq!(r.status, 201, "{r:?}");
+    }
+    assert_eq!(up.count(), 1200);
+    let v = b.admin("GET", "/v1/log/verify", "").await.json();
+    assert_eq!(v["ok"], true, "{v}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
 async fn a_write_in_flight_on_one_proxy_is_in_flight_on_the_other() {

@@ -182,6 +182,7 @@ impl Writer {
             Err(e) => {
                 // Nothing of the batch was committed: each hears why.
                 let why = e.to_string();
+                tracing::warn!(operations = ops.len(), error = %why, "store: a batch was not committed; its requests are answered 503");
                 for op in ops {
                     op.answer(Err(StoreError::Unavailable(why.clone())));
                 }
