@@ -246,3 +246,54 @@ async fn bodies_held_at_once_are_bounded_by_max_buffered() {
     assert_eq!(again.status, 200, "{again:?}");
     assert_eq!(up.count(), 2);
 }
+
+/// A write body that arrives in many pieces (chunked, no declared length, and declared but sent
+/// in pieces) reaches the upstream byte for byte as it was sent: the pieces are gathered into
+/// one buffer as they arrive, not kept and joined at the end.
+#[tokio::test]
+async fn a_body_sent_in_pieces_reaches_the_upstream_whole() {
+    let up = FakeUpstream::start().await;
+    let proxy = TestProxy::start(&config(&up.url(), "")).await;
+    let pieces: Vec<Vec<u8>> = (0..40u8)
+        .map(|i| vec![b'a' + i % 26; 997 + i as usize])
+        .collect();
+    let whole: Vec<u8> = pieces.concat();
+    for declared in [false, true] {
+        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        let key = format!("pieces-{declared}");
+        let head = match declared {
+            true => format!("POST /pay/v1/files HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\ncontent-length: {}\r\n\r\n", whole.len()),
+            false => format!("POST /pay/v1/files HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\ntransfer-encoding: chunked\r\n\r\n"),
+        };
+        s.write_all(head.as_bytes()).await.unwrap();
+        for p in &pieces {
+            if declared {
+                s.write_all(p).await.unwrap();
+            } else {
+                s.write_all(format!("{:x}\r\n", p.len()).as_bytes())
+                    .await
+                    .unwrap();
+                s.write_all(p).await.unwrap();
+                s.write_all(b"\r\n").await.unwrap();
+            }
+            s.flush().await.unwrap();
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        if !declared {
+            s.write_all(b"0\r\n\r\n").await.unwrap();
+        }
+        let mut answer = [0u8; 12];
+        s.read_exact(&mut answer).await.unwrap();
+        assert_eq!(&answer, b"HTTP/1.1 200", "declared: {declared}");
+    }
+    let got = up.received();
+    assert_eq!(got.len(), 2);
+    for r in got {
+        assert!(
+            r.body == whole,
+            "{} bytes, not the {} sent",
+            r.body.len(),
+            whole.len()
+        );
+    }
+}

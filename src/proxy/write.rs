@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use super::detach::{join_message, panic_message, CatchUnwind, Detached};
 use super::*;
+use bytes::BytesMut;
 
 /// `fingerprint_window` where it applies: a write keyed by its fingerprint, on a route that sets
 /// one (otherwise the retention decides alone).
@@ -129,7 +130,11 @@ impl Proxy {
         }
         let limit = self.config.server.body_timeout;
         let read = async {
-            let mut parts: Vec<Bytes> = Vec::new();
+            // A body of one frame is kept as it came. Past one, frames are copied into one
+            // buffer as they arrive, so that each frame's memory (and the read buffer it may
+            // share, as HTTP/2's do) goes at once, and no copy of the whole is made at the end:
+            // the held total is what is held (the buffer's capacity), never twice it.
+            let (mut first, mut buf): (Option<Bytes>, Option<BytesMut>) = (None, None);
             let mut size = 0u64;
             while let Some(frame) = body.frame().await {
                 let frame = frame.map_err(|e| {
@@ -142,15 +147,26 @@ impl Proxy {
                 if size > max {
                     return Err(ProxyError::BodyTooLarge { limit: max });
                 }
-                if size > held.bytes {
-                    held.take(size - held.bytes)?;
+                match (&mut buf, first.take()) {
+                    (Some(b), _) => b.extend_from_slice(&data),
+                    (None, None) => first = Some(data),
+                    (None, Some(f)) => {
+                        let cap = declared.map_or(2 * size, |n| n.max(size));
+                        let mut b = BytesMut::with_capacity(cap as usize);
+                        b.extend_from_slice(&f);
+                        b.extend_from_slice(&data);
+                        buf = Some(b);
+                    }
                 }
-                parts.push(data);
+                let holding = buf.as_ref().map_or(size, |b| b.capacity() as u64);
+                if holding > held.bytes {
+                    held.take(holding - held.bytes)?;
+                }
             }
-            Ok(match parts.len() {
-                0 => Bytes::new(),
-                1 => parts.pop().expect("one part"),
-                _ => Bytes::from(parts.concat()),
+            Ok(match (buf, first) {
+                (Some(b), _) => b.freeze(),
+                (None, Some(f)) => f,
+                (None, None) => Bytes::new(),
             })
         };
         let bytes = tokio::time::timeout(limit, read)
