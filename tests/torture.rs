@@ -13,6 +13,8 @@ mod support;
 
 #[path = "torture/harness.rs"]
 mod harness;
+#[path = "torture/tamper.rs"]
+mod tamper;
 
 use harness::{env_or, harness, Faults, Options};
 
@@ -31,6 +33,7 @@ async fn sigkills_under_load_never_duplicate_lose_or_resend_a_write() {
         lookup: false,
         pause_for: None,
         db_crash: None,
+        tamper: true,
     })
     .await;
     assert!(
@@ -57,6 +60,11 @@ async fn sigkills_under_load_never_duplicate_lose_or_resend_a_write() {
     assert_eq!(report.lost_completed, 0, "{report:?}");
     assert_eq!(report.resends, 0, "{report:?}");
     assert_eq!(report.log_failures, 0, "{report:?}");
+    eprintln!("{report:?}");
+    assert!(
+        report.tamper_refused > 0,
+        "no start on a tampered store was refused: {report:?}"
+    );
     assert!(report.violations.is_empty(), "{:?}", report.violations);
 }
 
@@ -81,6 +89,7 @@ fn naive_client(twin_guard: bool) -> Options {
         lookup: false,
         pause_for: None,
         db_crash: None,
+        tamper: false,
     }
 }
 
@@ -127,6 +136,7 @@ async fn two_proxies_on_postgres_survive_sigkills_without_duplicates() {
         lookup: false,
         pause_for: None,
         db_crash: None,
+        tamper: false,
     })
     .await;
     assert!(report.writes > report.kills, "{report:?}");
@@ -161,6 +171,7 @@ async fn writes_applied_after_the_timeout_with_lookups_and_short_retention_go_on
         lookup: true,
         pause_for: None,
         db_crash: None,
+        tamper: false,
     })
     .await;
     assert!(
@@ -206,6 +217,7 @@ async fn a_fleet_of_three_survives_kills_pauses_and_a_database_crash() {
         // Longer than the lease (about 2.3 s here) and than `absent_after` (5 s).
         pause_for: Some(std::time::Duration::from_secs(6)),
         db_crash: Some(std::sync::Arc::new(std::sync::Mutex::new(server))),
+        tamper: false,
     })
     .await;
     assert!(report.pauses > 0 && report.db_crashes == 1, "{report:?}");

@@ -252,6 +252,9 @@ pub(crate) struct Options {
     /// The fleet's own PostgreSQL server, crashed (an immediate shutdown) and started again
     /// half-way through the events.
     pub(crate) db_crash: Option<Arc<Mutex<crate::support::pg_server::PgServer>>>,
+    /// Between some kills and the next start, the sled store's folder is tampered with
+    /// ([`crate::tamper`]): a start on it must be refused, or find the store whole.
+    pub(crate) tamper: bool,
 }
 
 #[derive(Debug, Default)]
@@ -279,6 +282,9 @@ pub(crate) struct Report {
     pub(crate) log_failures: usize,
     pub(crate) violations: Vec<String>,
     pub(crate) seconds: f64,
+    /// Starts on a tampered store: refused (exit 74), and opened because it was whole.
+    pub(crate) tamper_refused: usize,
+    pub(crate) tamper_opened: usize,
 }
 
 fn request(
@@ -592,6 +598,62 @@ client_keys = "per-call"
     path
 }
 
+/// The sled store tampered with between a stop and the next start ([`crate::tamper`]): after a
+/// clean stop, a copy of sled's files is kept (once); after some kills, the copy is put back or
+/// `store.id` taken away, and a start must be refused (exit 74) or, for a copy the write-ahead
+/// log still reaches back to, find the store whole.
+async fn tamper_between(
+    cfg: &std::path::Path,
+    dir: &std::path::Path,
+    k: usize,
+    stopped: bool,
+    report: &mut Report,
+) {
+    let (cfg, store, copy) = (cfg.to_path_buf(), dir.join("store"), dir.join("stale-copy"));
+    let have_copy = copy.exists();
+    let fault = match (stopped, k % 3) {
+        (true, _) if !have_copy => 0,
+        (false, 0) if have_copy => 1,
+        (false, 2) => 2,
+        _ => return,
+    };
+    let started = tokio::task::spawn_blocking(move || match fault {
+        0 => {
+            crate::tamper::keep_copy(&store, &copy);
+            None
+        }
+        1 => Some((
+            "a stale copy",
+            crate::tamper::stale_copy(&cfg, &store, &copy),
+        )),
+        _ => Some(("no store.id", crate::tamper::partial_folder(&cfg, &store))),
+    })
+    .await
+    .unwrap();
+    match started {
+        None => {}
+        Some((what, crate::tamper::Start::Refused(msg))) => {
+            // The refusal names what is wrong.
+            let names = if fault == 1 { "older than" } else { "store.id" };
+            if !msg.contains(names) {
+                let mut m = format!("{what}: refused without naming it: {msg}");
+                m.truncate(400);
+                report.violations.push(m);
+            }
+            report.tamper_refused += 1
+        }
+        Some(("a stale copy", crate::tamper::Start::Opened)) => report.tamper_opened += 1,
+        Some((what, crate::tamper::Start::Opened)) => report
+            .violations
+            .push(format!("{what}: the proxy opened the store")),
+        Some((what, crate::tamper::Start::Other(code, msg))) => {
+            let mut m = format!("{what}: the start ended {code:?}: {msg}");
+            m.truncate(400);
+            report.violations.push(m);
+        }
+    }
+}
+
 async fn verify_log(child: &ChildProxy) -> bool {
     let r = child.admin("GET", "/v1/log/verify", "").await;
     r.json()["ok"] == true
@@ -693,6 +755,9 @@ pub(crate) async fn harness(opts: Options) -> Report {
         } else {
             child.kill();
             report.kills += 1;
+        }
+        if opts.tamper && opts.postgres.is_none() {
+            tamper_between(&cfg, tmp.path(), k, stopped, &mut report).await;
         }
         if k % 4 == 3 {
             // Killed again while starting up and recovering.
