@@ -232,35 +232,99 @@ fn every_config_key_is_in_the_reference() {
     assert!(checked > 40, "only {checked} keys found");
 }
 
-/// The Kubernetes recipe's config parses, and its admin listener is where the recipe's probe
-/// looks: the pod's address (not loopback), on the probe's port.
+/// The Kubernetes recipe (issue 60): the manifest, `deploy/kubernetes.yaml`, as a cluster would
+/// run it against the config it mounts (the recipe's, in docs/recipes.md). The probe looks where
+/// the admin listener is (the pod's address, its port); the pod runs as the image's numeric user
+/// with a group that can write a fresh volume; the kubelet waits longer than the proxy drains; a
+/// rollout stops the old pod before the new one opens the store; every container has an image,
+/// the proxy's a pinned one that is not pulled; the ConfigMap and Secret keys are the ones the
+/// recipe's commands make.
 #[test]
-fn the_kubernetes_recipe_probes_a_listener_that_is_there() {
-    let doc =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/recipes.md"))
-            .unwrap();
+fn the_kubernetes_recipe_runs_as_a_cluster_would() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let doc = std::fs::read_to_string(root.join("docs/recipes.md")).unwrap();
     let marker = "<!-- recipe:kubernetes-config -->";
     let after = &doc[doc.find(marker).expect("the recipe's config") + marker.len()..];
     let start = after.find("```toml\n").unwrap() + "```toml\n".len();
     let toml = &after[start..start + after[start..].find("```").unwrap()];
     let c = Config::parse(toml).unwrap();
-    let probe = doc
-        .lines()
-        .find(|l| l.contains("readinessProbe"))
-        .expect("a readiness probe");
-    assert!(probe.contains("/readyz"), "{probe}");
-    let port = probe
-        .split("port:")
-        .nth(1)
-        .and_then(|p| p.trim().trim_end_matches(['}', ' ']).parse::<u16>().ok())
-        .expect("a probe port");
-    assert_eq!(c.admin.listen.port(), port, "{probe}");
+
+    let text = std::fs::read_to_string(root.join("deploy/kubernetes.yaml")).unwrap();
+    let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .collect();
+    let deployment = docs
+        .iter()
+        .find(|d| d["kind"] == "Deployment")
+        .expect("a Deployment");
+    let claim = docs
+        .iter()
+        .find(|d| d["kind"] == "PersistentVolumeClaim")
+        .expect("a volume claim");
+    assert_eq!(deployment["spec"]["strategy"]["type"], "Recreate");
+    let pod = &deployment["spec"]["template"]["spec"];
+    let security = &pod["securityContext"];
+    assert_eq!(security["runAsNonRoot"], true);
+    assert_eq!(security["runAsUser"], 10001);
+    assert_eq!(security["fsGroup"], 10001);
+    let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
+    assert!(
+        grace >= c.server.drain_timeout.as_secs() + 10,
+        "the kubelet waits {grace} s, the proxy drains for {:?}",
+        c.server.drain_timeout
+    );
+    let containers = pod["containers"].as_sequence().unwrap();
+    for container in containers {
+        assert!(container["image"].is_string(), "{container:?}");
+    }
+    let proxy = containers
+        .iter()
+        .find(|c| c["name"] == "oncegate")
+        .expect("the proxy's container");
+    let image = proxy["image"].as_str().unwrap();
+    assert!(
+        !image.ends_with(":latest") && image.contains(':'),
+        "{image}"
+    );
+    assert_eq!(proxy["imagePullPolicy"], "IfNotPresent");
+    assert_eq!(proxy["args"][2], "/etc/oncegate/config.toml");
+    let probe = &proxy["readinessProbe"]["httpGet"];
+    assert_eq!(probe["path"], "/readyz");
+    assert_eq!(probe["port"], u64::from(c.admin.listen.port()));
     assert!(
         !c.admin.listen.ip().is_loopback(),
         "the kubelet cannot reach loopback"
     );
-    // The agent container reaches the proxy over the pod's loopback.
-    assert!(doc.contains("http://127.0.0.1:8080/stripe"));
+    let token = &proxy["env"][0];
+    assert_eq!(token["name"], "ONCEGATE_ADMIN_TOKEN");
+    assert_eq!(token["valueFrom"]["secretKeyRef"]["key"], "admin-token");
+    assert!(doc.contains("--from-literal=admin-token="));
+    // The store's folder is on the claimed volume.
+    let mounts = proxy["volumeMounts"].as_sequence().unwrap();
+    let store_mount = mounts.iter().find(|m| m["name"] == "store").unwrap();
+    let oncegate::config::StoreConfig::Sled { path, .. } = &c.store else {
+        panic!("the recipe keeps an embedded store");
+    };
+    let store_path = path.to_str().unwrap();
+    assert!(store_path.starts_with(store_mount["mountPath"].as_str().unwrap()));
+    let volumes = pod["volumes"].as_sequence().unwrap();
+    let store_volume = volumes.iter().find(|v| v["name"] == "store").unwrap();
+    assert_eq!(
+        store_volume["persistentVolumeClaim"]["claimName"],
+        claim["metadata"]["name"]
+    );
+    let config_volume = volumes.iter().find(|v| v["name"] == "config").unwrap();
+    assert_eq!(config_volume["configMap"]["items"][0]["key"], "config.toml");
+    assert!(doc.contains("--from-file=config.toml="));
+    // The agent reaches the proxy over the pod's loopback, where the proxy listens.
+    let agent = containers.iter().find(|c| c["name"] == "agent").unwrap();
+    assert_eq!(
+        agent["env"][0]["value"],
+        format!("http://{}", c.server.listen)
+    );
+    // The image's user is the pod's, by number (Kubernetes cannot check a name).
+    let dockerfile = std::fs::read_to_string(root.join("Dockerfile")).unwrap();
+    assert!(dockerfile.lines().any(|l| l == "USER 10001:10001"));
 }
 
 /// The README shows `oncegate check` on the example config: it is what the binary prints.
