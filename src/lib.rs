@@ -113,6 +113,29 @@ impl Services {
 
 /// The store options the config asks for, reading the secrets it names from the environment.
 /// Errors name the config key.
+/// An admin listener that is not on loopback needs a token of [`admin::TOKEN_MIN_REMOTE`]
+/// characters or more (SPEC §10.2).
+fn admin_token_rule(addr: std::net::SocketAddr, token: &str, env: &str) -> Result<(), String> {
+    if addr.ip().is_loopback() || token.len() >= admin::TOKEN_MIN_REMOTE {
+        return Ok(());
+    }
+    Err(format!(
+        "invalid `admin.listen`: {addr} is not a loopback address, so the admin API needs a \
+         token of at least {} characters in the environment variable named by `admin.token_env` \
+         ({env})",
+        admin::TOKEN_MIN_REMOTE
+    ))
+}
+
+/// The rules `run` applies to a parsed config in its environment before it opens anything (the
+/// admin token a listener needs, the keys the store and the log are to use): what `check`
+/// checks too, so that a config `check` passes is one `run` does not refuse for them (exit 64).
+pub fn check_environment(config: &Config) -> Result<(), String> {
+    let token = std::env::var(&config.admin.token_env).unwrap_or_default();
+    admin_token_rule(config.admin.listen, &token, &config.admin.token_env)?;
+    store_options(config, &Metrics::new()).map(drop)
+}
+
 pub fn store_options(config: &Config, metrics: &Metrics) -> Result<StoreOptions, String> {
     let key = match &config.log.hmac_key_env {
         None => None,
@@ -239,15 +262,7 @@ pub async fn run(
             .local_addr()
             .map_err(|e| RunError::Setup(format!("admin listener: {e}")))?;
         let token = admin_token.as_deref().unwrap_or("");
-        if !addr.ip().is_loopback() && token.len() < admin::TOKEN_MIN_REMOTE {
-            return Err(RunError::Config(format!(
-                "invalid `admin.listen`: {addr} is not a loopback address, so the admin API needs \
-                 a token of at least {} characters in the environment variable named by \
-                 `admin.token_env` ({})",
-                admin::TOKEN_MIN_REMOTE,
-                config.admin.token_env
-            )));
-        }
+        admin_token_rule(addr, token, &config.admin.token_env).map_err(RunError::Config)?;
         if token.is_empty() {
             tracing::warn!(
                 "no admin token: {} is not set, so the admin API answers only /healthz, /readyz \

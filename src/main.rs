@@ -184,6 +184,10 @@ fn main() -> ExitCode {
     match cli.command.unwrap_or(Command::Run) {
         Command::Check => match load(&cli.config) {
             Ok(config) => {
+                if let Err(e) = oncegate::check_environment(&config) {
+                    eprintln!("oncegate: config: {e}");
+                    return ExitCode::from(EXIT_CONFIG);
+                }
                 print!("{}", routing_table(&config));
                 for c in config.cautions() {
                     println!("caution: {c}");

@@ -388,3 +388,102 @@ fn the_stripe_recipes_retries_outlast_the_proxys_timeout() {
     }
     assert_eq!(p.client_keys, oncegate::config::ClientKeys::PerCall);
 }
+
+/// `check` applies every rule `run` does before it opens anything (issue 60 item 8): over a
+/// table of configs and environments, `check` exits 64 exactly when `run` refuses to start with
+/// 64, and passes exactly when `run` starts (it was 0 for an admin listener off loopback without
+/// a token, which `run` refuses).
+#[test]
+fn check_and_run_agree_on_what_they_refuse() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store").display().to_string();
+    let base = |admin: &str, extra_store: &str, extra_log: &str| {
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n[admin]\nlisten = \"{admin}\"\n[store]\npath = {store:?}\n{extra_store}\n[log]\n{extra_log}\n[[upstreams]]\nname = \"pay\"\nprefix = \"/pay\"\nurl = \"http://127.0.0.1:9\"\n"
+        )
+    };
+    let long = "0123456789abcdef0123";
+    let cases: Vec<(&str, String, Vec<(&str, &str)>)> = vec![
+        (
+            "admin on loopback, no token",
+            base("127.0.0.1:0", "", ""),
+            vec![],
+        ),
+        (
+            "admin off loopback, no token",
+            base("0.0.0.0:0", "", ""),
+            vec![],
+        ),
+        (
+            "admin off loopback, a short token",
+            base("0.0.0.0:0", "", ""),
+            vec![("ONCEGATE_ADMIN_TOKEN", "short")],
+        ),
+        (
+            "admin off loopback, a long token",
+            base("0.0.0.0:0", "", ""),
+            vec![("ONCEGATE_ADMIN_TOKEN", long)],
+        ),
+        (
+            "a log key variable not set",
+            base("127.0.0.1:0", "", "hmac_key_env = \"ONCEGATE_T_UNSET\""),
+            vec![],
+        ),
+        (
+            "a store key variable not set",
+            base("127.0.0.1:0", "encrypt_key_env = \"ONCEGATE_T_UNSET\"", ""),
+            vec![],
+        ),
+        (
+            "a store key that is not a key",
+            base("127.0.0.1:0", "encrypt_key_env = \"ONCEGATE_T_KEY\"", ""),
+            vec![("ONCEGATE_T_KEY", "not-hex")],
+        ),
+        (
+            "a misspelt key",
+            base("127.0.0.1:0", "", "").replace("[log]", "[log]\nretension = \"1d\""),
+            vec![],
+        ),
+    ];
+    let mut refused = 0;
+    for (name, text, env) in cases {
+        let file = tmp.path().join("oncegate.toml");
+        std::fs::write(&file, text).unwrap();
+        let command = |sub: &str| {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_oncegate"));
+            c.args([sub, "--config"])
+                .arg(&file)
+                .env_remove("ONCEGATE_ADMIN_TOKEN")
+                .envs(env.iter().copied());
+            c
+        };
+        let check = command("check").output().unwrap().status.code();
+        // `run`: refused at once, or listening (then stopped).
+        let err = tmp.path().join("run.stderr");
+        let mut child = command("run")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&err).unwrap())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let run = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status.code();
+            }
+            if std::fs::read_to_string(&err).unwrap().contains("addr=") {
+                child.kill().unwrap();
+                child.wait().unwrap();
+                break Some(0);
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{name}: run neither started nor stopped"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        assert_eq!(check, run, "{name}: check {check:?}, run {run:?}");
+        assert!(matches!(check, Some(0 | 64)), "{name}: {check:?}");
+        refused += usize::from(check == Some(64));
+    }
+    assert_eq!(refused, 6);
+}
