@@ -403,7 +403,8 @@ fn check_and_run_agree_on_what_they_refuse() {
         )
     };
     let long = "0123456789abcdef0123";
-    let cases: Vec<(&str, String, Vec<(&str, &str)>)> = vec![
+    type Case = (&'static str, String, Vec<(&'static str, &'static str)>);
+    let cases: Vec<Case> = vec![
         (
             "admin on loopback, no token",
             base("127.0.0.1:0", "", ""),
