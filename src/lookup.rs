@@ -123,6 +123,8 @@ pub async fn lookup(
         )));
     }
     let path = cfg.path.replace("{key}", &encode_key(&record.key));
+    // What the resolution's reason names: the path asked, not the template.
+    let asked = path.clone();
     let (rest, query) = match path.split_once('?') {
         Some((p, q)) => (p.to_string(), Some(q.to_string())),
         None => (path, None),
@@ -184,7 +186,7 @@ pub async fn lookup(
                 }),
                 body: Some(body),
                 actor: "lookup".into(),
-                reason: format!("lookup {} {} found {external_id}", cfg.method, cfg.path),
+                reason: format!("lookup {} {asked} found {external_id}", cfg.method),
                 now,
                 absent_after: None,
             }
@@ -196,8 +198,8 @@ pub async fn lookup(
             body: None,
             actor: "lookup".into(),
             reason: format!(
-                "lookup {} {} answered {}: not applied",
-                cfg.method, cfg.path, head.status
+                "lookup {} {asked} answered {}: not applied",
+                cfg.method, head.status
             ),
             now,
             absent_after: Some(cfg.absent_after.0.as_millis() as Millis),

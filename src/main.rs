@@ -30,7 +30,8 @@ const EXIT_STORE: u8 = 74;
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
-    /// Config file (for `run` and `check`).
+    /// Config file: what `run` and `check` read, and where `actions` and `log` find the admin
+    /// API, its token's variable and the log's key.
     #[arg(
         long,
         short,

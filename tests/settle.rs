@@ -62,6 +62,11 @@ async fn a_duplicate_of_an_unknown_write_is_settled_by_lookup_and_replays_its_an
     assert_eq!(a["state"], "succeeded");
     assert_eq!(a["external_id"], "ch_123");
     assert_eq!(a["resolution"]["actor"], "lookup");
+    // The reason names the path asked, not the template (issue 60 item 15).
+    assert_eq!(
+        a["resolution"]["reason"],
+        "lookup GET /v1/lookup/ch-key-1 found ch_123"
+    );
 }
 
 /// A proxy on a fresh sled store whose clock the test moves (ms since the epoch).
