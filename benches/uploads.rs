@@ -87,6 +87,29 @@ async fn sample_peak(pid: u32, done: tokio::sync::watch::Receiver<bool>) -> u64 
     peak
 }
 
+/// The status an upload was answered with, its answer read whole (0: no answer).
+async fn status_of(
+    sent: impl std::future::Future<Output = Result<http::Response<hyper::body::Incoming>, hyper::Error>>,
+) -> u16 {
+    match sent.await {
+        Ok(r) => {
+            let status = r.status().as_u16();
+            let _ = r.into_body().collect().await;
+            status
+        }
+        Err(_) => 0,
+    }
+}
+
+/// Every task's result, in order (0 for one that panicked).
+async fn gather(tasks: Vec<tokio::task::JoinHandle<u16>>) -> Vec<u16> {
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap_or(0));
+    }
+    out
+}
+
 async fn http1(addr: SocketAddr, clients: usize, mib: usize, every: Duration) -> Vec<u16> {
     let tasks: Vec<_> = (0..clients)
         .map(|i| {
@@ -100,22 +123,11 @@ async fn http1(addr: SocketAddr, clients: usize, mib: usize, every: Duration) ->
                     return 0;
                 };
                 tokio::spawn(conn);
-                match send.send_request(request(i, mib, every)).await {
-                    Ok(r) => {
-                        let status = r.status().as_u16();
-                        let _ = r.into_body().collect().await;
-                        status
-                    }
-                    Err(_) => 0,
-                }
+                status_of(send.send_request(request(i, mib, every))).await
             })
         })
         .collect();
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(t.await.unwrap_or(0));
-    }
-    out
+    gather(tasks).await
 }
 
 async fn http2(addr: SocketAddr, clients: usize, mib: usize, every: Duration) -> Vec<u16> {
@@ -138,22 +150,11 @@ async fn http2(addr: SocketAddr, clients: usize, mib: usize, every: Duration) ->
                 if send.ready().await.is_err() {
                     return 0;
                 }
-                match send.send_request(request(i, mib, every)).await {
-                    Ok(r) => {
-                        let status = r.status().as_u16();
-                        let _ = r.into_body().collect().await;
-                        status
-                    }
-                    Err(_) => 0,
-                }
+                status_of(send.send_request(request(i, mib, every))).await
             })
         })
         .collect();
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(t.await.unwrap_or(0));
-    }
-    out
+    gather(tasks).await
 }
 
 async fn run_one(h2: bool, clients: usize, mib: usize, every: Duration) -> Outcome {

@@ -194,6 +194,34 @@ async fn charged(conf: &Path, n: usize) -> ChildProxy {
     proxy
 }
 
+/// A config on a store whose write-ahead log files are small (a checkpoint every few dozen
+/// writes), its upstream answering 201.
+fn small_wal_config(dir: &Path, up: &FakeUpstream) -> std::path::PathBuf {
+    up.set_default(Behavior::json(201, r#"{"id":"ch"}"#));
+    let conf = child_config(dir, &up.url(), "");
+    let text = std::fs::read_to_string(&conf).unwrap();
+    let text = text.replacen("[store]\n", "[store]\nwal_size = \"64KiB\"\n", 1);
+    std::fs::write(&conf, text).unwrap();
+    conf
+}
+
+/// The write-ahead log files in `store`.
+fn wal_files(store: &Path) -> usize {
+    std::fs::read_dir(store.join("wal"))
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().path().extension().unwrap() == "wal")
+        .count()
+}
+
+/// Waits (up to 10 s) until the checkpoints have let go of every write-ahead log file but the
+/// current one.
+async fn checkpoints_caught_up(store: &Path) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while wal_files(store) > 1 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A write log rewritten to the same length and chained again (each hash recomputed) ends at
 /// the same entry number as the database recorded, but not at the same entry: the store keeps
 /// the head's hash, and does not open (issue 58 item 7).
@@ -227,24 +255,11 @@ async fn a_write_log_rewritten_to_the_same_length_does_not_open() {
 #[tokio::test]
 async fn a_write_log_deleted_after_a_checkpoint_and_a_sigkill_does_not_open() {
     let up = FakeUpstream::start().await;
-    up.set_default(Behavior::json(201, r#"{"id":"ch"}"#));
     let tmp = tempfile::tempdir().unwrap();
-    let conf = child_config(tmp.path(), &up.url(), "");
-    let text = std::fs::read_to_string(&conf).unwrap();
-    let text = text.replacen("[store]\n", "[store]\nwal_size = \"64KiB\"\n", 1);
-    std::fs::write(&conf, text).unwrap();
+    let conf = small_wal_config(tmp.path(), &up);
     let store = tmp.path().join("store");
     let proxy = charged(&conf, 150).await;
-    let wal_files = || {
-        std::fs::read_dir(store.join("wal"))
-            .unwrap()
-            .filter(|e| e.as_ref().unwrap().path().extension().unwrap() == "wal")
-            .count()
-    };
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while wal_files() > 1 && std::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    checkpoints_caught_up(&store).await;
     proxy.kill();
     std::fs::remove_dir_all(store.join("log")).unwrap();
     refuses_to_start(tmp.path(), "write log");
@@ -259,12 +274,8 @@ async fn a_write_log_deleted_after_a_checkpoint_and_a_sigkill_does_not_open() {
 #[tokio::test]
 async fn an_older_copy_of_the_database_put_back_after_a_sigkill_does_not_open() {
     let up = FakeUpstream::start().await;
-    up.set_default(Behavior::json(201, r#"{"id":"ch"}"#));
     let tmp = tempfile::tempdir().unwrap();
-    let conf = child_config(tmp.path(), &up.url(), "");
-    let text = std::fs::read_to_string(&conf).unwrap();
-    let text = text.replacen("[store]\n", "[store]\nwal_size = \"64KiB\"\n", 1);
-    std::fs::write(&conf, text).unwrap();
+    let conf = small_wal_config(tmp.path(), &up);
     let store = tmp.path().join("store");
     let proxy = charged(&conf, 20).await;
     assert!(proxy.terminate().success());
@@ -296,16 +307,7 @@ async fn an_older_copy_of_the_database_put_back_after_a_sigkill_does_not_open() 
     // The checkpoints let go of every write-ahead log file but the current one: the frames
     // between the copy and the last checkpoint are gone (a copy the remaining log still reaches
     // back to is whole, and opens).
-    let wal_files = || {
-        std::fs::read_dir(store.join("wal"))
-            .unwrap()
-            .filter(|e| e.as_ref().unwrap().path().extension().unwrap() == "wal")
-            .count()
-    };
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while wal_files() > 1 && std::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    checkpoints_caught_up(&store).await;
     let r = c
         .post(&proxy.url("/pay/v1/charges"), &[(KEY, "k200")], "amount=5")
         .await;
@@ -392,13 +394,8 @@ async fn a_store_folder_removed_while_running_refuses_writes_and_is_not_ready() 
 #[tokio::test]
 async fn after_a_sigkill_the_filter_a_checkpoint_saved_is_loaded_and_never_one_the_log_outran() {
     let up = FakeUpstream::start().await;
-    up.set_default(Behavior::json(201, r#"{"id":"ch"}"#));
     let tmp = tempfile::tempdir().unwrap();
-    let conf = child_config(tmp.path(), &up.url(), "");
-    // Small log files: a checkpoint every few dozen writes.
-    let text = std::fs::read_to_string(&conf).unwrap();
-    let text = text.replacen("[store]\n", "[store]\nwal_size = \"64KiB\"\n", 1);
-    std::fs::write(&conf, text).unwrap();
+    let conf = small_wal_config(tmp.path(), &up);
     let store = tmp.path().join("store");
     let filter = store.join("ids.filter");
     let c = TestClient::default();
@@ -406,27 +403,18 @@ async fn after_a_sigkill_the_filter_a_checkpoint_saved_is_loaded_and_never_one_t
         let (url, c) = (proxy.url("/pay/v1/charges"), c.clone());
         async move { c.post(&url, &[(KEY, &key)], "amount=5").await }
     };
-    let wal_files = || {
-        std::fs::read_dir(store.join("wal"))
-            .unwrap()
-            .filter(|e| e.as_ref().unwrap().path().extension().unwrap() == "wal")
-            .count()
-    };
     // Charges `keys`, then waits until the checkpoints have let go of every log file but the
     // current one (saving the filter as the last of them ended).
     let write = |proxy: &ChildProxy, keys: Vec<String>| {
         let proxy_url = proxy.url("/pay/v1/charges");
-        let c = c.clone();
+        let (c, store) = (c.clone(), store.clone());
         async move {
             for key in keys {
                 let r = c.post(&proxy_url, &[(KEY, &key)], "amount=5").await;
                 assert_eq!(r.status, 201, "{key}: {r:?}");
             }
-            let deadline = std::time::Instant::now() + Duration::from_secs(10);
-            while wal_files() > 1 && std::time::Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            assert_eq!(wal_files(), 1, "the checkpoints caught up");
+            checkpoints_caught_up(&store).await;
+            assert_eq!(wal_files(&store), 1, "the checkpoints caught up");
         }
     };
     let named = |p: &str, n: usize| (0..n).map(|i| format!("{p}{i}")).collect::<Vec<_>>();

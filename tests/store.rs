@@ -801,14 +801,18 @@ async fn sled_store() -> (S, tempfile::TempDir) {
 
 async fn postgres_store() -> S {
     let base = support::postgres_url();
-    let url = support::fresh_database(&base).await;
-    // The suite moves time by the `now` it passes; the database's own clock is tested in
-    // `postgres_judges_leases_by_the_database_clock`.
+    postgres_store_at(&support::fresh_database(&base).await).await
+}
+
+/// A PostgreSQL store on the database at `url`. The suite moves time by the `now` it passes;
+/// the database's own clock is tested through proxies, in tests/fleet.rs
+/// (`a_proxy_whose_clock_runs_ahead_does_not_judge_another_attempt_over`).
+async fn postgres_store_at(url: &str) -> S {
     let options = oncegate::store::StoreOptions {
         caller_clock: true,
         ..Default::default()
     };
-    let s = oncegate::store::postgres::PostgresStore::open(&url, options)
+    let s = oncegate::store::postgres::PostgresStore::open(url, options)
         .await
         .unwrap();
     Arc::new(s)
@@ -2332,17 +2336,7 @@ async fn postgres_fences_a_try_to_its_own_current_attempt() {
 #[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
 async fn postgres_two_stores_on_one_database_keep_one_chain() {
     let url = support::fresh_database(&support::postgres_url()).await;
-    let open = || async {
-        let options = oncegate::store::StoreOptions {
-            caller_clock: true,
-            ..Default::default()
-        };
-        let s = oncegate::store::postgres::PostgresStore::open(&url, options)
-            .await
-            .unwrap();
-        Arc::new(s) as S
-    };
-    let (a, b) = (open().await, open().await);
+    let (a, b) = (postgres_store_at(&url).await, postgres_store_at(&url).await);
     for i in 0..20u64 {
         for (s, name) in [(&a, "a"), (&b, "b")] {
             let id = format!("{name}{i}");

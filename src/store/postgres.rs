@@ -595,18 +595,7 @@ async fn append_after(
     if events.is_empty() {
         return Ok(None);
     }
-    let seal = |(mut seq, mut hash): Head| {
-        let (mut seqs, mut tss, mut lines) = (Vec::new(), Vec::new(), Vec::new());
-        for ev in events.iter().cloned() {
-            let (e, line) = chain.seal_line(ev, (seq as u64, &hash), now_millis());
-            seqs.push(e.seq as i64);
-            tss.push(e.ts);
-            lines.push(String::from_utf8(line).expect("JSON is UTF-8"));
-            seq = e.seq as i64;
-            hash = e.hash;
-        }
-        (seqs, tss, lines, (seq, hash))
-    };
+    let seal = |head: Head| commit::seal(chain, events.iter().cloned(), head);
     if let Some(known) = known {
         let (seqs, tss, lines, new) = seal(known.clone());
         let sql = "WITH h AS (

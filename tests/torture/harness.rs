@@ -319,11 +319,14 @@ fn request(
 /// that proxy's lease; another proxy answers 409 `in-flight`, which sends nothing, until the lease
 /// lapses and the action becomes `unknown`. So the final check asks again while it is in flight,
 /// for longer than any lease in these runs, and judges the answer it then gets.
+/// The clients' and the final check's HTTP client.
+type HttpClient = hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    Full<Bytes>,
+>;
+
 async fn settled_answer(
-    client: &hyper_util::client::legacy::Client<
-        hyper_util::client::legacy::connect::HttpConnector,
-        Full<Bytes>,
-    >,
+    client: &HttpClient,
     addr: SocketAddr,
     mode: Mode,
     headers: &[(String, String)],
@@ -341,10 +344,7 @@ async fn settled_answer(
 }
 
 async fn send(
-    client: &hyper_util::client::legacy::Client<
-        hyper_util::client::legacy::connect::HttpConnector,
-        Full<Bytes>,
-    >,
+    client: &HttpClient,
     addr: SocketAddr,
     mode: Mode,
     headers: &[(String, String)],

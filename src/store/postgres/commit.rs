@@ -70,9 +70,9 @@ fn statement() -> String {
 }
 
 /// `events` sealed into the chain after `head`: their columns, and the head after them.
-fn seal(
+pub(super) fn seal(
     chain: &Chain,
-    events: Vec<LogEvent>,
+    events: impl IntoIterator<Item = LogEvent>,
     (mut seq, mut hash): Head,
 ) -> (Vec<i64>, Vec<String>, Vec<String>, Head) {
     let (mut seqs, mut tss, mut lines) = (Vec::new(), Vec::new(), Vec::new());
