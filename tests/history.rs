@@ -180,8 +180,14 @@ async fn a_missing_id_file_or_a_cut_write_log_does_not_open() {
 /// A proxy on `conf` that has charged `n` times (keys `k0`, `k1`, ...).
 async fn charged(conf: &Path, n: usize) -> ChildProxy {
     let proxy = ChildProxy::spawn(conf);
+    charge_keys(&proxy, 0..n).await;
+    proxy
+}
+
+/// Charges through `proxy` under the keys `k{i}` for each `i` of `keys`, each answered 201.
+async fn charge_keys(proxy: &ChildProxy, keys: std::ops::Range<usize>) {
     let c = TestClient::default();
-    for i in 0..n {
+    for i in keys {
         let r = c
             .post(
                 &proxy.url("/pay/v1/charges"),
@@ -191,7 +197,6 @@ async fn charged(conf: &Path, n: usize) -> ChildProxy {
             .await;
         assert_eq!(r.status, 201);
     }
-    proxy
 }
 
 /// A config on a store whose write-ahead log files are small (a checkpoint every few dozen
@@ -293,25 +298,12 @@ async fn an_older_copy_of_the_database_put_back_after_a_sigkill_does_not_open() 
     let old = tmp.path().join("old-db");
     sled_files(&store, &old);
     let proxy = ChildProxy::spawn(&conf);
-    let c = TestClient::default();
-    for i in 20..200 {
-        let r = c
-            .post(
-                &proxy.url("/pay/v1/charges"),
-                &[(KEY, &format!("k{i}"))],
-                "amount=5",
-            )
-            .await;
-        assert_eq!(r.status, 201);
-    }
+    charge_keys(&proxy, 20..200).await;
     // The checkpoints let go of every write-ahead log file but the current one: the frames
     // between the copy and the last checkpoint are gone (a copy the remaining log still reaches
     // back to is whole, and opens).
     checkpoints_caught_up(&store).await;
-    let r = c
-        .post(&proxy.url("/pay/v1/charges"), &[(KEY, "k200")], "amount=5")
-        .await;
-    assert_eq!(r.status, 201);
+    charge_keys(&proxy, 200..201).await;
     proxy.kill();
     for e in std::fs::read_dir(&store).unwrap() {
         let p = e.unwrap().path();
