@@ -106,6 +106,8 @@ pub enum ProxyError {
     /// The request bodies held in memory reached `max_buffered`.
     #[error("the proxy holds max_buffered ({limit} bytes) of request bodies already")]
     Busy { limit: u64 },
+    #[error("the store's volume has less free space than store.reserve")]
+    StoreFull,
     #[error("{0}")]
     BadRequest(String),
     /// A browser page of another origin, or a rebound host name, reached an MCP upstream (DNS
@@ -330,6 +332,15 @@ impl ProxyError {
                     "Nothing was sent; send the whole request again, its body without pauses.",
                 )
             },
+            ProxyError::StoreFull => s(
+                "store-full",
+                "Store full",
+                StatusCode::SERVICE_UNAVAILABLE,
+                Outcome::Rejected,
+                false,
+                Retry::Later,
+                "Nothing was sent: the proxy's disk is nearly full and it records every write before sending it. Try again once an operator has freed space.",
+            ),
             ProxyError::Busy { .. } => Shape {
                 no_retry_headers: false,
                 ..s(

@@ -170,6 +170,10 @@ pub fn store_options(config: &Config, metrics: &Metrics) -> Result<StoreOptions,
             StoreConfig::Postgres { .. } => None,
         },
         log_segment_bytes: None,
+        reserve: match &config.store {
+            StoreConfig::Sled { reserve, .. } => *reserve,
+            StoreConfig::Postgres { .. } => 0,
+        },
         caller_clock: false,
         seen_dir: match &config.store {
             StoreConfig::Postgres { path, .. } => Some(path.clone()),

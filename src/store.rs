@@ -7,6 +7,7 @@ pub mod logfiles;
 pub mod postgres;
 pub mod seal;
 pub mod sled;
+pub mod space;
 pub mod wal;
 
 use std::future::Future;
@@ -135,6 +136,8 @@ pub struct StoreOptions {
     /// sled: start a new write log file after this many bytes (default
     /// [`logfiles::SEGMENT_BYTES`]; smaller in tests). Pruning removes whole files.
     pub log_segment_bytes: Option<u64>,
+    /// sled: `store.reserve`, the free space kept on the store's volume ([`space`]); 0: none.
+    pub reserve: u64,
 }
 
 /// Which records a scan returns.
@@ -248,6 +251,12 @@ pub trait Store: Send + Sync + 'static {
 
     /// `(seq, hash)` of the newest write-log entry.
     fn log_head(&self) -> BoxFuture<'_, Result<(u64, String), StoreError>>;
+
+    /// Why the store takes no new writes now (its volume has less than `store.reserve` free),
+    /// or `None`. Settlements and resolutions still go on.
+    fn full(&self) -> Option<String> {
+        None
+    }
 
     /// Whether the store can take changes now (`/readyz`): by default, whether it answers.
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {

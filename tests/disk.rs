@@ -116,3 +116,48 @@ async fn a_full_disk_stops_writes_before_they_leave_and_a_restart_keeps_every_an
     println!("after the restart: {sent_now} of the {refused} refused writes sent, once");
     proxy.terminate();
 }
+
+/// The disk guard (issue 59): while the store's volume has less free space than
+/// `store.reserve`, a new write is refused before it is recorded (503 `store-full`, nothing
+/// sent, nothing that says it may have happened), reads go on, and `/readyz` says why. Here the
+/// reserve is more than any volume holds.
+#[tokio::test]
+async fn a_volume_below_the_reserve_refuses_new_writes_unsent_and_is_not_ready() {
+    let up = FakeUpstream::start().await;
+    up.set_default(Behavior::json(201, r#"{"id":"ch_1"}"#));
+    let tmp = tempfile::tempdir().unwrap();
+    let conf = child_config(tmp.path(), &up.url(), "");
+    let text = std::fs::read_to_string(&conf).unwrap();
+    std::fs::write(
+        &conf,
+        text.replacen("[store]\n", "[store]\nreserve = \"100000000GiB\"\n", 1),
+    )
+    .unwrap();
+    let proxy = ChildProxy::spawn(&conf);
+    let c = TestClient::default();
+    let r = c
+        .post(
+            &proxy.url("/pay/v1/charges"),
+            &[(KEY, "full-1")],
+            "amount=5",
+        )
+        .await;
+    assert_eq!(r.status, 503, "{r:?}");
+    assert_eq!(r.problem(), "store-full");
+    assert_eq!(r.json()["duplicate_risk"], false);
+    assert_eq!(r.header("oncegate-outcome"), Some("rejected"));
+    // The error body does not say where the store is.
+    assert!(
+        !String::from_utf8_lossy(&r.body).contains(&tmp.path().display().to_string()),
+        "{r:?}"
+    );
+    assert_eq!(up.count(), 0, "nothing was sent");
+    let read = c.get(&proxy.url("/pay/v1/charges/ch_1")).await;
+    assert_eq!(read.status, 201, "reads go on: {read:?}");
+    let ready = c.get(&format!("http://{}/readyz", proxy.admin)).await;
+    assert_eq!(ready.status, 503, "{ready:?}");
+    assert!(
+        String::from_utf8_lossy(&ready.body).contains("store.reserve"),
+        "{ready:?}"
+    );
+}

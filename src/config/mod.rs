@@ -77,6 +77,7 @@ struct RawStore {
     backend: Option<String>,
     path: Option<PathBuf>,
     wal_size: Option<Size>,
+    reserve: Option<Size>,
     url_env: Option<String>,
     encrypt_key_env: Option<String>,
 }
@@ -136,6 +137,10 @@ pub enum StoreConfig {
     Sled {
         path: PathBuf,
         wal_size: Option<u64>,
+        /// `reserve`: the free space on the store's volume below which writes are refused
+        /// (`store-full`) before they are recorded, so that the settlements of writes already
+        /// sent still fit.
+        reserve: u64,
     },
     /// `path`: this proxy's own state, the last write-log head it saw (SPEC §13 history).
     Postgres { url_env: String, path: PathBuf },
@@ -160,6 +165,9 @@ pub struct Config {
     pub log: LogConfig,
     pub upstreams: Vec<Arc<Upstream>>,
 }
+
+/// The default of `store.reserve`: free space kept on the store's volume for settlements.
+pub const DEFAULT_RESERVE: u64 = 128 << 20;
 
 /// The bounds of `store.wal_size`: below, checkpoints (a flush and fsync of the database each)
 /// would come every few writes; above, a crash's replay grows long.
@@ -311,12 +319,19 @@ impl RawConfig {
                         .clone()
                         .unwrap_or_else(|| PathBuf::from("oncegate-data")),
                     wal_size,
+                    reserve: self.store.reserve.map_or(DEFAULT_RESERVE, |r| r.0),
                 }
             }
             "postgres" => {
                 if self.store.wal_size.is_some() {
                     return Err(invalid(
                         "store.wal_size",
+                        "only applies to backend = \"sled\"",
+                    ));
+                }
+                if self.store.reserve.is_some() {
+                    return Err(invalid(
+                        "store.reserve",
                         "only applies to backend = \"sled\"",
                     ));
                 }

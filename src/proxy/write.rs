@@ -228,6 +228,12 @@ impl Proxy {
                 return self.replay(&rec, body, &job.call).await;
             }
         }
+        // The volume is nearly full: no new record, nothing sent (the reserve is for the
+        // settlements of writes already sent).
+        // (Where, and how much is free, is for the operator: `/readyz` and the log say it.)
+        if self.store.full().is_some() {
+            return Err(ProxyError::StoreFull);
+        }
         if !job.call.relays() {
             // Its whole answer comes when the action ends: the action runs in this request's
             // task, and is handed to a task of its own only if the request goes away first.

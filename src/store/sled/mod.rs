@@ -153,6 +153,8 @@ const NOTES_BATCH: usize = 256;
 pub struct SledStore {
     /// `None` once closed: closing releases sled's file lock, so the folder can be reopened.
     db: RwLock<Option<sled::Db>>,
+    /// The disk guard: free space kept on the volume (`store.reserve`).
+    space: super::space::Space,
     dir: PathBuf,
     chain: Chain,
     tx: Mutex<Option<mpsc::Sender<Op>>>,
@@ -435,11 +437,18 @@ impl Store for SledStore {
         })
     }
 
+    fn full(&self) -> Option<String> {
+        self.space.full().then(|| self.space.why())
+    }
+
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         // Its folder, as well as its writer: a folder removed under a running store is seen
         // at once, not at the next write that fails.
         Box::pin(async move {
             self.shared.check().map_err(StoreError::Unavailable)?;
+            if let Some(why) = self.full() {
+                return Err(StoreError::Unavailable(why));
+            }
             for part in [crate::store::history::ID_FILE, "wal"] {
                 if std::fs::metadata(self.dir.join(part)).is_err() {
                     return Err(StoreError::Broken(format!(

@@ -357,6 +357,7 @@ impl SledStore {
             cache,
             placing,
             sealer: options.sealer,
+            space: super::super::space::Space::new(dir.to_owned(), options.reserve),
         })
     }
 }
