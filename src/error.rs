@@ -269,9 +269,8 @@ impl ProxyError {
             duplicate_risk,
             retry,
             next_step: next_step.to_string(),
-            // SPEC §8: every problem but `in-flight`, `body-timeout`, `busy`,
-            // `store-unavailable` and the upstream's unreachable, timed-out or failed exchanges
-            // that are safe to send again tells the SDKs not to retry it themselves.
+            // SPEC §8: every problem but `in-flight`, `body-timeout` and `store-unavailable`
+            // (and `busy`, §12) tells the SDKs not to retry it themselves.
             no_retry_headers: true,
         };
         match self {
@@ -423,44 +422,35 @@ impl ProxyError {
                 Retry::AfterCorrection,
                 &format!("{} failed on each of its attempts and was not applied; it will not be tried again as it is. Tell the user what failed (the evidence has the service's answers) before changing anything.", what(c)),
             ),
-            // Safe to send again (nothing reached the service, or a read): the SDKs may retry
-            // it themselves, after `Retry-After`, as the words say.
-            ProxyError::UpstreamUnreachable { .. } => Shape {
-                no_retry_headers: false,
-                ..s(
-                    "upstream-unreachable",
-                    "Upstream unreachable",
-                    StatusCode::BAD_GATEWAY,
-                    Outcome::NotApplied,
-                    false,
-                    Retry::Later,
-                    "Nothing reached the service; sending the same request again later with the same key is safe.",
-                )
-            },
-            ProxyError::UpstreamTimeout(_) => Shape {
-                no_retry_headers: false,
-                ..s(
-                    "upstream-timeout",
-                    "Upstream timeout",
-                    StatusCode::GATEWAY_TIMEOUT,
-                    Outcome::Unknown,
-                    false,
-                    Retry::Later,
-                    "The service did not answer this read in time; try again later.",
-                )
-            },
-            ProxyError::UpstreamFailed(_) => Shape {
-                no_retry_headers: false,
-                ..s(
-                    "upstream-failed",
-                    "Upstream exchange failed",
-                    StatusCode::BAD_GATEWAY,
-                    Outcome::Unknown,
-                    false,
-                    Retry::Later,
-                    "The connection to the service failed during this read; try again later.",
-                )
-            },
+            // The proxy has already tried again (`retries`): the SDKs are told not to add their
+            // own tries at once (SPEC §8), and `Retry-After` says when a later one makes sense.
+            ProxyError::UpstreamUnreachable { .. } => s(
+                "upstream-unreachable",
+                "Upstream unreachable",
+                StatusCode::BAD_GATEWAY,
+                Outcome::NotApplied,
+                false,
+                Retry::Later,
+                "Nothing reached the service, though the proxy tried again; sending the same request later with the same key is safe.",
+            ),
+            ProxyError::UpstreamTimeout(_) => s(
+                "upstream-timeout",
+                "Upstream timeout",
+                StatusCode::GATEWAY_TIMEOUT,
+                Outcome::Unknown,
+                false,
+                Retry::Later,
+                "The service did not answer this read in time, though the proxy tried again; try it later.",
+            ),
+            ProxyError::UpstreamFailed(_) => s(
+                "upstream-failed",
+                "Upstream exchange failed",
+                StatusCode::BAD_GATEWAY,
+                Outcome::Unknown,
+                false,
+                Retry::Later,
+                "The connection to the service failed during this read, though the proxy tried again; try it later.",
+            ),
             ProxyError::AlreadyApplied(c) => s(
                 "already-applied",
                 "Already applied",

@@ -408,11 +408,14 @@ async fn reads_to_an_unreachable_upstream_get_502_after_tries() {
     let r = TestClient::default().get(&proxy.url("/pay/v1/x")).await;
     assert_eq!(r.status, 502);
     assert_eq!(r.problem(), "upstream-unreachable");
-    // It says "later", and nothing reached the service: the SDKs may retry it themselves
-    // (issue 60 item 15; it said later and sent `x-should-retry: false`).
-    assert_eq!(r.header("x-should-retry"), None);
-    assert_eq!(r.header("stripe-should-retry"), None);
+    // The proxy tried again already: the SDKs do not add tries of their own at once (SPEC §8);
+    // its words and `Retry-After` say a later try is safe (issue 60 item 15).
+    assert_eq!(r.header("x-should-retry"), Some("false"));
     assert_eq!(r.header("retry-after"), Some("1"));
+    assert!(r.json()["next_step"]
+        .as_str()
+        .unwrap()
+        .contains("tried again"));
 }
 
 #[tokio::test]

@@ -167,7 +167,7 @@ pub struct Config {
 }
 
 /// The default of `store.reserve`: free space kept on the store's volume for settlements.
-pub const DEFAULT_RESERVE: u64 = 128 << 20;
+pub const DEFAULT_RESERVE: u64 = 1 << 30;
 
 /// The bounds of `store.wal_size`: below, checkpoints (a flush and fsync of the database each)
 /// would come every few writes; above, a crash's replay grows long.
