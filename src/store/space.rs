@@ -9,7 +9,6 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// How long a reading of the free space stands.
@@ -21,7 +20,10 @@ pub struct Space {
     full: AtomicBool,
     /// Bytes free at the last reading.
     free: AtomicU64,
-    read_at: Mutex<Option<Instant>>,
+    /// When the free space is next read, in milliseconds since `born` (0: at once). A write
+    /// checks it with one atomic load; the one that finds it due reads.
+    next_read: AtomicU64,
+    born: Instant,
 }
 
 impl Space {
@@ -31,7 +33,8 @@ impl Space {
             reserve,
             full: AtomicBool::new(false),
             free: AtomicU64::new(u64::MAX),
-            read_at: Mutex::new(None),
+            next_read: AtomicU64::new(0),
+            born: Instant::now(),
         }
     }
 
@@ -42,15 +45,19 @@ impl Space {
         if self.reserve == 0 {
             return false;
         }
-        let stale = {
-            let mut at = self.read_at.lock().unwrap_or_else(|p| p.into_inner());
-            let stale = at.is_none_or(|t| t.elapsed() >= EVERY);
-            if stale {
-                *at = Some(Instant::now());
-            }
-            stale
-        };
-        if stale {
+        let now = self.born.elapsed().as_millis() as u64;
+        let due = self.next_read.load(Ordering::Relaxed);
+        let reader = now >= due
+            && self
+                .next_read
+                .compare_exchange(
+                    due,
+                    now + EVERY.as_millis() as u64,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok();
+        if reader {
             if let Ok(s) = rustix::fs::statvfs(&self.dir) {
                 let free = s.f_bavail.saturating_mul(s.f_frsize);
                 self.free.store(free, Ordering::Relaxed);
