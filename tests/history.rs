@@ -131,20 +131,7 @@ async fn another_stores_database_does_not_open_in_its_place() {
     // snapshots go first: their names carry a log position, and sled reads the latest; one of
     // A's left beside B's database describes a log B's does not hold, and sled refuses that as
     // corrupt before the store can read whose database it is.
-    let sled_file = |name: &str| name == "db" || name == "conf" || name.starts_with("snap.");
-    for e in std::fs::read_dir(&store_a).unwrap() {
-        let p = e.unwrap().path();
-        if sled_file(&p.file_name().unwrap().to_string_lossy()) {
-            std::fs::remove_file(&p).unwrap();
-        }
-    }
-    for e in std::fs::read_dir(&store_b).unwrap() {
-        let p = e.unwrap().path();
-        let name = p.file_name().unwrap().to_string_lossy().to_string();
-        if sled_file(&name) {
-            std::fs::copy(&p, store_a.join(&name)).unwrap();
-        }
-    }
+    support::place_sled_files(&store_b, &store_a, true);
     refuses_to_start(a.path(), "another store");
     assert_eq!(up.count(), 1);
 }
@@ -284,19 +271,8 @@ async fn an_older_copy_of_the_database_put_back_after_a_sigkill_does_not_open() 
     let store = tmp.path().join("store");
     let proxy = charged(&conf, 20).await;
     assert!(proxy.terminate().success());
-    // sled's own files: its database and snapshot (the rest of the folder is oncegate's).
-    let sled_files = |from: &Path, to: &Path| {
-        std::fs::create_dir_all(to).unwrap();
-        for e in std::fs::read_dir(from).unwrap() {
-            let p = e.unwrap().path();
-            let name = p.file_name().unwrap().to_string_lossy().into_owned();
-            if name == "db" || name == "conf" || name.starts_with("snap.") {
-                std::fs::copy(&p, to.join(&name)).unwrap();
-            }
-        }
-    };
     let old = tmp.path().join("old-db");
-    sled_files(&store, &old);
+    support::place_sled_files(&store, &old, true);
     let proxy = ChildProxy::spawn(&conf);
     charge_keys(&proxy, 20..200).await;
     // The checkpoints let go of every write-ahead log file but the current one: the frames
@@ -305,17 +281,7 @@ async fn an_older_copy_of_the_database_put_back_after_a_sigkill_does_not_open() 
     checkpoints_caught_up(&store).await;
     charge_keys(&proxy, 200..201).await;
     proxy.kill();
-    for e in std::fs::read_dir(&store).unwrap() {
-        let p = e.unwrap().path();
-        if p.file_name()
-            .unwrap()
-            .to_string_lossy()
-            .starts_with("snap.")
-        {
-            std::fs::remove_file(p).unwrap();
-        }
-    }
-    sled_files(&old, &store);
+    support::place_sled_files(&old, &store, true);
     refuses_to_start(tmp.path(), "older than its write-ahead log");
     // Nothing was replayed into it: a second start is refused the same way.
     refuses_to_start(tmp.path(), "older than its write-ahead log");

@@ -1056,3 +1056,32 @@ pub fn recipe(name: &str) -> String {
     let end = after[start..].find("```").unwrap();
     after[start..start + end].to_string()
 }
+
+/// sled's own files in `store` (its database, config and snapshots; the rest is oncegate's).
+pub fn sled_files(store: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(store)
+        .map(|d| {
+            d.map(|e| e.unwrap().path())
+                .filter(|p| {
+                    let n = p.file_name().unwrap().to_string_lossy();
+                    n == "db" || n == "conf" || n.starts_with("snap.")
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Moves (or copies) sled's files from `from` into `to`, replacing what `to` holds of them.
+pub fn place_sled_files(from: &Path, to: &Path, copy: bool) {
+    std::fs::create_dir_all(to).unwrap();
+    for p in sled_files(to) {
+        std::fs::remove_file(p).unwrap();
+    }
+    for p in sled_files(from) {
+        let dest = to.join(p.file_name().unwrap());
+        match copy {
+            true => drop(std::fs::copy(&p, dest).unwrap()),
+            false => std::fs::rename(&p, dest).unwrap(),
+        }
+    }
+}

@@ -9,7 +9,7 @@
 //!   it opens, and the run carries on from it.
 //! - *A partial folder*: `store.id` gone. Always refused.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 /// What a start on a tampered store did.
@@ -22,38 +22,9 @@ pub(crate) enum Start {
     Other(Option<i32>, String),
 }
 
-/// sled's own files in `store` (its database, config and snapshots; the rest is oncegate's).
-fn sled_files(store: &Path) -> Vec<PathBuf> {
-    std::fs::read_dir(store)
-        .map(|d| {
-            d.map(|e| e.unwrap().path())
-                .filter(|p| {
-                    let n = p.file_name().unwrap().to_string_lossy();
-                    n == "db" || n == "conf" || n.starts_with("snap.")
-                })
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// Moves (or copies) sled's files from `from` into `to`, replacing what `to` holds of them.
-fn place(from: &Path, to: &Path, copy: bool) {
-    std::fs::create_dir_all(to).unwrap();
-    for p in sled_files(to) {
-        std::fs::remove_file(p).unwrap();
-    }
-    for p in sled_files(from) {
-        let dest = to.join(p.file_name().unwrap());
-        match copy {
-            true => drop(std::fs::copy(&p, dest).unwrap()),
-            false => std::fs::rename(&p, dest).unwrap(),
-        }
-    }
-}
-
 /// Keeps a copy of sled's files in `store` (taken after a clean stop) at `copy`.
 pub(crate) fn keep_copy(store: &Path, copy: &Path) {
-    place(store, copy, true);
+    crate::support::place_sled_files(store, copy, true);
 }
 
 /// Starts the proxy on `cfg` and reports how the start ended.
@@ -90,11 +61,11 @@ pub(crate) fn start(cfg: &Path) -> Start {
 /// one that opened carries on from the copy.
 pub(crate) fn stale_copy(cfg: &Path, store: &Path, copy: &Path) -> Start {
     let aside = store.with_extension("aside");
-    place(store, &aside, false);
-    place(copy, store, true);
+    crate::support::place_sled_files(store, &aside, false);
+    crate::support::place_sled_files(copy, store, true);
     let started = start(cfg);
     if matches!(started, Start::Refused(_)) {
-        place(&aside, store, false);
+        crate::support::place_sled_files(&aside, store, false);
     }
     let _ = std::fs::remove_dir_all(&aside);
     started
