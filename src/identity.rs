@@ -1,6 +1,7 @@
 //! Identity of an action (SPEC §4): key, fingerprint, principal and action id. Pure, no I/O.
 
 use http::HeaderMap;
+use ring::hmac;
 use sha2::{Digest, Sha256};
 
 use crate::canonical;
@@ -69,6 +70,100 @@ pub(crate) fn allow_twin(headers: &HeaderMap) -> Result<Option<String>, KeyError
                 "Oncegate-Allow-Twin must name the action it repeats: its id, 32 hex characters (the possible-duplicate answer's action.id)".into(),
             )),
         },
+    }
+}
+
+/// The store's secret, which keys what the identity of a write leaves in records and the write
+/// log (SPEC §13): its principal, its fingerprint and its body's digest are HMAC-SHA-256 under it,
+/// so that a reader of the log cannot test a guessed body or credential against them. Every
+/// value derived from those two (a derived key, the twin key, the action id) is keyed through
+/// them. A store made before stores had a secret is [`Keyer::unkeyed`]: its values stay plain
+/// SHA-256, as its records were written (decision 0046). Never printed.
+#[derive(Clone, Default)]
+pub struct Keyer(Option<hmac::Key>);
+
+impl std::fmt::Debug for Keyer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Keyer(keyed)"
+        } else {
+            "Keyer(unkeyed)"
+        })
+    }
+}
+
+impl Keyer {
+    /// Keyed with a store's secret.
+    pub fn new(secret: &[u8]) -> Keyer {
+        Keyer(Some(hmac::Key::new(hmac::HMAC_SHA256, secret)))
+    }
+
+    /// Plain SHA-256: a store from before stores had a secret.
+    pub fn unkeyed() -> Keyer {
+        Keyer(None)
+    }
+
+    pub fn is_keyed(&self) -> bool {
+        self.0.is_some()
+    }
+
+    fn hasher(&self) -> Hasher {
+        match &self.0 {
+            None => Hasher::Plain(Sha256::new()),
+            Some(k) => Hasher::Keyed(hmac::Context::with_key(k)),
+        }
+    }
+
+    /// Length-prefixed parts, as [`sha256_parts`], under the key.
+    pub(crate) fn parts(&self, parts: &[&[u8]]) -> [u8; 32] {
+        let mut h = self.hasher();
+        for p in parts {
+            h.part(p);
+        }
+        h.finish()
+    }
+
+    /// The digest of a body, as its record shows it and as a stored body's file is named: 64 hex
+    /// characters.
+    pub fn body(&self, body: &[u8]) -> String {
+        match &self.0 {
+            None => hex(&Sha256::digest(body)),
+            Some(k) => hex(hmac::sign(k, body).as_ref()),
+        }
+    }
+}
+
+/// SHA-256, or HMAC-SHA-256 under a store's secret.
+enum Hasher {
+    Plain(Sha256),
+    Keyed(hmac::Context),
+}
+
+impl Hasher {
+    /// One part, length-prefixed, so that no two different part lists hash alike.
+    fn part(&mut self, p: &[u8]) {
+        let len = (p.len() as u64).to_be_bytes();
+        match self {
+            Hasher::Plain(h) => {
+                h.update(len);
+                h.update(p);
+            }
+            Hasher::Keyed(c) => {
+                c.update(&len);
+                c.update(p);
+            }
+        }
+    }
+
+    fn finish(self) -> [u8; 32] {
+        match self {
+            Hasher::Plain(h) => h.finalize().into(),
+            Hasher::Keyed(c) => c
+                .sign()
+                .as_ref()
+                .try_into()
+                .expect("HMAC-SHA-256 is 32 bytes"),
+        }
     }
 }
 
@@ -182,7 +277,7 @@ pub const CREDENTIAL_HEADERS: &[&str] = &[
     "x-auth-token",
 ];
 
-pub fn principal(headers: &HeaderMap, policy: &Policy) -> String {
+pub fn principal(headers: &HeaderMap, policy: &Policy, keyer: &Keyer) -> String {
     let mut names: Vec<&str> = policy
         .principal_headers
         .iter()
@@ -194,16 +289,14 @@ pub fn principal(headers: &HeaderMap, policy: &Policy) -> String {
     }
     names.sort_unstable();
     names.dedup();
-    let mut h = Sha256::new();
+    let mut h = keyer.hasher();
     for n in names {
         for v in headers.get_all(n) {
-            h.update((n.len() as u64).to_be_bytes());
-            h.update(n.as_bytes());
-            h.update((v.len() as u64).to_be_bytes());
-            h.update(v.as_bytes());
+            h.part(n.as_bytes());
+            h.part(v.as_bytes());
         }
     }
-    hex(&h.finalize())
+    hex(&h.finish())
 }
 
 /// The principal as shown to people: its first 16 hex characters.
@@ -256,7 +349,7 @@ pub fn canonical_body(headers: &HeaderMap, body: &[u8], ignore: &[String]) -> Ve
     canonical.unwrap_or_else(|| body.to_vec())
 }
 
-/// Hex SHA-256 over method, `{rest}`, query and canonical body.
+/// Hex SHA-256 over method, `{rest}`, query and canonical body, keyed with the store's secret.
 pub fn fingerprint(
     method: &str,
     rest: &str,
@@ -264,14 +357,10 @@ pub fn fingerprint(
     headers: &HeaderMap,
     body: &[u8],
     ignore: &[String],
+    keyer: &Keyer,
 ) -> String {
     let canon = canonical_body(headers, body, ignore);
-    hex(&sha256_parts(&[
-        method.as_bytes(),
-        rest.as_bytes(),
-        query.as_bytes(),
-        &canon,
-    ]))
+    hex(&keyer.parts(&[method.as_bytes(), rest.as_bytes(), query.as_bytes(), &canon]))
 }
 
 /// 32 hex characters naming the action (SPEC §4.4).
@@ -293,6 +382,8 @@ pub struct WriteRequest<'a> {
     pub body: &'a [u8],
     /// The caller, as [`principal`] computed it for this route.
     pub principal: &'a str,
+    /// The store's secret.
+    pub keyer: &'a Keyer,
 }
 
 /// The key of a write that brought none of its own: `ts-` from its task and step, else (unless
@@ -372,6 +463,7 @@ pub fn identify(req: &WriteRequest<'_>, policy: &Policy) -> Result<Identity, Key
         req.headers,
         req.body,
         &policy.fingerprint_ignore,
+        req.keyer,
     );
     let task = header_str(req.headers, "oncegate-task")?.map(str::to_string);
     let step = header_str(req.headers, "oncegate-step")?.map(str::to_string);
@@ -402,6 +494,9 @@ pub fn identify(req: &WriteRequest<'_>, policy: &Policy) -> Result<Identity, Key
 mod tests {
     use super::*;
     use http::HeaderValue;
+
+    /// The values of a store from before stores had a secret: the known vectors below.
+    const U: Keyer = Keyer(None);
 
     fn policy() -> Policy {
         crate::config::Config::parse(
@@ -458,6 +553,7 @@ mod tests {
             &h,
             br#"{"amount":5,"metadata":{"trace":"1"}}"#,
             &ign,
+            &U,
         );
         let y = fingerprint(
             "POST",
@@ -466,9 +562,10 @@ mod tests {
             &h,
             br#"{"metadata":{"trace":"2"},"amount":5}"#,
             &ign,
+            &U,
         );
         assert_eq!(x, y);
-        let z = fingerprint("POST", "/c", "", &h, br#"{"amount":6}"#, &ign);
+        let z = fingerprint("POST", "/c", "", &h, br#"{"amount":6}"#, &ign, &U);
         assert_ne!(x, z);
         // Claims JSON but does not parse: hashed as bytes.
         assert_eq!(canonical_body(&h, b"{nope", &[]), b"{nope");
@@ -484,15 +581,15 @@ mod tests {
     #[test]
     fn fingerprint_covers_method_path_query() {
         let h = HeaderMap::new();
-        let base = fingerprint("POST", "/c", "a=1", &h, b"x", &[]);
-        assert_ne!(base, fingerprint("PUT", "/c", "a=1", &h, b"x", &[]));
-        assert_ne!(base, fingerprint("POST", "/d", "a=1", &h, b"x", &[]));
-        assert_ne!(base, fingerprint("POST", "/c", "a=2", &h, b"x", &[]));
+        let base = fingerprint("POST", "/c", "a=1", &h, b"x", &[], &U);
+        assert_ne!(base, fingerprint("PUT", "/c", "a=1", &h, b"x", &[], &U));
+        assert_ne!(base, fingerprint("POST", "/d", "a=1", &h, b"x", &[], &U));
+        assert_ne!(base, fingerprint("POST", "/c", "a=2", &h, b"x", &[], &U));
         assert_eq!(base.len(), 64);
         // Known vector (computed independently: SHA-256 over u64-BE length-prefixed parts); keeps
         // the fingerprint stable across releases, since stored keys depend on it.
         assert_eq!(
-            fingerprint("POST", "/v1/charges", "", &h, b"amount=5", &[]),
+            fingerprint("POST", "/v1/charges", "", &h, b"amount=5", &[], &U),
             "1fd17a5e47a8bd7f56181b3d117b777521c2aaf5bec6345f86791fb100b55f6e"
         );
     }
@@ -500,29 +597,71 @@ mod tests {
     #[test]
     fn principal_is_hashed_sorted_and_scoped_to_configured_headers() {
         let p = policy();
-        assert_eq!(principal(&HeaderMap::new(), &p), ANONYMOUS);
+        assert_eq!(principal(&HeaderMap::new(), &p, &U), ANONYMOUS);
         let a = principal(
             &headers(&[("authorization", "Bearer s1"), ("x-api-key", "k")]),
             &p,
+            &U,
         );
         let b = principal(
             &headers(&[("x-api-key", "k"), ("authorization", "Bearer s1")]),
             &p,
+            &U,
         );
         assert_eq!(a, b);
         assert!(!a.contains("s1"));
         assert_ne!(
             a,
-            principal(&headers(&[("authorization", "Bearer s2")]), &p)
+            principal(&headers(&[("authorization", "Bearer s2")]), &p, &U)
         );
         // A header that is not a principal header does not change it.
         assert_eq!(
             principal(
                 &headers(&[("authorization", "Bearer s1"), ("x-other", "1")]),
-                &p
+                &p,
+                &U,
             ),
-            principal(&headers(&[("authorization", "Bearer s1")]), &p)
+            principal(&headers(&[("authorization", "Bearer s1")]), &p, &U)
         );
+    }
+
+    /// A store's secret keys the principal, the fingerprint and the body digest: a reader who
+    /// guesses a body or a credential cannot test the guess against them (SPEC §13), and two
+    /// stores' values differ. The same secret gives the same values (a retry is the same action).
+    #[test]
+    fn a_stores_secret_keys_what_a_guess_could_test() {
+        let p = policy();
+        let h = headers(&[("authorization", "Bearer s1")]);
+        let (k1, k2) = (Keyer::new(&[1; 32]), Keyer::new(&[2; 32]));
+        let fp = |k: &Keyer| fingerprint("POST", "/v1/charges", "", &h, b"amount=5", &[], k);
+        assert_eq!(fp(&k1), fp(&Keyer::new(&[1; 32])));
+        assert_ne!(fp(&k1), fp(&U));
+        assert_ne!(fp(&k1), fp(&k2));
+        assert_eq!(fp(&k1).len(), 64);
+        assert_ne!(principal(&h, &p, &k1), principal(&h, &p, &U));
+        assert_ne!(principal(&h, &p, &k1), principal(&h, &p, &k2));
+        assert_eq!(principal(&HeaderMap::new(), &p, &k1), ANONYMOUS);
+        assert_ne!(k1.body(b"amount=5"), U.body(b"amount=5"));
+        assert_eq!(
+            U.body(b"amount=5"),
+            hex(&Sha256::digest(b"amount=5")),
+            "an unkeyed store names bodies as before"
+        );
+        // What is derived from them follows: an anonymous caller's derived key and action id.
+        let id = |k: &Keyer| {
+            identify(
+                &WriteRequest {
+                    keyer: k,
+                    ..post(&HeaderMap::new(), b"amount=5", ANONYMOUS)
+                },
+                &p,
+            )
+            .expect("ok")
+        };
+        assert_ne!(id(&k1).key, id(&U).key);
+        assert_ne!(id(&k1).action_id, id(&U).action_id);
+        assert_eq!(id(&k1).action_id, id(&Keyer::new(&[1; 32])).action_id);
+        assert_eq!(format!("{k1:?}"), "Keyer(keyed)");
     }
 
     /// A `POST /c` to upstream `a`.
@@ -535,13 +674,14 @@ mod tests {
             headers,
             body,
             principal,
+            keyer: &U,
         }
     }
 
     #[test]
     fn key_order_task_step_then_header_then_fingerprint() {
         let p = policy();
-        let req = |h: &HeaderMap| identify(&post(h, b"{}", &principal(h, &p)), &p);
+        let req = |h: &HeaderMap| identify(&post(h, b"{}", &principal(h, &p, &U)), &p);
         let h = headers(&[
             ("idempotency-key", "k1"),
             ("oncegate-task", "t"),
@@ -591,6 +731,7 @@ mod tests {
                 headers: &HeaderMap::new(),
                 body: b"",
                 principal: ANONYMOUS,
+                keyer: &U,
             },
             &strict,
         );

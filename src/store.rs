@@ -6,6 +6,7 @@ pub mod history;
 pub mod logfiles;
 pub mod postgres;
 pub mod seal;
+pub mod secret;
 pub mod sled;
 pub mod space;
 pub mod wal;
@@ -261,6 +262,12 @@ pub trait Store: Send + Sync + 'static {
     /// Whether the store can take changes now (`/readyz`): by default, whether it answers.
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move { self.log_head().await.map(|_| ()) })
+    }
+
+    /// The store's secret (SPEC §13), which keys the principals, fingerprints and body digests
+    /// the proxy writes into it: unkeyed for a store made before stores had one.
+    fn keyer(&self) -> crate::identity::Keyer {
+        crate::identity::Keyer::unkeyed()
     }
 
     /// How many actions are in each state.

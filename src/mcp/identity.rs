@@ -8,7 +8,7 @@ use super::ToolCall;
 use crate::config::{KeyScope, Policy};
 use crate::identity::{
     action_id, allow_twin, choose_key, header_key, header_str, hex32, parse_key, sha256_parts,
-    visible, Identity, KeyError,
+    visible, Identity, KeyError, Keyer,
 };
 
 /// `params._meta` members a client may set (SPEC §14.2).
@@ -90,7 +90,7 @@ impl Canon {
 
     /// Hex SHA-256 over the tool name, the arguments and a continuation's members, and what
     /// the tool's `key_scope` adds: its session, or this call alone.
-    fn fingerprint(&self, call: &ToolCall, scope: &Scoped) -> String {
+    fn fingerprint(&self, call: &ToolCall, scope: &Scoped, keyer: &Keyer) -> String {
         let mut parts: Vec<&[u8]> = vec![call.name.as_bytes(), &self.args];
         if let Some(c) = &self.continuation {
             parts.push(c.as_bytes());
@@ -110,7 +110,7 @@ impl Canon {
         if !salt.is_empty() {
             parts.push(&salt);
         }
-        crate::identity::hex(&sha256_parts(&parts))
+        crate::identity::hex(&keyer.parts(&parts))
     }
 }
 
@@ -131,6 +131,7 @@ pub fn identify(
     body: &[u8],
     call: &ToolCall,
     policy: &Policy,
+    keyer: &Keyer,
 ) -> Result<Identity, KeyError> {
     let canon = Canon::of(call, body, &policy.fingerprint_ignore);
     let scoped = match policy.key_scope {
@@ -164,7 +165,11 @@ pub fn identify(
     // a resend under it is the same call, a different call under it a reuse.
     let keyed = task.is_some() && step.is_some()
         || (client_key.is_some() && client_keys == crate::config::ClientKeys::Stable);
-    let fingerprint = canon.fingerprint(call, if keyed { &Scoped::Arguments } else { &scoped });
+    let fingerprint = canon.fingerprint(
+        call,
+        if keyed { &Scoped::Arguments } else { &scoped },
+        keyer,
+    );
     let (key, source, client_key) = choose_key(
         upstream,
         principal,
@@ -220,6 +225,7 @@ mod tests {
             body.as_bytes(),
             &call,
             &policy(),
+            &Keyer::unkeyed(),
         )
         .expect("test input")
     }
@@ -254,7 +260,16 @@ mod tests {
         }
         let mut p = policy();
         p.key_scope = scope;
-        identify("m", "anonymous", &headers, body.as_bytes(), &call, &p).expect("test input")
+        identify(
+            "m",
+            "anonymous",
+            &headers,
+            body.as_bytes(),
+            &call,
+            &p,
+            &Keyer::unkeyed(),
+        )
+        .expect("test input")
     }
 
     #[test]
@@ -335,7 +350,8 @@ mod tests {
             &HeaderMap::new(),
             bad.as_bytes(),
             &call,
-            &policy()
+            &policy(),
+            &Keyer::unkeyed(),
         )
         .is_err());
     }

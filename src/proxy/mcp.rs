@@ -54,7 +54,7 @@ impl Proxy {
             *labels = (t.upstream.label, Class::Deny.as_str());
             let e = ProxyError::ForeignOrigin(why);
             tracing::info!(error = %e, upstream = t.upstream.label, "refused an MCP request");
-            let principal = identity::principal(req.headers(), t.policy);
+            let principal = identity::principal(req.headers(), t.policy, &self.keyer);
             let path = || t.rest.to_string();
             self.note_problem(&e, t.upstream, req.method(), path, &principal, None);
             let mut resp = answer::invalid(&e, None);
@@ -85,7 +85,7 @@ impl Proxy {
         }
         let (parts, body) = req.into_parts();
         let (body, held) = self.buffer(&parts.headers, body).await?;
-        let principal = identity::principal(&parts.headers, t.policy);
+        let principal = identity::principal(&parts.headers, t.policy, &self.keyer);
         // A refused message or a problem about a call, in the write log (SPEC §11).
         let note = |e: &ProxyError, tool: Option<&str>| {
             let path = || t.rest.to_string();
@@ -163,7 +163,7 @@ impl Proxy {
                 path: call.name.clone(),
             })),
             Class::Write => {
-                let tool_principal = identity::principal(&parts.headers, policy);
+                let tool_principal = identity::principal(&parts.headers, policy, &self.keyer);
                 let id = mcp::identity::identify(
                     &t.upstream.name,
                     &tool_principal,
@@ -171,6 +171,7 @@ impl Proxy {
                     &body,
                     &call,
                     policy,
+                    &self.keyer,
                 );
                 let identity = match id {
                     Ok(id) => id,

@@ -24,7 +24,6 @@ use http::{Method, Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -116,6 +115,8 @@ pub struct Proxy {
     pub(crate) clock: Clock,
     /// This process's identity as the owner of in-flight claims.
     pub(crate) owner: String,
+    /// The store's secret, which keys principals, fingerprints and body digests (SPEC §13).
+    pub(crate) keyer: crate::identity::Keyer,
     waiters: Waiters,
     /// Attempts running in their own tasks; drained on shutdown.
     attempts: TaskTracker,
@@ -210,6 +211,11 @@ impl Proxy {
         metrics: Arc<Metrics>,
         clock: Clock,
     ) -> Result<Proxy, String> {
+        if !store.keyer().is_keyed() {
+            tracing::warn!(
+                "store: made before stores had a secret, so the principals, fingerprints and body digests it keeps are plain SHA-256, against which a reader of its write log can test a guessed body or credential; a new store keys them (docs/operations.md, \"A store without a secret\")"
+            );
+        }
         Ok(Proxy {
             clock,
             upstreams: Arc::new(Upstreams::new(&config)?),
@@ -217,6 +223,7 @@ impl Proxy {
             redactor: Redactor::new(&config),
             owner: format!("{}-{:08x}", std::process::id(), rand::random::<u32>()),
             config,
+            keyer: store.keyer(),
             store,
             waiters: Waiters::default(),
             attempts: TaskTracker::new(),
@@ -329,7 +336,7 @@ impl Proxy {
         // is computed once, for the action's identity and for the log).
         let method = req.method().clone();
         let query = req.uri().query().map(str::to_string);
-        let principal = identity::principal(req.headers(), target.policy);
+        let principal = identity::principal(req.headers(), target.policy, &self.keyer);
         let result = match target.class {
             Class::Deny => Err(ProxyError::RouteDenied {
                 method: method.to_string(),

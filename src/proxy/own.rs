@@ -34,7 +34,9 @@ impl Proxy {
                     .upstreams
                     .iter()
                     .find(|u| u.name == r.upstream)
-                    .is_some_and(|u| identity::principal(req.headers(), &u.policy) == r.principal)
+                    .is_some_and(|u| {
+                        identity::principal(req.headers(), &u.policy, &self.keyer) == r.principal
+                    })
             })
             .map(task_entry)
             .collect();

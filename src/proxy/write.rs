@@ -82,6 +82,7 @@ impl Proxy {
                 headers: &parts.headers,
                 body: &body,
                 principal,
+                keyer: &self.keyer,
             },
             t.policy,
         )
@@ -193,7 +194,7 @@ impl Proxy {
                 headers: self.redactor.headers(&job.headers),
                 headers_dropped: 0,
                 body_size: job.body.len() as u64,
-                body_sha256: crate::identity::hex(&Sha256::digest(&job.body)),
+                body_sha256: self.keyer.body(&job.body),
             },
             ..Record::new(id.action_id.clone(), id.fingerprint.clone())
         }

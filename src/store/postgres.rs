@@ -223,6 +223,8 @@ pub struct PostgresStore {
     head: Arc<std::sync::Mutex<Option<Head>>>,
     /// Where this proxy records the last head it saw ([`history`]).
     seen: Option<Arc<Seen>>,
+    /// The store's secret (SPEC §13), shared by every proxy of the database.
+    keyer: crate::identity::Keyer,
 }
 
 /// This proxy's record of the last write-log head it saw of the database.
@@ -392,10 +394,12 @@ impl PostgresStore {
             flush_latency: options.flush_latency,
             head: Arc::default(),
             seen: None,
+            keyer: crate::identity::Keyer::unkeyed(),
         };
         store.migrate().await?;
         store.check_key().await?;
         let now = store.check_history().await?;
+        store.keyer = store.secret().await?;
         let id = store.store_id().await?;
         if let Some(file) = seen_file {
             store.check_seen(&file, &id, &now).await?;
@@ -793,6 +797,10 @@ impl Store for PostgresStore {
                 .map_err(db)?;
             Ok((r.get::<_, i64>(0) as u64, r.get(1)))
         })
+    }
+
+    fn keyer(&self) -> crate::identity::Keyer {
+        self.keyer.clone()
     }
 
     fn counts(&self) -> BoxFuture<'_, Result<Vec<(State, u64)>, StoreError>> {

@@ -919,6 +919,9 @@ mod faulty {
         ) -> BoxFuture<'_, Result<Record, StoreError>> {
             self.inner.resolve(id, r, e)
         }
+        fn keyer(&self) -> oncegate::identity::Keyer {
+            self.inner.keyer()
+        }
         fn note(&self, e: LogEvent) {
             self.inner.note(e)
         }

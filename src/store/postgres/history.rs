@@ -92,6 +92,32 @@ impl PostgresStore {
         Ok(String::from_utf8_lossy(&v).into_owned())
     }
 
+    /// The store's secret ([`crate::store::secret`]): read, or made by the first proxy that
+    /// opens a database with no history (no write-log entry, no action). A database with history
+    /// and no secret was made before stores had one: unkeyed.
+    pub(super) async fn secret(&self) -> Result<crate::identity::Keyer, StoreError> {
+        let c = self.pool.get().await.map_err(pool_err)?;
+        let made =
+            crate::store::secret::stored(&crate::store::secret::draw(), self.sealer.as_deref());
+        c.execute(
+            "INSERT INTO oncegate_meta (key, value)
+             SELECT 'secret', $1
+             WHERE (SELECT seq FROM oncegate_log_head WHERE id = 1) = 0
+               AND NOT EXISTS (SELECT 1 FROM oncegate_actions)
+             ON CONFLICT (key) DO NOTHING",
+            &[&made],
+        )
+        .await
+        .map_err(db)?;
+        let v: Option<Vec<u8>> = c
+            .query_opt("SELECT value FROM oncegate_meta WHERE key = 'secret'", &[])
+            .await
+            .map_err(db)?
+            .map(|r| r.get(0));
+        crate::store::secret::keyer(v.as_deref(), self.sealer.as_deref())
+            .map_err(|e| unavailable(format!("the database's store secret: {e}")))
+    }
+
     /// Compares the database (store `id`, at `head`) with what this proxy last saw of it in
     /// `file`, then records `head` there as seen.
     pub(super) async fn check_seen(

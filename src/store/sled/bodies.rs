@@ -22,13 +22,15 @@ impl SledStore {
     }
 
     /// Writes a large body as a content-addressed file: write, fsync, rename, fsync the folder.
-    /// Named by the plain body's SHA-256; with a sealer the file holds the sealed body.
+    /// Named by `name`, the plain body's digest under the store's secret (so that a file's name
+    /// does not let a reader test a guessed body); with a sealer the file holds the sealed body.
     pub(super) fn write_body_file(
         dir: PathBuf,
+        name: String,
         body: Bytes,
         sealer: Option<Arc<Sealer>>,
     ) -> std::io::Result<String> {
-        let sha = crate::identity::hex(&Sha256::digest(&body));
+        let sha = name;
         let body = seal_opt(sealer.as_deref(), &body);
         let bodies = dir.join("bodies");
         let path = bodies.join(&sha);
@@ -52,14 +54,16 @@ impl SledStore {
         if b.len() > INLINE_BODY_MAX {
             // Announced before the file is written and until its record is committed, so that
             // the sweeper never removes a body file a settlement is about to point at.
-            let sha = crate::identity::hex(&Sha256::digest(b));
+            let sha = self.keyer.body(b);
             self.placing(&sha, 1);
             let (dir, bytes, sealer) = (self.dir.clone(), b.clone(), self.sealer.clone());
-            let written =
-                tokio::task::spawn_blocking(move || Self::write_body_file(dir, bytes, sealer))
-                    .await
-                    .map_err(unavailable)
-                    .and_then(|r| r.map_err(unavailable));
+            let name = sha.clone();
+            let written = tokio::task::spawn_blocking(move || {
+                Self::write_body_file(dir, name, bytes, sealer)
+            })
+            .await
+            .map_err(unavailable)
+            .and_then(|r| r.map_err(unavailable));
             if let Err(e) = written {
                 self.placing(&sha, -1);
                 return Err(e);

@@ -60,7 +60,6 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
 use bytes::Bytes;
-use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 
 use super::files::{self, fsync_dir};
@@ -173,6 +172,8 @@ pub struct SledStore {
     shared: Arc<Shared>,
     /// Seals stored heads and bodies (`store.encrypt_key_env`).
     sealer: Option<Arc<Sealer>>,
+    /// The store's secret: names body files, and keys what the proxy writes (SPEC §13).
+    keyer: crate::identity::Keyer,
 }
 
 /// sled as the store configures it at `dir` (public for the benches' `sled alone` floor).
@@ -485,6 +486,10 @@ impl Store for SledStore {
         let (id, owner) = (id.to_string(), owner.to_string());
         let until = now.saturating_add(lease);
         Box::pin(self.call(move |tx| Op::Renew(id, owner, until, tx)))
+    }
+
+    fn keyer(&self) -> crate::identity::Keyer {
+        self.keyer.clone()
     }
 
     fn counts(&self) -> BoxFuture<'_, Result<Vec<(State, u64)>, StoreError>> {

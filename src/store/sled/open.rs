@@ -29,6 +29,30 @@ pub(super) fn check_key(db: &sled::Db, sealer: Option<&Sealer>) -> Result<(), St
     }
 }
 
+/// Where the store keeps its secret ([`crate::store::secret`]).
+pub(super) const SECRET: &[u8] = b"m/secret";
+
+/// The store's secret: read, or made for a store with no history (no write-log entry, nothing
+/// replayed). A store with history and no secret was made before stores had one: unkeyed.
+fn open_secret(
+    db: &sled::Db,
+    seen: &history::Seen,
+    sealer: Option<&Sealer>,
+) -> Result<crate::identity::Keyer, String> {
+    let mut value = db
+        .get(SECRET)
+        .map_err(|e| format!("read the store's secret: {e}"))?;
+    if value.is_none() && seen.log_seq == 0 && seen.replayed == 0 {
+        let made = crate::store::secret::stored(&crate::store::secret::draw(), sealer);
+        db.insert(SECRET, made.as_slice())
+            .map_err(|e| format!("write the store's secret: {e}"))?;
+        db.flush()
+            .map_err(|e| format!("flush the store's secret: {e}"))?;
+        value = Some(made.into());
+    }
+    crate::store::secret::keyer(value.as_deref(), sealer)
+}
+
 /// How long an open waits for sled's file lock before it reports the folder as in use.
 pub(super) const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -222,9 +246,11 @@ impl SledStore {
             log_hash,
         };
         history::check(dir, &db, &seen).map_err(StoreError::Unavailable)?;
-        check_key(&db, options.sealer.as_deref()).map_err(|e| {
-            StoreError::Unavailable(format!("cannot open the store at {}: {e}", dir.display()))
-        })?;
+        let keyer = check_key(&db, options.sealer.as_deref())
+            .and_then(|()| open_secret(&db, &seen, options.sealer.as_deref()))
+            .map_err(|e| {
+                StoreError::Unavailable(format!("cannot open the store at {}: {e}", dir.display()))
+            })?;
         let buckets =
             Buckets::open(&db).map_err(|e| fail("read the pointer buckets' secret", &e))?;
         migrate_indexes(&db, &buckets).map_err(|e| fail("build the expiry index", &e))?;
@@ -357,6 +383,7 @@ impl SledStore {
             cache,
             placing,
             sealer: options.sealer,
+            keyer,
             space: super::super::space::Space::new(dir.to_owned(), options.reserve),
         })
     }
