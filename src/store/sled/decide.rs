@@ -5,10 +5,17 @@ use super::*;
 
 impl Writer {
     /// One step of expiry: the due entries of the expiry index after `from`, until they list
-    /// [`EXPIRE_STEP`] actions. The index is read from sled: the first step waits until sled
-    /// holds every change so far. Of each entry's actions, those due expire if their record
-    /// still expires then (one that moved on since, or went, is left out); the entry goes, or,
-    /// for what is not yet due, is put again under its earliest expiry.
+    /// [`EXPIRE_STEP`] actions. The index is read from sled, which may lack the last batches
+    /// (the drainer applies them behind the writer). Entries are written once, by the batch
+    /// that settled their actions, and changed only by expiry, so what sled lacks is entries not
+    /// yet due (an action expires a retention after it settled; the drainer is seconds behind at
+    /// most) and a previous sweep's own changes, which a second pass repeats to the same effect
+    /// (records are read through the writer's view, so an action expired is gone). Only when a
+    /// batch sled lacks holds a record already due (a clock moved on, a drainer stalled) does
+    /// the first step wait until sled holds every change: a wait a sweep under load would
+    /// otherwise make every write behind it share. Of each entry's actions, those due expire if
+    /// their record still expires then (one that moved on since, or went, is left out); the
+    /// entry goes, or, for what is not yet due, is put again under its earliest expiry.
     pub(super) fn expire_step(
         &mut self,
         pending: &mut Pending,
@@ -18,7 +25,13 @@ impl Writer {
         let start = match from {
             Some(k) => k,
             None => {
-                self.settle_down().map_err(unavailable)?;
+                let due_unapplied = self.unapplied.values().any(|(_, r, _)| {
+                    r.as_ref()
+                        .is_some_and(|r| r.expires_at.is_some_and(|at| at <= now))
+                });
+                if due_unapplied {
+                    self.settle_down().map_err(unavailable)?;
+                }
                 EXPIRY_PREFIX.to_vec()
             }
         };

@@ -134,8 +134,10 @@ pub(super) fn task_key(task: &str, id: &str) -> Vec<u8> {
 /// that, rekeyed at open); the sweeper reads those too. Keyed by time, nearly every new entry
 /// goes at the end, where sled's newest leaves are.
 pub(super) const EXPIRY_PREFIX: &[u8] = b"e/";
-/// Actions one step of expiry reads at most: the writer's pause between batches.
-pub(super) const EXPIRE_STEP: usize = 2_048;
+/// Actions one step of expiry reads at most: the writer's pause between batches, so that a
+/// write that arrives during a sweep waits for one step, not the sweep (a step of 256 takes
+/// about 3 ms of the writer's time; bench/results-soak.md).
+pub(super) const EXPIRE_STEP: usize = 256;
 
 /// Actions and when each expires, as an expiry index entry lists them.
 pub(super) type Expiring = Vec<(Millis, String)>;
