@@ -112,6 +112,22 @@ impl<'o> Object<'o> {
         }
     }
 
+    /// `null` for `None`, or nothing at all when `skip_none`.
+    pub fn maybe_str(&mut self, key: &'static str, value: Option<&str>, skip_none: bool) -> &mut Self {
+        match value {
+            None if skip_none => self,
+            v => self.opt_str(key, v),
+        }
+    }
+
+    /// `null` for `None`, or nothing at all when `skip_none`.
+    pub fn maybe_num(&mut self, key: &'static str, value: Option<u64>, skip_none: bool) -> &mut Self {
+        match value {
+            None if skip_none => self,
+            v => self.opt_num(key, v),
+        }
+    }
+
     pub fn num(&mut self, key: &'static str, value: u64) -> &mut Self {
         let mut digits = itoa::Buffer::new();
         let text = digits.format(value).as_bytes();

@@ -90,20 +90,43 @@ lookup = { path = "/v1/lookup/{key}", found = "/id" }"#;
     ] {
         assert!(events.contains(ev), "no {ev} entry in {events:?}");
     }
+    // Every entry has the fields every entry needs and none outside the list; no `null`s. An
+    // intent (and a conflict or a rejection: requests that are not the action's) describes the
+    // request; the action's later entries name the action and its principal, and the chain
+    // binds them to their intent.
+    let described = ["upstream", "method", "path", "key", "fingerprint"];
     for e in &entries {
         let obj = e.as_object().unwrap();
-        for f in FIELDS {
-            assert!(obj.contains_key(*f), "entry lacks {f}: {e}");
+        for f in ["seq", "ts", "event", "actor", "alg", "prev", "hash"] {
+            assert!(obj.contains_key(f), "entry lacks {f}: {e}");
         }
-        assert_eq!(obj.len(), FIELDS.len(), "unexpected fields in {e}");
+        for (k, v) in obj {
+            assert!(FIELDS.contains(&k.as_str()), "unexpected field {k} in {e}");
+            assert!(!v.is_null(), "{k} is null in {e}");
+        }
+        let describes = ["intent", "conflict", "rejected"].contains(&e["event"].as_str().unwrap());
+        for f in described {
+            if describes && e["event"] != "rejected" {
+                assert!(obj.contains_key(f), "{} lacks {f}: {e}", e["event"]);
+            } else if !describes {
+                assert!(!obj.contains_key(f), "{} repeats {f}: {e}", e["event"]);
+            }
+        }
+        if e["event"] != "rejected" {
+            assert!(obj.contains_key("action") && obj.contains_key("principal"), "{e}");
+        }
     }
     let outcome = entries.iter().find(|e| e["event"] == "outcome").unwrap();
     assert_eq!(outcome["status"], 201);
     assert_eq!(outcome["outcome"], "applied");
     assert_eq!(outcome["external_id"], "ch_1");
-    assert_eq!(outcome["task"], "t-9");
-    assert_eq!(outcome["step"], "charge");
     assert_eq!(outcome["actor"], "proxy");
+    let intent = entries
+        .iter()
+        .find(|e| e["event"] == "intent" && e["action"] == outcome["action"])
+        .unwrap();
+    assert_eq!(intent["task"], "t-9");
+    assert_eq!(intent["step"], "charge");
     let resolved = entries.iter().find(|e| e["event"] == "resolved").unwrap();
     assert_eq!(resolved["actor"], "admin");
     assert_eq!(resolved["detail"], "seen in the ledger");
@@ -201,7 +224,7 @@ async fn tampering_with_an_export_is_found_at_the_right_entry() {
     assert_eq!(v["entries"], 12);
 
     let mut flipped = lines.clone();
-    flipped[2] = flipped[2].replacen("\"POST\"", "\"PUT\"", 1);
+    flipped[2] = flipped[2].replacen("\"applied\"", "\"not-applied\"", 1);
     assert_ne!(flipped[2], lines[2]);
     let (ok, v) = verify_file(&write(tmp.path(), "flipped", &flipped), &[], &[]);
     assert!(!ok);
@@ -489,10 +512,17 @@ async fn after_a_sigkill_under_load_the_log_verifies_and_every_received_write_wa
             "",
         )
         .await;
-    let sent: HashSet<String> = lines(&log.body)
+    // A sent entry names its action; the action's intent says its key.
+    let entries = lines(&log.body);
+    let keys: std::collections::HashMap<&str, &str> = entries
+        .iter()
+        .filter(|e| e["event"] == "intent")
+        .map(|e| (e["action"].as_str().unwrap(), e["key"].as_str().unwrap()))
+        .collect();
+    let sent: HashSet<String> = entries
         .iter()
         .filter(|e| e["event"] == "sent")
-        .map(|e| e["key"].as_str().unwrap().to_string())
+        .map(|e| keys[e["action"].as_str().unwrap()].to_string())
         .collect();
     let received = up.received();
     assert!(received.len() >= 60);

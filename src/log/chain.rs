@@ -29,13 +29,17 @@ impl std::fmt::Debug for Chain {
     }
 }
 
-/// An entry without its hash, as the chain hashes it: every field, keys sorted, no white space
-/// (serde_json's compact form of this struct, which is what the chain has always hashed).
+/// An entry without its hash, as the chain hashes it: keys sorted, no white space, the fields it
+/// has (serde_json's compact form of this struct with `None` members left out). Entries written
+/// before issue 59 wrote every field, `null` for those they lacked, and were hashed so
+/// (`compact: false`); a verifier takes an entry in either form ([`Chain::matches`]).
 /// Written by [`Canon::line`] member by member, in this declared order, without the serializer:
 /// this runs three times for every write and for every entry verified. Tests hold it to
 /// serde_json's bytes.
 #[cfg_attr(test, derive(Serialize))]
 struct Canon<'a> {
+    #[cfg_attr(test, serde(skip))]
+    compact: bool,
     action: Option<&'a str>,
     actor: Actor,
     #[cfg_attr(test, serde(skip_serializing_if = "Option::is_none"))]
@@ -66,30 +70,31 @@ impl Canon<'_> {
         // Sized for an entry with its hash appended (about 600 bytes), so that neither grows it.
         let mut line = Vec::with_capacity(1024);
         let mut o = Object::new(&mut line);
-        o.opt_str("action", self.action)
+        let c = self.compact;
+        o.maybe_str("action", self.action, c)
             .str("actor", self.actor.as_str());
         if let Some(alg) = self.alg {
             o.str("alg", alg);
         }
-        o.opt_num("attempt", self.attempt.map(u64::from))
-            .opt_str("detail", self.detail)
+        o.maybe_num("attempt", self.attempt.map(u64::from), c)
+            .maybe_str("detail", self.detail, c)
             .str("event", self.event.as_str())
-            .opt_str("external_id", self.external_id)
-            .opt_str("fingerprint", self.fingerprint)
-            .opt_str("key", self.key)
-            .opt_str("method", self.method)
-            .opt_str("outcome", self.outcome)
-            .opt_str("path", self.path)
+            .maybe_str("external_id", self.external_id, c)
+            .maybe_str("fingerprint", self.fingerprint, c)
+            .maybe_str("key", self.key, c)
+            .maybe_str("method", self.method, c)
+            .maybe_str("outcome", self.outcome, c)
+            .maybe_str("path", self.path, c)
             .str("prev", self.prev)
-            .opt_str("principal", self.principal)
+            .maybe_str("principal", self.principal, c)
             .num("seq", self.seq)
-            .opt_num("status", self.status.map(u64::from))
-            .opt_str("step", self.step)
-            .opt_str("task", self.task);
+            .maybe_num("status", self.status.map(u64::from), c)
+            .maybe_str("step", self.step, c)
+            .maybe_str("task", self.task, c);
         if let Some(tool) = self.tool {
             o.str("tool", tool);
         }
-        o.str("ts", self.ts).opt_str("upstream", self.upstream);
+        o.str("ts", self.ts).maybe_str("upstream", self.upstream, c);
         o.end();
         line
     }
@@ -107,9 +112,11 @@ impl Chain {
         self.key.is_some()
     }
 
-    /// The canonical JSON of an entry without its hash ([`Canon`]).
-    fn canonical(e: &Entry) -> Vec<u8> {
+    /// The canonical JSON of an entry without its hash ([`Canon`]), in the compact form new
+    /// entries are hashed in, or the full form of entries written before it.
+    fn canonical(e: &Entry, compact: bool) -> Vec<u8> {
         Canon {
+            compact,
             action: e.action.as_deref(),
             actor: e.actor,
             alg: e.alg.as_deref(),
@@ -144,8 +151,17 @@ impl Chain {
         }
     }
 
+    /// The hash of `e` as a new entry is hashed (compact).
     pub fn hash(&self, e: &Entry) -> String {
-        self.hash_canonical(&e.prev, &Self::canonical(e))
+        self.hash_canonical(&e.prev, &Self::canonical(e, true))
+    }
+
+    /// Whether `e.hash` is the hash of `e`, in the compact form new entries are hashed in or in
+    /// the full form of entries written before it. Either is a function of the entry's fields
+    /// alone, so no edit passes as the other form.
+    pub fn matches(&self, e: &Entry) -> bool {
+        self.hash(e) == e.hash
+            || self.hash_canonical(&e.prev, &Self::canonical(e, false)) == e.hash
     }
 
     fn hash_canonical(&self, prev: &str, body: &[u8]) -> String {
@@ -169,7 +185,7 @@ impl Chain {
     /// appended (one serialization for both hashing and storing).
     pub fn seal_line(&self, ev: LogEvent, head: (u64, &str), now: Millis) -> (Entry, Vec<u8>) {
         let mut e = self.unsealed(ev, head, now);
-        let mut line = Self::canonical(&e);
+        let mut line = Self::canonical(&e, true);
         e.hash = self.hash_canonical(&e.prev, &line);
         append_hash(&mut line, &e.hash);
         (e, line)
@@ -188,7 +204,13 @@ impl Chain {
         let r = ev.record;
         let seq = head.0 + 1;
         let ts = rfc3339(now);
+        let described = ev.event.describes();
+        fn says(described: bool, v: Option<&str>) -> Option<&str> {
+            v.filter(|_| described)
+        }
+        let says = |v| says(described, v);
         let mut line = Canon {
+            compact: true,
             action: Some(&r.id),
             actor: ev.actor,
             alg: Some(self.alg()),
@@ -196,20 +218,20 @@ impl Chain {
             detail: ev.detail.as_deref(),
             event: ev.event,
             external_id: r.external_id.as_deref(),
-            fingerprint: Some(&r.fingerprint),
-            key: Some(&r.key),
-            method: Some(&r.method),
+            fingerprint: says(Some(&r.fingerprint)),
+            key: says(Some(&r.key)),
+            method: says(Some(&r.method)),
             outcome: ev.outcome,
-            path: Some(&r.path),
+            path: says(Some(&r.path)),
             prev: head.1,
             principal: Some(principal_short(&r.principal)),
             seq,
             status: ev.status,
-            step: r.step.as_deref(),
-            task: r.task.as_deref(),
-            tool: r.tool.as_deref(),
+            step: says(r.step.as_deref()),
+            task: says(r.task.as_deref()),
+            tool: says(r.tool.as_deref()),
             ts: &ts,
-            upstream: Some(&r.upstream),
+            upstream: says(Some(&r.upstream)),
         }
         .line();
         let hash = self.hash_canonical(head.1, &line);
@@ -225,26 +247,28 @@ impl Chain {
     }
 
     fn unsealed(&self, ev: LogEvent, head: (u64, &str), now: Millis) -> Entry {
+        let described = ev.event.describes();
+        let says = |v: Option<String>| v.filter(|_| described);
         Entry {
             seq: head.0 + 1,
             ts: rfc3339(now),
             event: ev.event,
             action: ev.action,
-            upstream: ev.upstream,
-            method: ev.method,
-            path: ev.path,
+            upstream: says(ev.upstream),
+            method: says(ev.method),
+            path: says(ev.path),
             principal: ev.principal,
-            key: ev.key,
-            task: ev.task,
-            step: ev.step,
+            key: says(ev.key),
+            task: says(ev.task),
+            step: says(ev.step),
             attempt: ev.attempt,
             status: ev.status,
             outcome: ev.outcome,
             external_id: ev.external_id,
-            fingerprint: ev.fingerprint,
+            fingerprint: says(ev.fingerprint),
             actor: ev.actor,
             detail: ev.detail,
-            tool: ev.tool,
+            tool: says(ev.tool),
             alg: Some(self.alg().to_string()),
             prev: head.1.to_string(),
             hash: String::new(),
@@ -275,9 +299,43 @@ mod tests {
         let mut v = serde_json::to_value(&e).expect("serializes");
         v.as_object_mut().expect("object").remove("hash");
         assert_eq!(
-            Chain::canonical(&e),
+            Chain::canonical(&e, true),
             serde_json::to_vec(&v).expect("serializes")
         );
+    }
+
+    /// Entries written before issue 59 carried every field, `null` for those they lacked, and
+    /// were hashed so: they still verify, and an edit of one fails in either form.
+    #[test]
+    fn an_entry_in_the_full_form_of_before_still_verifies() {
+        let c = Chain::default();
+        let ev = LogEvent::bare(Event::Outcome, Actor::Proxy).detail("d");
+        let mut e = c.seal(ev, (0, GENESIS), 5);
+        let full = Chain::canonical(&e, false);
+        assert!(String::from_utf8_lossy(&full).contains("\"key\":null"));
+        e.hash = c.hash_canonical(&e.prev, &full);
+        assert!(c.matches(&e));
+        e.detail = Some("edited".into());
+        assert!(!c.matches(&e));
+        e.detail = None;
+        assert!(!c.matches(&e), "a field made null is an edit too");
+    }
+
+    /// A write's later entries name its action and principal; its intent describes the request.
+    #[test]
+    fn only_an_intent_describes_the_request() {
+        let c = Chain::default();
+        let mut ev = LogEvent::bare(Event::Intent, Actor::Proxy);
+        ev.key = Some("k".into());
+        ev.path = Some("/v1/charges".into());
+        ev.principal = Some("p".into());
+        let (intent, _) = c.seal_line(ev.clone(), (0, GENESIS), 1);
+        assert_eq!(intent.key.as_deref(), Some("k"));
+        ev.event = Event::Sent;
+        let (sent, line) = c.seal_line(ev, (1, &intent.hash), 2);
+        assert_eq!((sent.key, sent.path), (None, None));
+        assert_eq!(sent.principal.as_deref(), Some("p"));
+        assert!(!String::from_utf8_lossy(&line).contains("null"));
     }
 
     /// Every event and actor, each optional member absent and present, strings that need
@@ -312,6 +370,7 @@ mod tests {
             for full in [false, true] {
                 let some = |v: &'static str| full.then_some(v);
                 let c = Canon {
+                    compact: false,
                     action: some("act-1"),
                     actor,
                     alg: some(ALG_HMAC),
@@ -338,6 +397,17 @@ mod tests {
                     String::from_utf8(c.line()).expect("UTF-8"),
                     serde_json::to_string(&c).expect("serializes"),
                     "{event:?} full={full}"
+                );
+                // Compact: the same with the `null` members left out.
+                let mut v = serde_json::to_value(&c).expect("serializes");
+                v.as_object_mut()
+                    .expect("object")
+                    .retain(|_, m| !m.is_null());
+                let compact = Canon { compact: true, ..c };
+                assert_eq!(
+                    String::from_utf8(compact.line()).expect("UTF-8"),
+                    serde_json::to_string(&v).expect("serializes"),
+                    "{event:?} full={full}, compact"
                 );
             }
         }

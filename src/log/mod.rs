@@ -42,6 +42,14 @@ pub enum Actor {
 }
 
 impl Event {
+    /// Whether an entry of this event describes its request (upstream, method, path, key, task,
+    /// step, fingerprint, tool): an `intent`, and the entries of requests that are not the
+    /// action's (`conflict`, `rejected`). The action's later entries name it and its principal
+    /// only; the chain binds them to its intent (issue 59: a write's entries took 1.7 KB).
+    pub fn describes(self) -> bool {
+        matches!(self, Event::Intent | Event::Conflict | Event::Rejected)
+    }
+
     /// The name an entry carries (its serde name).
     pub fn as_str(self) -> &'static str {
         match self {
@@ -216,20 +224,34 @@ pub struct Entry {
     pub seq: u64,
     pub ts: String,
     pub event: Event,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub action: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub method: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub principal: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempt: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outcome: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub external_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fingerprint: Option<String>,
     pub actor: Actor,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
     /// The MCP tool a `tools/call` named (SPEC §14.5); absent for HTTP writes, and in entries
     /// written before it existed (which hash as they always did).
@@ -281,7 +303,7 @@ where
             }
         };
         n += 1;
-        if e.seq != want_seq || e.prev != prev || chain.hash(&e) != e.hash {
+        if e.seq != want_seq || e.prev != prev || !chain.matches(&e) {
             first_bad = Some(want_seq.min(e.seq));
             reason = match e.alg.as_deref() {
                 Some(ALG_HMAC) if !chain.keyed() => Some(format!(
