@@ -226,14 +226,15 @@ async fn a_log_edited_in_the_database_shows_red_from_the_first_bad_entry() {
         )
         .await;
     }
-    // Someone with write access to the table makes entry 3 say another amount's path.
+    // Someone with write access to the table makes entry 4 (the second write's intent) say
+    // another path.
     let (client, conn) = tokio_postgres::connect(&db, tokio_postgres::NoTls)
         .await
         .unwrap();
     tokio::spawn(conn);
     let n = client
         .execute(
-            "UPDATE oncegate_log SET entry = replace(entry, '/v1/charges', '/v1/refunds') WHERE seq = 3",
+            "UPDATE oncegate_log SET entry = replace(entry, '/v1/charges', '/v1/refunds') WHERE seq = 4",
             &[],
         )
         .await
@@ -242,13 +243,13 @@ async fn a_log_edited_in_the_database_shows_red_from_the_first_bad_entry() {
     let saw = drive(&node, &proxy, "--verify-only", None).await;
     let verdict = saw["verify"].as_str().unwrap();
     assert!(
-        verdict.contains("does NOT verify") && verdict.contains("seq 3"),
+        verdict.contains("does NOT verify") && verdict.contains("seq 4"),
         "{saw}"
     );
-    assert_eq!(saw["first_bad_row"], "3", "{saw}");
+    assert_eq!(saw["first_bad_row"], "4", "{saw}");
     assert!(
-        saw["bad_rows"].as_u64().unwrap() >= 4,
-        "entries 3 onward are marked: {saw}"
+        saw["bad_rows"].as_u64().unwrap() >= 3,
+        "entries 4 onward are marked: {saw}"
     );
     proxy.stop().await;
 }

@@ -491,6 +491,10 @@ async function log(params) {
   const verdict = h("div", { id: "verify", "aria-live": "polite" });
   let bad = null;
   const rows = h("div", {});
+  // An action's later entries name it only: their request is its intent's, when on this page.
+  const described = (e) => (e.tool ? "tools/call " + e.tool : e.method ? e.method + " " + (e.path || "") : "");
+  const requests = {};
+  for (const e of entries) if (e.event === "intent" && e.action) requests[e.action] = described(e);
   const drawRows = () =>
     rows.replaceChildren(
       table(
@@ -500,7 +504,7 @@ async function log(params) {
           e.ts,
           e.event,
           e.action ? h("a", { href: "#/actions/" + e.action, class: "mono" }, e.action.slice(0, 12) + "…") : "-",
-          e.tool ? "tools/call " + e.tool : (e.method || "") + " " + (e.path || ""),
+          described(e) || (e.action && requests[e.action]) || "",
           e.outcome || "",
           e.actor,
           e.detail || "",
