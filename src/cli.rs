@@ -353,7 +353,18 @@ pub fn log_verify_file(
     hmac_key: Option<Vec<u8>>,
     expect_head: Option<&str>,
 ) -> Result<(bool, String), String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // A folder is an archive (`oncegate log archive`): its files in name order are one chain.
+    let text = if path.is_dir() {
+        let mut all = String::new();
+        for f in crate::archive::files(path)? {
+            all.push_str(
+                &std::fs::read_to_string(&f).map_err(|e| format!("{}: {e}", f.display()))?,
+            );
+        }
+        all
+    } else {
+        std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?
+    };
     let entries = parse_export(&text);
     let anchor = match entries.first() {
         Some(Ok(e)) if e.seq != 1 => Some((e.seq, e.prev.clone())),

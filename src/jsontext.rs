@@ -113,7 +113,12 @@ impl<'o> Object<'o> {
     }
 
     /// `null` for `None`, or nothing at all when `skip_none`.
-    pub fn maybe_str(&mut self, key: &'static str, value: Option<&str>, skip_none: bool) -> &mut Self {
+    pub fn maybe_str(
+        &mut self,
+        key: &'static str,
+        value: Option<&str>,
+        skip_none: bool,
+    ) -> &mut Self {
         match value {
             None if skip_none => self,
             v => self.opt_str(key, v),
@@ -121,7 +126,12 @@ impl<'o> Object<'o> {
     }
 
     /// `null` for `None`, or nothing at all when `skip_none`.
-    pub fn maybe_num(&mut self, key: &'static str, value: Option<u64>, skip_none: bool) -> &mut Self {
+    pub fn maybe_num(
+        &mut self,
+        key: &'static str,
+        value: Option<u64>,
+        skip_none: bool,
+    ) -> &mut Self {
         match value {
             None if skip_none => self,
             v => self.opt_num(key, v),

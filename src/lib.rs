@@ -22,7 +22,8 @@
 //! - [`redact`]: the one place secrets are removed.
 //! - [`lookup`]: status lookups that settle unknown actions, in the foreground and background.
 //! - [`admin`]: the admin API; [`metrics`] the one registry it serves.
-//! - [`cli`]: the operator commands; [`demo`] the narrated scenario of `oncegate demo`.
+//! - [`cli`]: the operator commands; [`archive`] ships the write log off the volume; [`demo`]
+//!   the narrated scenario of `oncegate demo`.
 //! - [`error`]: the one error type and its mapping to problem responses.
 //! - [`framing`]: the request-smuggling guard under HTTP/1 connections.
 //! - [`server`]: accept loop, HTTP/1 + HTTP/2, TLS, header timeout, graceful drain.
@@ -30,6 +31,7 @@
 
 pub mod action;
 pub mod admin;
+pub mod archive;
 pub mod canonical;
 pub mod cli;
 pub mod config;

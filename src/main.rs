@@ -154,7 +154,14 @@ enum LogCommand {
         #[arg(long)]
         out: Option<PathBuf>,
     },
-    /// Verify the chain: the live log through the admin API, or an export with --file.
+    /// Append the entries after the last one archived in --dir to a new file there (the chain
+    /// continues across the files; `log verify --file DIR` checks them as one).
+    Archive {
+        #[arg(long)]
+        dir: PathBuf,
+    },
+    /// Verify the chain: the live log through the admin API, or an export (a file, or an
+    /// archive's folder) with --file.
     Verify {
         #[arg(long)]
         file: Option<PathBuf>,
@@ -284,6 +291,7 @@ fn main() -> ExitCode {
                         };
                         cli::log_verify_file(&file, key, expect_head.as_deref())
                     }
+                    LogCommand::Archive { dir } => oncegate::archive::archive(&c, &dir).await,
                     LogCommand::Verify { file: None, .. } => cli::log_verify_remote(&c).await,
                 }
             })

@@ -1,7 +1,7 @@
 //! The store: where actions live durably (SPEC §13). One trait, implemented by the embedded sled
 //! store ([`sled::SledStore`]); every method returns only after its change is durable.
 
-mod files;
+pub(crate) mod files;
 pub mod history;
 pub mod logfiles;
 pub mod postgres;

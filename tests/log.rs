@@ -113,7 +113,10 @@ lookup = { path = "/v1/lookup/{key}", found = "/id" }"#;
             }
         }
         if e["event"] != "rejected" {
-            assert!(obj.contains_key("action") && obj.contains_key("principal"), "{e}");
+            assert!(
+                obj.contains_key("action") && obj.contains_key("principal"),
+                "{e}"
+            );
         }
     }
     let outcome = entries.iter().find(|e| e["event"] == "outcome").unwrap();

@@ -160,8 +160,7 @@ impl Chain {
     /// the full form of entries written before it. Either is a function of the entry's fields
     /// alone, so no edit passes as the other form.
     pub fn matches(&self, e: &Entry) -> bool {
-        self.hash(e) == e.hash
-            || self.hash_canonical(&e.prev, &Self::canonical(e, false)) == e.hash
+        self.hash(e) == e.hash || self.hash_canonical(&e.prev, &Self::canonical(e, false)) == e.hash
     }
 
     fn hash_canonical(&self, prev: &str, body: &[u8]) -> String {
