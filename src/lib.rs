@@ -330,9 +330,14 @@ pub async fn run(
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
+                let started = std::time::Instant::now();
                 match store.expire(clock()).await {
                     Ok(0) => {}
-                    Ok(n) => tracing::info!(expired = n, "expired actions deleted"),
+                    Ok(n) => tracing::info!(
+                        expired = n,
+                        ms = started.elapsed().as_millis() as u64,
+                        "expired actions deleted"
+                    ),
                     Err(e) => tracing::warn!(error = %e, "sweeper"),
                 }
             }
