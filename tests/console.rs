@@ -194,6 +194,25 @@ async fn drive(node: &str, proxy: &TestProxy, what: &str, second: Option<&str>) 
     saw
 }
 
+/// A proxy started with no admin token (the README's run command) refuses every token: the
+/// sign-in screen says so and what to do, not "refused", and shows no navigation.
+#[tokio::test]
+#[ignore = "needs Chromium (ONCEGATE_CHROMIUM) and playwright-core (ONCEGATE_CONSOLE_NODE)"]
+async fn with_no_token_set_the_sign_in_says_how_to_set_one() {
+    let node = console_node();
+    let up = FakeUpstream::start().await;
+    let cfg = oncegate::config::Config::parse(&config(&up.url(), "")).unwrap();
+    let proxy = TestProxy::start_fresh(cfg, None, oncegate::action::system_clock()).await;
+    let saw = drive(&node, &proxy, "--locked", None).await;
+    let said = saw["locked"].as_str().unwrap();
+    assert!(
+        said.contains("no token is set") && said.contains("ONCEGATE_ADMIN_TOKEN"),
+        "{saw}"
+    );
+    assert_eq!(saw["nav_hidden"], true, "{saw}");
+    proxy.stop().await;
+}
+
 /// An entry edited in the database (PostgreSQL: anyone with write access to the table) shows red
 /// in the console, from the first bad entry on.
 #[tokio::test]

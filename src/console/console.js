@@ -46,8 +46,13 @@ async function api(path, opts = {}) {
   });
   if (r.status === 401) {
     sessionStorage.removeItem(TOKEN);
+    // A proxy with no token set refuses every token: say so, as the API does.
+    let detail = "";
+    try {
+      detail = (await r.json()).detail || "";
+    } catch (_) {}
     route();
-    throw new ApiError("the token was refused");
+    throw new ApiError(detail.startsWith("the admin API is locked") ? detail : "the token was refused");
   }
   const type = r.headers.get("content-type") || "";
   if (!r.ok) {
@@ -127,7 +132,7 @@ function login(message) {
           location.hash = "#/actions";
           route();
         } catch (e) {
-          login("That token was refused.");
+          login(e.message.startsWith("the admin API is locked") ? "The " + e.message.slice(4) + "." : "That token was refused.");
         }
       },
     },

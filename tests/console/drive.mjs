@@ -31,6 +31,17 @@ try {
 
   await page.goto(base + "/");
   await page.waitForSelector("#login");
+  if (unknownId === "--locked") {
+    // The README's run command sets no token: whatever is typed, the page says what to do.
+    out.nav_hidden = await page.locator("nav").isHidden();
+    await page.fill("#token", "anything");
+    expect401 = true;
+    await page.click("#login button[type=submit]");
+    await page.waitForSelector("#login [role=alert]");
+    out.locked = await page.textContent("#login [role=alert]");
+    await shot("9-locked");
+    throw null;
+  }
   if (unknownId === "--verify-only") {
     // An auditor checks a log someone edited in the database.
     await page.fill("#token", token);
