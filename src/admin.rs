@@ -457,7 +457,18 @@ impl Admin {
 
     async fn show(&self, id: &str) -> Response<ProxyBody> {
         match self.record(id).await {
-            Ok(r) => json_response(StatusCode::OK, &record_view(&r, &self.proxy.redactor)),
+            Ok(r) => {
+                let mut v = record_view(&r, &self.proxy.redactor);
+                // Whether `POST …/lookup` can ask the service (the console offers it only then).
+                v["lookup"] = json!(self
+                    .proxy
+                    .config
+                    .upstreams
+                    .iter()
+                    .find(|u| u.name == r.upstream)
+                    .is_some_and(|up| lookup::policy_for(up, &r).lookup.is_some()));
+                json_response(StatusCode::OK, &v)
+            }
             Err(resp) => resp,
         }
     }

@@ -92,6 +92,14 @@ async fn an_operator_settles_an_unknown_write_and_the_log_shows_it_in_a_browser(
         "{saw}"
     );
     assert_eq!(saw["reason_required"], true, "{saw}");
+    // No lookup on this route: none offered. On a phone the decision is first (a review found
+    // it ~1,800 px down) and the id takes a line or two of the heading (it took seven).
+    assert_eq!(saw["lookup_offered"], 0, "{saw}");
+    assert!(saw["phone_settle_top"].as_f64().unwrap() < 250.0, "{saw}");
+    assert!(
+        saw["phone_heading_height"].as_f64().unwrap() < 100.0,
+        "{saw}"
+    );
     // The write-log entry the resolve made, as the page showed it.
     let entry = &saw["entry"];
     assert_eq!(entry["event"], "resolved", "{saw}");

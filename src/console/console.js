@@ -331,7 +331,7 @@ async function action(id) {
       {},
       h("h2", {}, "Request (redacted)"),
       kv([
-        ["body", a.request.body_size + " bytes, SHA-256 " + a.request.body_sha256],
+        ["body", a.request.body_size + " bytes, digest " + a.request.body_sha256 + " (keyed with the store's secret)"],
       ]),
       table(["header", "value"], (a.request.headers || []).map(([k, v]) => [k, h("span", { class: "mono" }, v)])),
     ),
@@ -373,13 +373,18 @@ async function action(id) {
     const reason = h("textarea", { id: "reason", rows: 2, required: true, minlength: 3 });
     const outcome = h("select", { id: "outcome" }, h("option", { value: "applied" }, "applied: it happened"), h("option", { value: "not-applied" }, "not applied: it did not happen"));
     const ext = h("input", { id: "external", placeholder: "optional" });
-    parts.push(
+    // The decision first: on a phone the evidence below runs long.
+    parts.splice(
+      1,
+      0,
       h(
         "section",
         { id: "settle" },
         h("h2", {}, "Settle this action"),
         h("p", { class: "muted" }, "Nothing is sent for this action until it is settled. Ask the service first; settle by hand only with what the service says."),
-        h(
+        !a.lookup
+          ? h("p", { class: "muted" }, "No status lookup is configured for this route: settle it with what the service says.")
+          : h(
           "p",
           {},
           h(

@@ -75,7 +75,16 @@ try {
   await page.click(`#unknown a[href="#/actions/${unknownId}"]`);
   await page.waitForSelector("#settle");
   out.evidence = await page.textContent("main");
+  out.lookup_offered = await page.locator("#lookup").count();
   await shot("3-unknown-action");
+  // At a phone's width the decision comes first, and the id does not wrap down the screen.
+  await page.setViewportSize({ width: 390, height: 844 });
+  await page.reload();
+  await page.waitForSelector("#settle");
+  out.phone_settle_top = (await page.locator("#settle").boundingBox()).y;
+  out.phone_heading_height = (await page.locator("main h1").boundingBox()).height;
+  await shot("3-phone-unknown-action");
+  await page.setViewportSize({ width: 1280, height: 900 });
 
   // A reason is required.
   await page.click("#resolve button[type=submit]");
