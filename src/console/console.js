@@ -331,7 +331,7 @@ async function action(id) {
       {},
       h("h2", {}, "Request (redacted)"),
       kv([
-        ["body", a.request.body_size + " bytes, digest " + a.request.body_sha256 + " (keyed with the store's secret)"],
+        ["body", a.request.body_size + " bytes, digest " + a.request.body_sha256],
       ]),
       table(["header", "value"], (a.request.headers || []).map(([k, v]) => [k, h("span", { class: "mono" }, v)])),
     ),
