@@ -245,11 +245,7 @@ fn quantile(sorted: &[u64], q: f64) -> f64 {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let out = args
-        .iter()
-        .position(|a| a == "--out")
-        .and_then(|i| args.get(i + 1))
-        .map(PathBuf::from);
+    let out = load::out_arg(&args);
     let env_f = |k: &str, d: f64| {
         std::env::var(k)
             .ok()

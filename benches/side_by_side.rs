@@ -870,11 +870,7 @@ fn main() {
     }
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
-    let out = args
-        .iter()
-        .position(|a| a == "--out")
-        .and_then(|i| args.get(i + 1))
-        .map(PathBuf::from);
+    let out = load::out_arg(&args);
     // `BENCH_SECS` lengthens each run (for profiling memory growth).
     let secs = std::env::var("BENCH_SECS")
         .ok()

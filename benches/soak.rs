@@ -21,7 +21,7 @@ mod proc;
 
 use std::net::SocketAddr;
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -286,11 +286,7 @@ fn svg(windows: &[Window], secs_each: f64, rps: &[f64], expiry_at: f64) -> Strin
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let out = args
-        .iter()
-        .position(|a| a == "--out")
-        .and_then(|i| args.get(i + 1))
-        .map(PathBuf::from);
+    let out = load::out_arg(&args);
     let secs: u64 = env_or("SOAK_SECS", "600").parse().unwrap();
     let window = Duration::from_secs(env_or("SOAK_WINDOW", "30").parse().unwrap());
     let retention = env_or("SOAK_RETENTION", "2m");

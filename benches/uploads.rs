@@ -17,7 +17,6 @@ mod proc;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -213,11 +212,7 @@ url = "http://{upstream}"
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let out_path = args
-        .iter()
-        .position(|a| a == "--out")
-        .and_then(|i| args.get(i + 1))
-        .map(PathBuf::from);
+    let out_path = load::out_arg(&args);
     let env_n = |k: &str, d: usize| {
         std::env::var(k)
             .ok()

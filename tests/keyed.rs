@@ -74,6 +74,17 @@ async fn write_both(proxy: &TestProxy) -> String {
     a.header("oncegate-action").unwrap().to_string()
 }
 
+/// The anonymous write of [`BODY`] again (a keyless retry), through `proxy`.
+async fn again(proxy: &TestProxy) -> support::Resp {
+    TestClient::default()
+        .post(
+            &proxy.url("/pay/v1/charges"),
+            &[("content-type", "application/json")],
+            BODY,
+        )
+        .await
+}
+
 /// Everything a reader of the write log and the admin API sees of the store's actions.
 async fn what_a_reader_sees(proxy: &TestProxy, id: &str) -> String {
     let log = proxy.admin("GET", "/v1/log?after=0&limit=100", "").await;
@@ -107,13 +118,7 @@ async fn the_write_log_lets_no_guess_of_a_body_or_a_credential_be_tested() {
 
     // The secret is the store's: after a restart the same write is the same action, replayed.
     let proxy = TestProxy::start_in(&config(&up.url(), ""), &dir).await;
-    let again = TestClient::default()
-        .post(
-            &proxy.url("/pay/v1/charges"),
-            &[("content-type", "application/json")],
-            BODY,
-        )
-        .await;
+    let again = again(&proxy).await;
     assert_eq!(again.header("oncegate-outcome"), Some("replayed"));
     assert_eq!(again.header("oncegate-action"), Some(id.as_str()));
     assert_eq!(up.count(), 2, "each write sent once");
@@ -222,13 +227,7 @@ async fn a_store_made_before_stores_had_a_secret_keeps_its_plain_values() {
     proxy.stop().await;
     let proxy = TestProxy::start_in(&config(&up.url(), ""), &dir).await;
     assert!(!proxy.store.keyer().is_keyed(), "no secret drawn later");
-    let again = TestClient::default()
-        .post(
-            &proxy.url("/pay/v1/charges"),
-            &[("content-type", "application/json")],
-            BODY,
-        )
-        .await;
+    let again = again(&proxy).await;
     assert_eq!(again.header("oncegate-outcome"), Some("replayed"));
     assert_eq!(up.count(), 3);
     proxy.stop().await;
@@ -257,13 +256,7 @@ async fn a_fleet_shares_its_databases_secret() {
     let a = TestProxy::start_with_store(&config(&up.url(), ""), a, tmp.path()).await;
     let b = TestProxy::start_with_store(&config(&up.url(), ""), b, tmp.path()).await;
     let id = write_both(&a).await;
-    let again = TestClient::default()
-        .post(
-            &b.url("/pay/v1/charges"),
-            &[("content-type", "application/json")],
-            BODY,
-        )
-        .await;
+    let again = again(&b).await;
     assert_eq!(again.header("oncegate-outcome"), Some("replayed"));
     assert_eq!(again.header("oncegate-action"), Some(id.as_str()));
     assert_eq!(up.count(), 2);

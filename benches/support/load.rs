@@ -16,6 +16,14 @@ use hyper_util::rt::TokioIo;
 
 use super::proc;
 
+/// `--out PATH` on the bench's command line: where its report goes.
+pub fn out_arg(args: &[String]) -> Option<std::path::PathBuf> {
+    args.iter()
+        .position(|a| a == "--out")
+        .and_then(|i| args.get(i + 1))
+        .map(std::path::PathBuf::from)
+}
+
 /// What the upstream answers.
 pub const BODY: &str = r#"{"id":"obj_123","object":"charge","amount":500,"ok":true}"#;
 
