@@ -142,6 +142,10 @@ const LOG_BLOCK_MAX: usize = 64 * 1024;
 /// 10–50 MiB higher at the same throughput (docs/decisions.md, "sled's page cache, halved").
 const SLED_CACHE: u64 = 8 << 20;
 const ANCHOR_KEY: &[u8] = b"m/log_anchor";
+/// A sweep's pause after each step, in multiples of what the step took.
+const EXPIRE_PACE: u32 = 3;
+/// The longest pause between a sweep's steps.
+const EXPIRE_PAUSE_MAX: std::time::Duration = std::time::Duration::from_millis(100);
 /// Audit-only log entries and lease renewals are made durable within this.
 const LAZY_FLUSH: std::time::Duration = std::time::Duration::from_millis(100);
 /// Audit-only log entries (notes: `replayed`, `conflict`, …) wait at most this long, or until
@@ -586,15 +590,22 @@ impl Store for SledStore {
 
     fn expire(&self, now: Millis) -> BoxFuture<'_, Result<usize, StoreError>> {
         Box::pin(async move {
-            // In steps, each a batch of its own, so that writes go on between them.
+            // In steps, each a batch of its own, so that writes go on between them; after each,
+            // a pause of [`EXPIRE_PACE`] times what the step took, so that a sweep takes at most
+            // a quarter of the writer's time while it runs, instead of all of it in a burst
+            // (bench/results-soak.md: an expired action costs the writer about as much as a
+            // write, its pages cold in sled's cache).
             let (mut total, mut from) = (0, None);
             loop {
+                let started = std::time::Instant::now();
                 let (n, next) = self.call(move |tx| Op::Expire(now, from, tx)).await?;
                 total += n;
                 match next {
                     Some(k) => from = Some(k),
                     None => return Ok(total),
                 }
+                let pause = started.elapsed().saturating_mul(EXPIRE_PACE);
+                tokio::time::sleep(pause.min(EXPIRE_PAUSE_MAX)).await;
             }
         })
     }
