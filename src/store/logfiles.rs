@@ -359,6 +359,17 @@ impl LogFiles {
     /// Removes whole segments whose every entry is older than `cutoff` (RFC 3339), never the
     /// newest. The anchor moves first, so the log always verifies from its first kept entry.
     pub fn prune(&mut self, cutoff: &str) -> Result<usize, String> {
+        let files = self.cut(cutoff)?;
+        remove(&files);
+        Ok(files.len())
+    }
+
+    /// [`LogFiles::prune`] but for the files' removal: records where the log now starts (the
+    /// anchor, durably) and takes the files out of those this log reads, and returns them for
+    /// the caller to remove with [`remove`] once it no longer holds the log (unlinking 64 MiB
+    /// files would hold up every append meanwhile). A crash before they go leaves them behind the
+    /// anchor, as a crash between the anchor and the unlinks always could.
+    pub fn cut(&mut self, cutoff: &str) -> Result<Vec<PathBuf>, String> {
         let mut drop = 0;
         // A segment's entries are no newer than the next segment's first one.
         for (i, next) in self.segments.iter().enumerate().skip(1) {
@@ -368,15 +379,16 @@ impl LogFiles {
             }
         }
         if drop == 0 {
-            return Ok(0);
+            return Ok(Vec::new());
         }
         let kept = self.dir.join(segment_name(self.segments[drop]));
         let e = first_entry(&kept)?.ok_or("the first kept write log file is empty")?;
         self.set_anchor(e.seq, &e.prev)?;
-        for first in self.segments.drain(..drop) {
-            let _ = std::fs::remove_file(self.dir.join(segment_name(first)));
-        }
-        Ok(drop)
+        Ok(self
+            .segments
+            .drain(..drop)
+            .map(|first| self.dir.join(segment_name(first)))
+            .collect())
     }
 
     /// Where a pruned log starts: the first kept entry's `(seq, prev)`.
@@ -387,6 +399,13 @@ impl LogFiles {
     /// Sets the anchor (a log carried over from an older store).
     pub fn set_anchor(&self, seq: u64, prev: &str) -> Result<(), String> {
         write_anchor(&self.dir, seq, prev).map_err(|e| format!("write the write log anchor: {e}"))
+    }
+}
+
+/// Removes log files [`LogFiles::cut`] took out.
+pub fn remove(files: &[PathBuf]) {
+    for f in files {
+        let _ = std::fs::remove_file(f);
     }
 }
 

@@ -98,7 +98,6 @@ impl Writer {
             }
         }
         let Some(mut next) = last.filter(|_| listed >= EXPIRE_STEP) else {
-            self.prune_log(now).map_err(unavailable)?;
             return Ok((n, None));
         };
         next.push(0);
@@ -317,25 +316,6 @@ impl Writer {
     /// Drops log entries older than `log.retention`, whole files at a time, keeping the chain
     /// verifiable from the first kept entry (the anchor). Entries still on their way to the
     /// files are newer than any file, which is never the newest.
-    pub(super) fn prune_log(&self, now: Millis) -> Result<(), StoreError> {
-        let Some(keep) = self.log_retention else {
-            return Ok(());
-        };
-        let cutoff = crate::action::rfc3339(now.saturating_sub(keep.as_millis() as u64));
-        let dropped = self
-            .shared
-            .logfiles()?
-            .prune(&cutoff)
-            .map_err(unavailable)?;
-        if dropped > 0 {
-            tracing::info!(
-                files = dropped,
-                "write log: pruned files past the retention"
-            );
-        }
-        Ok(())
-    }
-
     /// The next version of record `id`, made by `next` from the current one, with the stored
     /// body its value carries: `body` (sealed) when the change brings one, else the one the
     /// current version carries on. Returns the current version too.

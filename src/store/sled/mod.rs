@@ -178,6 +178,8 @@ pub struct SledStore {
     sealer: Option<Arc<Sealer>>,
     /// The store's secret: names body files, and keys what the proxy writes (SPEC §13).
     keyer: crate::identity::Keyer,
+    /// `log.retention`: write-log files older than this are pruned after each sweep.
+    log_retention: Option<std::time::Duration>,
 }
 
 /// sled as the store configures it at `dir` (public for the benches' `sled alone` floor).
@@ -310,6 +312,33 @@ impl SledStore {
         }
         // `call` counts until the answer is in.
         rx.await.map_err(|_| unavailable("store writer stopped"))?
+    }
+}
+
+impl SledStore {
+    /// Prunes the write log's files past `log.retention` (after a sweep), on a blocking thread:
+    /// the anchor is written and the files taken out under the log's lock, and removed after it,
+    /// so that neither the writer nor the drainer's appends wait for the unlinks.
+    async fn prune_log(&self, now: Millis) -> Result<(), StoreError> {
+        let Some(keep) = self.log_retention else {
+            return Ok(());
+        };
+        let cutoff = crate::action::rfc3339(now.saturating_sub(keep.as_millis() as u64));
+        let shared = self.shared.clone();
+        let dropped = tokio::task::spawn_blocking(move || {
+            let files = shared.logfiles()?.cut(&cutoff).map_err(unavailable)?;
+            crate::store::logfiles::remove(&files);
+            Ok::<_, StoreError>(files.len())
+        })
+        .await
+        .map_err(unavailable)??;
+        if dropped > 0 {
+            tracing::info!(
+                files = dropped,
+                "write log: pruned files past the retention"
+            );
+        }
+        Ok(())
     }
 }
 
@@ -602,7 +631,10 @@ impl Store for SledStore {
                 total += n;
                 match next {
                     Some(k) => from = Some(k),
-                    None => return Ok(total),
+                    None => {
+                        self.prune_log(now).await?;
+                        return Ok(total);
+                    }
                 }
                 let pause = started.elapsed().saturating_mul(EXPIRE_PACE);
                 tokio::time::sleep(pause.min(EXPIRE_PAUSE_MAX)).await;

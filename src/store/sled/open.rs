@@ -348,7 +348,6 @@ impl SledStore {
                 .unwrap_or(wal::CHECKPOINT_BYTES),
             chain: options.chain.clone(),
             head,
-            log_retention: options.log_retention,
             notes_due: None,
             counts,
             saved_counts: kept.then_some(counts),
@@ -384,6 +383,7 @@ impl SledStore {
             placing,
             sealer: options.sealer,
             keyer,
+            log_retention: options.log_retention,
             space: super::super::space::Space::new(dir.to_owned(), options.reserve),
         })
     }

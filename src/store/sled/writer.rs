@@ -42,7 +42,6 @@ pub(super) struct Writer {
     pub(super) chain: Chain,
     /// `(seq, hash)` of the last log entry staged.
     pub(super) head: (u64, String),
-    pub(super) log_retention: Option<std::time::Duration>,
     /// When buffered notes are written at the latest.
     pub(super) notes_due: Option<Instant>,
     /// Actions per state as the batches staged so far leave them; readers see them once the
