@@ -167,14 +167,10 @@ impl Hasher {
     }
 }
 
+/// SHA-256 over length-prefixed parts (so that no two different part lists hash alike): what
+/// is derived from values already keyed (a derived key, the twin key, the action id).
 pub(crate) fn sha256_parts(parts: &[&[u8]]) -> [u8; 32] {
-    let mut h = Sha256::new();
-    for p in parts {
-        // Length-prefix each part so that no two different part lists hash alike.
-        h.update((p.len() as u64).to_be_bytes());
-        h.update(p);
-    }
-    h.finalize().into()
+    Keyer::unkeyed().parts(parts)
 }
 
 pub(crate) fn hex32(d: &[u8; 32]) -> String {

@@ -356,18 +356,11 @@ impl LogFiles {
         })
     }
 
-    /// Removes whole segments whose every entry is older than `cutoff` (RFC 3339), never the
-    /// newest. The anchor moves first, so the log always verifies from its first kept entry.
-    pub fn prune(&mut self, cutoff: &str) -> Result<usize, String> {
-        let files = self.cut(cutoff)?;
-        remove(&files);
-        Ok(files.len())
-    }
-
-    /// [`LogFiles::prune`] but for the files' removal: records where the log now starts (the
-    /// anchor, durably) and takes the files out of those this log reads, and returns them for
-    /// the caller to remove with [`remove`] once it no longer holds the log (unlinking 64 MiB
-    /// files would hold up every append meanwhile). A crash before they go leaves them behind the
+    /// Prunes whole segments whose every entry is older than `cutoff` (RFC 3339), never the
+    /// newest: records where the log now starts (the anchor, durably, first, so the log always
+    /// verifies from its first kept entry) and takes the files out of those this log reads, and
+    /// returns them for the caller to remove with [`remove`] once it no longer holds the log
+    /// (unlinking 64 MiB files would hold up every append meanwhile). A crash before they go leaves them behind the
     /// anchor, as a crash between the anchor and the unlinks always could.
     pub fn cut(&mut self, cutoff: &str) -> Result<Vec<PathBuf>, String> {
         let mut drop = 0;
