@@ -497,7 +497,7 @@ fn report(
          so more proxies cannot add throughput here: the two- and four-proxy rows show that \
          proxies sharing one database do not contend (no lock held across a fleet's writes), \
          not how a fleet scales on more machines. Each proxy commits its requests' claims and \
-         settlements in batches, one transaction a batch (SPEC §13), so PostgreSQL's \
+         settlements in batches, one transaction a batch, so PostgreSQL's \
          transactions per write fall as load rises."
     )
     .unwrap();
