@@ -60,6 +60,7 @@ fn fresh() -> Record {
             headers_dropped: 0,
             body_size: 42,
             body_sha256: "e".repeat(64),
+            body: Some("amount=4200&currency=usd&customer=cus_123&source=tok_x".into()),
         },
         ..Record::new(
             format!("{:032x}", u128::from(i) * 0x9E37_79B9_7F4A_7C15),

@@ -166,6 +166,10 @@ pub struct RequestInfo {
     pub headers_dropped: u32,
     pub body_size: u64,
     pub body_sha256: String,
+    /// The body itself, redacted, when it is a small JSON or form body
+    /// ([`crate::redact::Redactor::body`]): what an operator checks at the service.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body: Option<String>,
 }
 
 /// One logical write, as stored.
@@ -373,4 +377,14 @@ pub enum KeySource {
     TaskStep,
     /// The request's own fingerprint.
     Fingerprint,
+}
+
+impl KeySource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeySource::Header => "header",
+            KeySource::TaskStep => "task-step",
+            KeySource::Fingerprint => "fingerprint",
+        }
+    }
 }

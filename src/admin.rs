@@ -149,10 +149,24 @@ pub fn record_view(r: &Record, redactor: &crate::redact::Redactor) -> Value {
     // The client's own key when it was not the action's (SPEC §4.1): evidence.
     v["client_key"] = json!(r.client_key);
     v["twin_guard"] = json!(r.twin);
+    // The kept body, redacted again by today's rules (a name added to `log.redact_query` since
+    // the write applies to it too).
+    let content_type = r
+        .request
+        .headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+        .map(|(_, v)| v.as_bytes());
+    let body = r
+        .request
+        .body
+        .as_deref()
+        .and_then(|b| redactor.body(content_type, b.as_bytes()));
     v["request"] = json!({
         "headers": r.request.headers,
         "body_size": r.request.body_size,
         "body_sha256": r.request.body_sha256,
+        "body": body,
     });
     v["evidence"] = evidence_json(r);
     v["response"] = match &r.response {
@@ -459,6 +473,13 @@ impl Admin {
         match self.record(id).await {
             Ok(r) => {
                 let mut v = record_view(&r, &self.proxy.redactor);
+                let route = (self.proxy.config.upstreams.iter())
+                    .find(|u| u.name == r.upstream && r.tool.is_none())
+                    .map(|up| lookup::policy_for(up, &r));
+                // What the fingerprint leaves out of the body: shown beside it, so an operator
+                // knows which differences a retry may carry.
+                v["request"]["fingerprint_ignore"] =
+                    json!(route.map_or(&[][..], |p| &p.fingerprint_ignore[..]));
                 // Whether `POST …/lookup` can ask the service (the console offers it only then).
                 v["lookup"] = json!(self
                     .proxy
@@ -680,7 +701,8 @@ impl Admin {
         r
     }
 
-    /// `GET /v1/overview`: actions by state, and the unknown ones waiting longest (oldest first).
+    /// `GET /v1/overview`: actions by state, the unknown ones waiting longest (oldest first),
+    /// and the last hour by minute (writes by outcome, unknown actions waiting).
     async fn overview(&self) -> Response<ProxyBody> {
         let counts = match self.proxy.store.counts().await {
             Ok(c) => c,
@@ -694,6 +716,9 @@ impl Admin {
             Ok(rs) => rs,
             Err(e) => return store_problem(e),
         };
+        let unknown_now = counts.iter().find(|(s, _)| *s == State::Unknown);
+        let minutes = &self.proxy.metrics.minutes;
+        minutes.waiting(unknown_now.map_or(0, |(_, n)| *n));
         let by_state: serde_json::Map<String, Value> = counts
             .into_iter()
             .map(|(s, n)| (s.as_str().to_string(), json!(n)))
@@ -710,7 +735,12 @@ impl Admin {
         let head = self.proxy.store.log_head().await.map(|(seq, _)| seq).ok();
         json_response(
             StatusCode::OK,
-            &json!({"actions": by_state, "unknown_oldest": waiting, "log_head_seq": head}),
+            &json!({
+                "actions": by_state,
+                "unknown_oldest": waiting,
+                "log_head_seq": head,
+                "minutes": minutes_json(&minutes.last_hour()),
+            }),
         )
     }
 
@@ -729,4 +759,22 @@ impl Admin {
             Err(e) => store_problem(e),
         }
     }
+}
+
+/// The last hour for the console's chart: a minute's start (Unix seconds), its writes by the
+/// chart's kinds, and the most unknown actions seen waiting in it (`null`: not sampled).
+fn minutes_json(hour: &[crate::minutes::Minute]) -> Value {
+    let rows: Vec<Value> = hour
+        .iter()
+        .map(|m| {
+            let mut o = serde_json::Map::new();
+            o.insert("at".into(), json!(m.at));
+            for (k, n) in crate::minutes::KINDS.iter().zip(m.writes) {
+                o.insert((*k).into(), json!(n));
+            }
+            o.insert("unknown_waiting".into(), json!(m.unknown_waiting));
+            Value::Object(o)
+        })
+        .collect();
+    Value::Array(rows)
 }

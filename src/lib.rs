@@ -21,7 +21,8 @@
 //! - [`log`]: the hash-chained write log: entries, hashing, verification.
 //! - [`redact`]: the one place secrets are removed.
 //! - [`lookup`]: status lookups that settle unknown actions, in the foreground and background.
-//! - [`admin`]: the admin API; [`metrics`] the one registry it serves.
+//! - [`admin`]: the admin API; [`metrics`] the one registry it serves; [`minutes`] the last
+//!   hour by minute, for the console.
 //! - [`cli`]: the operator commands; [`archive`] ships the write log off the volume; [`demo`]
 //!   the narrated scenario of `oncegate demo`.
 //! - [`error`]: the one error type and its mapping to problem responses.
@@ -46,12 +47,14 @@ pub mod log;
 pub mod lookup;
 pub mod mcp;
 pub mod metrics;
+pub mod minutes;
 pub mod proxy;
 pub mod redact;
 pub mod replay;
 pub mod route;
 pub mod server;
 pub mod store;
+pub mod telemetry;
 pub mod upstream;
 
 use std::future::Future;
@@ -66,7 +69,7 @@ pub(crate) type FastSet<T> = std::collections::HashSet<T, foldhash::fast::Random
 
 use tokio::net::TcpListener;
 
-use crate::action::Clock;
+use crate::action::{Clock, State};
 use crate::config::{Config, StoreConfig};
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
@@ -343,6 +346,20 @@ pub async fn run(
             }
         })
     };
+    // The unknown actions waiting, sampled for the console's chart (the counts are kept by
+    // the store, not counted, so a sample costs a read of them).
+    let sampler = {
+        let (store, metrics) = (store.clone(), metrics.clone());
+        tokio::spawn(async move {
+            loop {
+                if let Ok(counts) = store.counts().await {
+                    let unknown = counts.iter().find(|(s, _)| *s == State::Unknown);
+                    metrics.minutes.waiting(unknown.map_or(0, |(_, n)| *n));
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(15)).await;
+            }
+        })
+    };
     let timers = tokio::spawn(keep_timers_near());
     let admin_task = listeners.admin.map(|l| {
         if let Ok(addr) = l.local_addr() {
@@ -399,6 +416,7 @@ pub async fn run(
     let _ = stop_tx.send(true);
     background.abort();
     sweeper.abort();
+    sampler.abort();
     timers.abort();
     // Actions whose clients left still run in their own tasks: give them the rest of the drain.
     proxy.attempts().close();

@@ -15,6 +15,9 @@ use oncegate::cli::{self, AdminClient, ListArgs};
 use oncegate::config::Config;
 use oncegate::metrics::Metrics;
 use oncegate::route::Class;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::Layer;
 
 /// Exit code for a configuration error (EX_USAGE).
 const EXIT_CONFIG: u8 = 64;
@@ -181,14 +184,12 @@ fn main() -> ExitCode {
         Some(Command::Demo) => "warn",
         _ => "info",
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    // `run` sets its logging up once its config is read: spans may go to a collector too.
+    if !matches!(cli.command, None | Some(Command::Run)) {
+        tracing_subscriber::registry()
+            .with(log_layer(default_filter))
+            .init();
+    }
     match cli.command.unwrap_or(Command::Run) {
         Command::Check => match load(&cli.config) {
             Ok(config) => {
@@ -465,11 +466,60 @@ fn routing_table(c: &Config) -> String {
     out
 }
 
+/// Log lines on standard error, filtered by `RUST_LOG` (default: `default_filter`).
+fn log_layer<S>(default_filter: &str) -> impl tracing_subscriber::Layer<S>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
+        )
+}
+
 fn run(config: Config) -> ExitCode {
     let rt = match runtime(true) {
         Ok(rt) => rt,
         Err(code) => return code,
     };
+    // Spans to a collector when `[telemetry] otlp_endpoint` is set; its exporter runs on the
+    // runtime.
+    let telemetry = match &config.telemetry.otlp_endpoint {
+        None => {
+            tracing_subscriber::registry()
+                .with(log_layer("info"))
+                .init();
+            None
+        }
+        Some(endpoint) => {
+            let _entered = rt.enter();
+            match oncegate::telemetry::layer(&config.telemetry, endpoint) {
+                Ok((spans, telemetry)) => {
+                    tracing_subscriber::registry()
+                        .with(log_layer("info"))
+                        .with(spans)
+                        .init();
+                    Some(telemetry)
+                }
+                Err(e) => {
+                    eprintln!("oncegate: config: {e}");
+                    return ExitCode::from(EXIT_CONFIG);
+                }
+            }
+        }
+    };
+    let code = serve(&rt, config);
+    if let Some(t) = telemetry {
+        let _entered = rt.enter();
+        t.shutdown();
+    }
+    code
+}
+
+fn serve(rt: &tokio::runtime::Runtime, config: Config) -> ExitCode {
     let metrics = Arc::new(Metrics::new());
     let options = match oncegate::store_options(&config, &metrics) {
         Ok(o) => o,

@@ -8,6 +8,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use crate::minutes::Minutes;
+
 /// Label values are `&'static str` so that counting a request allocates nothing: classes and
 /// outcomes are constants, and upstream names are interned once (see [`intern`]).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -70,6 +72,8 @@ pub struct Metrics {
     write_phases: [Histogram; 3],
     pub lookups: Family<ResultLabels, Counter>,
     pub log_head: Gauge,
+    /// The last hour by minute, for the console's chart.
+    pub minutes: Minutes,
 }
 
 impl Default for Metrics {
@@ -129,10 +133,14 @@ impl Metrics {
             write_phases,
             lookups,
             log_head,
+            minutes: Minutes::default(),
         }
     }
 
     pub fn request(&self, upstream: &'static str, class: &'static str, outcome: &'static str) {
+        if class == "write" {
+            self.minutes.write(outcome);
+        }
         self.requests
             .get_or_create(&RequestLabels {
                 upstream,

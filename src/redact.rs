@@ -12,6 +12,29 @@ type HashSet<T> = crate::FastSet<T>;
 
 pub const REDACTED: &str = "REDACTED";
 
+/// The largest request body a record keeps to show (larger ones: their size and hash only).
+pub const BODY_KEPT_MAX: usize = 16 * 1024;
+
+/// The bodies whose fields redaction can find.
+enum BodyKind {
+    Json,
+    Form,
+}
+
+impl BodyKind {
+    fn of(content_type: &[u8]) -> Option<BodyKind> {
+        let ct = std::str::from_utf8(content_type).ok()?;
+        let essence = ct.split(';').next()?.trim().to_ascii_lowercase();
+        if essence == "application/json" || essence.ends_with("+json") {
+            Some(BodyKind::Json)
+        } else if essence == "application/x-www-form-urlencoded" {
+            Some(BodyKind::Form)
+        } else {
+            None
+        }
+    }
+}
+
 /// Header values as strings, byte for byte: each byte is one char (Latin-1), so any header value
 /// survives a round trip through JSON.
 pub fn latin1(bytes: &[u8]) -> String {
@@ -103,6 +126,47 @@ impl Redactor {
             .join("&")
     }
 
+    /// A request body as the record keeps it to show an operator (what to look for at the
+    /// service): a JSON or form body of at most [`BODY_KEPT_MAX`] bytes, the values of fields
+    /// named like a secret query parameter (`log.redact_query`, at any depth) replaced by
+    /// `REDACTED`. Any other body is not kept (`None`): its structure does not say where a
+    /// secret is. Most bodies name no such field and are kept as they came, unparsed.
+    pub fn body(&self, content_type: Option<&[u8]>, body: &[u8]) -> Option<String> {
+        if body.is_empty() || body.len() > BODY_KEPT_MAX {
+            return None;
+        }
+        let kind = BodyKind::of(content_type?)?;
+        let text = std::str::from_utf8(body).ok()?;
+        let lower = text.to_ascii_lowercase();
+        if !self.query.iter().any(|name| lower.contains(name.as_str())) {
+            return Some(text.to_string());
+        }
+        match kind {
+            BodyKind::Json => {
+                let mut v: serde_json::Value = serde_json::from_str(text).ok()?;
+                self.redact_json(&mut v);
+                Some(v.to_string())
+            }
+            BodyKind::Form => Some(self.query(text)),
+        }
+    }
+
+    fn redact_json(&self, v: &mut serde_json::Value) {
+        match v {
+            serde_json::Value::Object(map) => {
+                for (k, v) in map.iter_mut() {
+                    if self.query.contains(&k.to_ascii_lowercase()) {
+                        *v = serde_json::Value::String(REDACTED.into());
+                    } else {
+                        self.redact_json(v);
+                    }
+                }
+            }
+            serde_json::Value::Array(items) => items.iter_mut().for_each(|v| self.redact_json(v)),
+            _ => {}
+        }
+    }
+
     /// `{rest}` plus the redacted query, as stored and shown.
     pub fn path(&self, rest: &str, query: Option<&str>) -> String {
         let rest = if rest.is_empty() { "/" } else { rest };
@@ -136,6 +200,45 @@ mod tests {
         let out = format!("{:?}", r.headers(&h));
         assert!(!out.contains("s3cr3t") && !out.contains("agent-7"), "{out}");
         assert!(out.contains("text/plain"));
+    }
+
+    #[test]
+    fn a_kept_body_has_its_secret_fields_redacted_and_other_bodies_are_not_kept() {
+        let c = Config::parse(
+            "[server]\n[[upstreams]]\nname='a'\nprefix='/a'\nurl='http://127.0.0.1:1'\n",
+        )
+        .expect("valid");
+        let r = Redactor::new(&c);
+        let json = Some(b"application/json; charset=utf-8".as_slice());
+        let body =
+            br#"{"amount":5,"card":{"Token":"tok_s3cr3t"},"items":[{"password":"hunter2"}]}"#;
+        let kept = r.body(json, body).expect("kept");
+        assert!(
+            !kept.contains("s3cr3t") && !kept.contains("hunter2"),
+            "{kept}"
+        );
+        assert!(
+            kept.contains(r#""amount":5"#) && kept.contains(REDACTED),
+            "{kept}"
+        );
+        // Nothing secret: kept as it came.
+        let plain = br#"{"amount": 5, "currency": "usd"}"#;
+        assert_eq!(
+            r.body(json, plain).as_deref(),
+            Some(std::str::from_utf8(plain).expect("ASCII"))
+        );
+        let form = Some(b"application/x-www-form-urlencoded".as_slice());
+        assert_eq!(
+            r.body(form, b"amount=5&api_key=s3cr3t").as_deref(),
+            Some("amount=5&api_key=REDACTED")
+        );
+        // Not JSON after all (and naming a secret), another type, too large, empty: not kept.
+        assert_eq!(r.body(json, br#"{"token":"s3cr3t""#), None);
+        assert_eq!(r.body(Some(b"text/plain"), b"secret=1"), None);
+        assert_eq!(r.body(None, b"{}"), None);
+        let big = format!(r#"{{"a":"{}"}}"#, "x".repeat(BODY_KEPT_MAX));
+        assert_eq!(r.body(json, big.as_bytes()), None);
+        assert_eq!(r.body(json, b""), None);
     }
 
     #[test]

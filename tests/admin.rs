@@ -276,6 +276,189 @@ async fn the_console_reads_an_overview_a_filtered_log_and_actions_by_tool() {
     proxy.stop().await;
 }
 
+/// An action's page shows what was asked of the service (issue 60 item 10): the body as the
+/// record keeps it, secret fields redacted, and what the fingerprint leaves out; the write log
+/// and the actions list do not carry it.
+#[tokio::test]
+async fn an_action_shows_its_request_body_redacted() {
+    let up = FakeUpstream::start().await;
+    let cfg = config(&up.url(), r#"fingerprint_ignore = ["/metadata/nonce"]"#);
+    let cfg = oncegate::config::Config::parse(&cfg).unwrap();
+    let proxy = TestProxy::start_fresh(
+        cfg,
+        Some(ADMIN_TOKEN.to_string()),
+        oncegate::action::system_clock(),
+    )
+    .await;
+    up.push(Behavior::json(201, r#"{"id":"ch_1"}"#));
+    let body = r#"{"amount":4200,"card":{"token":"tok_s3cr3t"},"metadata":{"nonce":"n-1"}}"#;
+    let r = TestClient::default()
+        .post(
+            &proxy.url("/pay/v1/charges"),
+            &[(KEY, "body-1"), ("content-type", "application/json")],
+            body,
+        )
+        .await;
+    assert_eq!(r.status, 201);
+    let id = r.header("oncegate-action").unwrap();
+    let a = proxy
+        .admin("GET", &format!("/v1/actions/{id}"), "")
+        .await
+        .json();
+    let kept: serde_json::Value =
+        serde_json::from_str(a["request"]["body"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        kept,
+        serde_json::json!({"amount": 4200, "card": {"token": "REDACTED"}, "metadata": {"nonce": "n-1"}})
+    );
+    assert_eq!(
+        a["request"]["fingerprint_ignore"],
+        serde_json::json!(["/metadata/nonce"])
+    );
+    // A binary body is not kept: its size and hash only.
+    up.push(Behavior::json(201, r#"{"id":"ch_2"}"#));
+    let r = TestClient::default()
+        .post(
+            &proxy.url("/pay/v1/charges"),
+            &[
+                (KEY, "body-2"),
+                ("content-type", "application/octet-stream"),
+            ],
+            "amount-raw",
+        )
+        .await;
+    let id2 = r.header("oncegate-action").unwrap();
+    let b = proxy
+        .admin("GET", &format!("/v1/actions/{id2}"), "")
+        .await
+        .json();
+    assert!(b["request"]["body"].is_null(), "{b}");
+    assert_eq!(b["request"]["body_size"], 10);
+    let log = String::from_utf8_lossy(&proxy.admin("GET", "/v1/log", "").await.body).to_string();
+    let list = proxy
+        .admin("GET", "/v1/actions", "")
+        .await
+        .json()
+        .to_string();
+    for (what, text) in [
+        ("the write log", &log),
+        ("the actions list", &list),
+        ("the action", &a.to_string()),
+    ] {
+        assert!(!text.contains("tok_s3cr3t"), "{what}: {text}");
+    }
+    assert!(
+        !log.contains("4200") && !list.contains("4200"),
+        "{log} {list}"
+    );
+    proxy.stop().await;
+}
+
+/// The overview's last hour, which the console draws (issue 60 item 12): writes by outcome as the
+/// proxy answered them, known counts in, the same counts out; a read is not a write.
+#[tokio::test]
+async fn the_overview_counts_the_last_hour_of_writes_by_outcome() {
+    let (up, proxy, _unknown) = with_unknown_write(Some(ADMIN_TOKEN)).await;
+    let c = TestClient::default();
+    let url = proxy.url("/pay/v1/charges");
+    up.push(Behavior::json(201, r#"{"id":"ch_a"}"#));
+    up.push(Behavior::json(201, r#"{"id":"ch_b"}"#));
+    up.push(Behavior::json(422, r#"{"error":"card_declined"}"#));
+    let outcomes = [
+        c.post(&url, &[(KEY, "a")], "amount=1").await,
+        c.post(&url, &[(KEY, "b")], "amount=2").await,
+        c.post(&url, &[(KEY, "a")], "amount=1").await,
+        c.post(&url, &[(KEY, "d")], "amount=4").await,
+        // The same key for another body: refused, nothing sent.
+        c.post(&url, &[(KEY, "a")], "amount=999").await,
+    ]
+    .map(|r| r.header("oncegate-outcome").unwrap_or("-").to_string());
+    assert_eq!(
+        outcomes,
+        ["sent", "sent", "replayed", "not-applied", "rejected"]
+    );
+    for _ in 0..3 {
+        c.get(&proxy.url("/pay/v1/charges/ch_a")).await;
+    }
+    let o = proxy.admin("GET", "/v1/overview", "").await.json();
+    let minutes = o["minutes"].as_array().unwrap();
+    assert_eq!(minutes.len(), 60, "{o}");
+    let ats: Vec<u64> = minutes.iter().map(|m| m["at"].as_u64().unwrap()).collect();
+    assert!(ats.windows(2).all(|w| w[1] == w[0] + 60), "{ats:?}");
+    let total = |k: &str| -> u64 { minutes.iter().map(|m| m[k].as_u64().unwrap()).sum() };
+    let seen: Vec<u64> = ["sent", "replayed", "unknown", "not_applied", "refused"]
+        .iter()
+        .map(|k| total(k))
+        .collect();
+    assert_eq!(seen, [2, 1, 1, 1, 1], "{o}");
+    // The unknown one waits, sampled as the overview was read.
+    let last = minutes.last().unwrap();
+    assert_eq!(last["unknown_waiting"], 1, "{o}");
+    proxy.stop().await;
+}
+
+/// MCP reads (`initialize`, a read tool) are reads in the chart's counts, not writes of
+/// another kind; a guarded tool call is a write.
+#[tokio::test]
+async fn the_overview_counts_mcp_reads_as_reads() {
+    use support::mcp::{call_body, mcp_config, JSON_SSE};
+    let up = FakeUpstream::start().await;
+    up.set_default(Behavior::json(
+        200,
+        r#"{"jsonrpc":"2.0","id":1,"result":{"content":[]}}"#,
+    ));
+    let cfg = mcp_config(&format!("{}/mcp", up.url()), "");
+    let cfg = oncegate::config::Config::parse(&cfg).unwrap();
+    let proxy = TestProxy::start_fresh(
+        cfg,
+        Some(ADMIN_TOKEN.to_string()),
+        oncegate::action::system_clock(),
+    )
+    .await;
+    let c = TestClient::default();
+    let url = proxy.url("/mcp");
+    let init = r#"{"jsonrpc":"2.0","id":0,"method":"initialize","params":{}}"#;
+    assert_eq!(c.post(&url, JSON_SSE, init).await.status, 200);
+    for id in 1..=2 {
+        let r = c
+            .post(
+                &url,
+                JSON_SSE,
+                &call_body(id, "search", serde_json::json!({"q": "a"})),
+            )
+            .await;
+        assert_eq!(r.status, 200);
+    }
+    let r = c
+        .post(
+            &url,
+            JSON_SSE,
+            &call_body(1, "send_email", serde_json::json!({"to": "a"})),
+        )
+        .await;
+    assert_eq!(r.header("oncegate-outcome"), Some("sent"), "{r:?}");
+    let o = proxy.admin("GET", "/v1/overview", "").await.json();
+    let writes: u64 = o["minutes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            ["sent", "replayed", "unknown", "not_applied", "refused"]
+                .iter()
+                .map(|k| m[*k].as_u64().unwrap())
+                .sum::<u64>()
+        })
+        .sum();
+    assert_eq!(writes, 1, "{o}");
+    let metrics =
+        String::from_utf8_lossy(&c.get(&proxy.admin_url("/metrics")).await.body).to_string();
+    assert!(
+        metrics.contains(r#"class="read",outcome="forwarded"} 3"#),
+        "{metrics}"
+    );
+    proxy.stop().await;
+}
+
 /// An admin listener on every address (`0.0.0.0`), reached as `127.0.0.1:port`: the console's
 /// own requests carry the origin the browser used, which is the host it names, on the
 /// listener's port; they get through, and a foreign origin still does not (issue 58 item 12).

@@ -95,6 +95,10 @@ fn sealed(key: &str) -> oncegate::store::StoreOptions {
 
 /// Writes through `proxy`: a small answer with a cookie and a private header, a large one, and a
 /// request carrying a private header; returns the secrets that must not be readable at rest.
+/// Write `a`'s body: a form the record keeps (sealed) to show an operator.
+const BODY_A: &str = "amount=5&memo=form-memo-s3cret";
+const FORM: (&str, &str) = ("content-type", "application/x-www-form-urlencoded");
+
 async fn write_secrets(up: &FakeUpstream, proxy: &TestProxy) -> Vec<&'static str> {
     let c = TestClient::default();
     up.push(
@@ -108,8 +112,8 @@ async fn write_secrets(up: &FakeUpstream, proxy: &TestProxy) -> Vec<&'static str
     let r = c
         .post(
             &proxy.url("/pay/v1/a"),
-            &[("idempotency-key", "a"), ("x-note", "header-s3cret")],
-            "x",
+            &[("idempotency-key", "a"), ("x-note", "header-s3cret"), FORM],
+            BODY_A,
         )
         .await;
     assert_eq!(r.status, 201);
@@ -119,8 +123,8 @@ async fn write_secrets(up: &FakeUpstream, proxy: &TestProxy) -> Vec<&'static str
     let again = c
         .post(
             &proxy.url("/pay/v1/a"),
-            &[("idempotency-key", "a"), ("x-note", "header-s3cret")],
-            "x",
+            &[("idempotency-key", "a"), ("x-note", "header-s3cret"), FORM],
+            BODY_A,
         )
         .await;
     assert_eq!(again.header("oncegate-outcome"), Some("replayed"));
@@ -135,6 +139,7 @@ async fn write_secrets(up: &FakeUpstream, proxy: &TestProxy) -> Vec<&'static str
         "cookie-s3cret",
         "header-s3cret",
         "large-body-s3cret",
+        "form-memo-s3cret",
     ]
 }
 
@@ -207,8 +212,8 @@ async fn with_a_key_a_stolen_copy_of_the_embedded_store_reveals_no_head_or_body(
     let r = TestClient::default()
         .post(
             &proxy.url("/pay/v1/a"),
-            &[("idempotency-key", "a"), ("x-note", "header-s3cret")],
-            "x",
+            &[("idempotency-key", "a"), ("x-note", "header-s3cret"), FORM],
+            BODY_A,
         )
         .await;
     assert_eq!(r.header("oncegate-outcome"), Some("replayed"));
@@ -227,6 +232,8 @@ async fn with_a_key_a_stolen_copy_of_the_embedded_store_reveals_no_head_or_body(
             .contains("header-s3cret"),
         "{a}"
     );
+    // The kept body too, opened for the token holder.
+    assert_eq!(a["request"]["body"], BODY_A, "{a}");
     proxy.stop().await;
     assert_eq!(up.count(), 2);
 }

@@ -209,6 +209,7 @@ fn every_config_key_is_in_the_reference() {
         "[server]\n[admin]\nbogus_key = 1\n".to_string(),
         "[server]\n[store]\nbogus_key = 1\n".to_string(),
         "[server]\n[log]\nbogus_key = 1\n".to_string(),
+        "[server]\n[telemetry]\nbogus_key = 1\n".to_string(),
         "[server]\n[defaults]\nbogus_key = 1\n".to_string(),
         format!("[server]\n{up}bogus_key = 1\n"),
         format!("[server]\n{up}[[upstreams.routes]]\nbogus_key = 1\n"),

@@ -51,7 +51,28 @@ async fn an_operator_settles_an_unknown_write_and_the_log_shows_it_in_a_browser(
         .await;
     c.post(&proxy.url("/pay/v1/charges"), &h, r#"{"amount":1}"#)
         .await;
+    // One declined (not applied), one refused (the same key for another body).
+    up.push(Behavior::json(422, r#"{"error":"card_declined"}"#));
+    let declined = [
+        ("idempotency-key", "console-declined"),
+        ("content-type", "application/json"),
+    ];
+    c.post(&proxy.url("/pay/v1/charges"), &declined, r#"{"amount":2}"#)
+        .await;
+    let refused = c
+        .post(&proxy.url("/pay/v1/charges"), &h, r#"{"amount":3}"#)
+        .await;
+    assert_eq!(refused.header("oncegate-outcome"), Some("rejected"));
     up.push(Behavior::Hang);
+    // A body the page shows redacted, pretty and cut to its first lines (issue 60 item 10).
+    let metadata: serde_json::Map<String, Value> = (1..=40)
+        .map(|i| (format!("line_{i:02}"), Value::from(format!("item {i}"))))
+        .collect();
+    let body = serde_json::json!({
+        "amount": 4200,
+        "password": "hunter2-console",
+        "metadata": metadata,
+    });
     let lost = c
         .post(
             &proxy.url("/pay/v1/charges"),
@@ -59,8 +80,9 @@ async fn an_operator_settles_an_unknown_write_and_the_log_shows_it_in_a_browser(
                 ("idempotency-key", "console-lost"),
                 ("oncegate-task", "t-console"),
                 ("oncegate-step", "charge"),
+                ("content-type", "application/json"),
             ],
-            r#"{"amount":4200}"#,
+            &body.to_string(),
         )
         .await;
     assert_eq!(lost.header("oncegate-outcome"), Some("unknown"));
@@ -77,6 +99,9 @@ async fn an_operator_settles_an_unknown_write_and_the_log_shows_it_in_a_browser(
     assert_eq!(second.header("oncegate-outcome"), Some("unknown"));
     let second = second.header("oncegate-action").unwrap().to_string();
 
+    // The overview samples the unknown actions waiting as it is read: two now.
+    let o = proxy.admin("GET", "/v1/overview", "").await.json();
+    assert_eq!(o["actions"]["unknown"], 2, "{o}");
     let saw = drive(&node, &proxy, &id, Some(&second)).await;
     assert_eq!(saw["errors"], serde_json::json!([]), "page errors: {saw}");
     assert!(
@@ -95,6 +120,22 @@ async fn an_operator_settles_an_unknown_write_and_the_log_shows_it_in_a_browser(
     // No lookup on this route: none offered. On a phone the decision is first (a review found
     // it ~1,800 px down) and the id takes a line or two of the heading (it took seven).
     assert_eq!(saw["lookup_offered"], 0, "{saw}");
+    // The request body: pretty, its secret redacted, its first lines, then all of it on a click.
+    let cut = saw["body_cut"].as_str().unwrap();
+    assert!(cut.contains("\"amount\": 4200"), "{saw}");
+    assert!(cut.contains("\"password\": \"REDACTED\""), "{saw}");
+    assert!(!cut.contains("line_40"), "{saw}");
+    assert!(
+        saw["body_all"]
+            .as_str()
+            .unwrap()
+            .contains("\"line_40\": \"item 40\""),
+        "{saw}"
+    );
+    assert!(
+        !saw["evidence"].as_str().unwrap().contains("hunter2"),
+        "{saw}"
+    );
     assert!(saw["phone_settle_top"].as_f64().unwrap() < 250.0, "{saw}");
     assert!(
         saw["phone_heading_height"].as_f64().unwrap() < 100.0,
@@ -140,6 +181,28 @@ async fn an_operator_settles_an_unknown_write_and_the_log_shows_it_in_a_browser(
         "a resolve's confirmation replaced the page navigated to: {saw}"
     );
     assert_eq!(saw["overview_unknown"], "0", "{saw}");
+    // The chart, drawn from the proxy's counts (issue 60 item 12): the five writes above by
+    // outcome, in its bars and its legend; the tallest minute spans the plot (120 px of 150).
+    let chart = &saw["chart"];
+    let want =
+        serde_json::json!({"sent": 1, "replayed": 1, "unknown": 2, "not_applied": 1, "refused": 1});
+    assert_eq!(chart["sum"], want, "{saw}");
+    assert_eq!(chart["legend"], want, "{saw}");
+    assert_eq!(chart["hour_total"], 6, "{saw}");
+    assert_eq!(chart["minutes"], 60, "{saw}");
+    assert!(
+        (chart["tallest"].as_f64().unwrap() - 120.0).abs() < 0.5,
+        "{saw}"
+    );
+    assert_eq!(chart["waiting_max"], 2, "{saw}");
+    assert!(
+        chart["titles"].as_array().unwrap().iter().any(|t| t
+            .as_str()
+            .unwrap()
+            .contains("unknown 2")
+            || t.as_str().unwrap().contains("sent 1")),
+        "{saw}"
+    );
     for (page, overflow) in saw["overflow"].as_object().unwrap() {
         assert!(
             overflow.as_i64().unwrap() <= 0,

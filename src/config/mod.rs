@@ -91,6 +91,13 @@ struct RawLog {
     retention: Option<Dur>,
 }
 
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTelemetry {
+    otlp_endpoint: Option<String>,
+    service_name: Option<String>,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
@@ -101,6 +108,8 @@ struct RawConfig {
     store: RawStore,
     #[serde(default)]
     log: RawLog,
+    #[serde(default)]
+    telemetry: RawTelemetry,
     #[serde(default)]
     defaults: PolicyOverrides,
     #[serde(default)]
@@ -154,6 +163,15 @@ pub struct LogConfig {
     pub retention: Option<Duration>,
 }
 
+/// `[telemetry]`: where spans go (OTLP over HTTP, protobuf), when anywhere.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TelemetryConfig {
+    /// The collector's base URL (`http://collector:4318`); spans are posted to `/v1/traces`
+    /// under it. `None`: no spans are made.
+    pub otlp_endpoint: Option<String>,
+    pub service_name: String,
+}
+
 /// The whole, validated configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -163,6 +181,7 @@ pub struct Config {
     /// `store.encrypt_key_env`: the variable holding the key that seals stored heads and bodies.
     pub encrypt_key_env: Option<String>,
     pub log: LogConfig,
+    pub telemetry: TelemetryConfig,
     pub upstreams: Vec<Arc<Upstream>>,
 }
 
@@ -396,12 +415,37 @@ impl RawConfig {
                 "names the environment variable holding the key; leave it out for no encryption",
             ));
         }
+        let telemetry = TelemetryConfig {
+            otlp_endpoint: match &self.telemetry.otlp_endpoint {
+                None => None,
+                Some(url) => {
+                    let uri: http::Uri = url
+                        .parse()
+                        .map_err(|e| invalid("telemetry.otlp_endpoint", format!("{url:?}: {e}")))?;
+                    if !matches!(uri.scheme_str(), Some("http") | Some("https"))
+                        || uri.host().is_none()
+                    {
+                        return Err(invalid(
+                            "telemetry.otlp_endpoint",
+                            format!("{url:?}: expected http://host:port or https://host:port"),
+                        ));
+                    }
+                    Some(url.trim_end_matches('/').to_string())
+                }
+            },
+            service_name: match self.telemetry.service_name.as_deref() {
+                Some("") => return Err(invalid("telemetry.service_name", "must not be empty")),
+                Some(n) => n.to_string(),
+                None => "oncegate".into(),
+            },
+        };
         Ok(Config {
             server,
             admin,
             store,
             encrypt_key_env: self.store.encrypt_key_env.clone(),
             log,
+            telemetry,
             upstreams,
         })
     }

@@ -6,7 +6,6 @@
 const TOKEN = "oncegate-admin-token";
 const main = document.getElementById("main");
 const nav = document.getElementById("nav");
-let lastWrites = null; // { at, n }: the write counter at the previous overview, for writes/min
 
 // ---------------------------------------------------------------- helpers
 
@@ -22,6 +21,16 @@ function h(tag, attrs, ...children) {
     if (c === null || c === undefined || c === false) continue;
     el.append(c instanceof Node ? c : document.createTextNode(String(c)));
   }
+  return el;
+}
+
+const SVG = "http://www.w3.org/2000/svg";
+
+// An SVG element: presentation attributes only (the page's CSP allows no inline style).
+function svg(tag, attrs, ...children) {
+  const el = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs || {})) if (v !== null && v !== undefined) el.setAttribute(k, String(v));
+  for (const c of children.flat()) if (c !== null && c !== undefined) el.append(c instanceof Node ? c : document.createTextNode(String(c)));
   return el;
 }
 
@@ -160,15 +169,66 @@ function parseMetrics(text) {
   return out;
 }
 
+// What the chart stacks, bottom up, as /v1/overview's minutes name them.
+const KINDS = [
+  ["sent", "sent", "#1a7f37"],
+  ["replayed", "replayed", "#0b5cad"],
+  ["unknown", "unknown", "#e08a00"],
+  ["not_applied", "not applied", "#7a8591"],
+  ["refused", "refused", "#c62828"],
+];
+
+function hhmm(secs) {
+  const d = new Date(secs * 1000);
+  return String(d.getHours()).padStart(2, "0") + ":" + String(d.getMinutes()).padStart(2, "0");
+}
+
+// Bars of `values(m)` for each minute, stacked by `parts`; a title per bar says its counts.
+function barChart(minutes, parts, label, height) {
+  const W = 600, H = height, top = 14, bottom = 16, left = 4;
+  const slot = (W - left) / minutes.length;
+  const totals = minutes.map((m) => parts.reduce((s, [k]) => s + (m[k] || 0), 0));
+  const max = Math.max(1, ...totals);
+  const scale = (H - top - bottom) / max;
+  const bars = minutes.map((m, i) => {
+    let y = H - bottom;
+    const x = left + i * slot;
+    const rects = parts.map(([k, , color]) => {
+      const n = m[k] || 0;
+      if (!n) return null;
+      const hgt = Math.max(1, n * scale);
+      y -= hgt;
+      return svg("rect", { x: x.toFixed(1), y: y.toFixed(1), width: Math.max(1, slot - 1).toFixed(1), height: hgt.toFixed(1), fill: color, "data-kind": k, "data-n": n });
+    });
+    const said = parts.map(([k, name]) => name + " " + (m[k] ?? "—")).join(", ");
+    return svg("g", { "data-at": m.at }, svg("title", {}, hhmm(m.at) + ": " + said), svg("rect", { x: x.toFixed(1), y: top, width: slot.toFixed(1), height: H - top - bottom, fill: "transparent" }), rects);
+  });
+  return svg(
+    "svg",
+    { viewBox: `0 0 ${W} ${H}`, width: "100%", role: "img", "aria-label": label, class: "chart" },
+    svg("line", { x1: left, x2: W, y1: H - bottom, y2: H - bottom, stroke: "#d7dde4" }),
+    svg("text", { x: left, y: 10, "font-size": 10, fill: "#5d6876" }, "max " + max + " / min"),
+    svg("text", { x: left, y: H - 3, "font-size": 10, fill: "#5d6876" }, minutes.length ? hhmm(minutes[0].at) : ""),
+    svg("text", { x: W - 2, y: H - 3, "font-size": 10, fill: "#5d6876", "text-anchor": "end" }, "now"),
+    bars,
+  );
+}
+
+function legend(parts, minutes) {
+  return h(
+    "ul",
+    { class: "legend" },
+    parts.map(([k, name, color]) =>
+      h("li", {}, svg("svg", { width: 10, height: 10, "aria-hidden": "true" }, svg("rect", { width: 10, height: 10, fill: color })), " " + name + " ", h("b", { "data-total": k }, minutes.reduce((s, m) => s + (m[k] || 0), 0))),
+    ),
+  );
+}
+
 async function overview() {
   const [o, metricsText] = await Promise.all([api("/v1/overview"), fetch("/metrics").then((r) => r.text())]);
   const metrics = parseMetrics(metricsText);
   const writes = metrics.filter((m) => m.name === "oncegate_requests_total" && m.labels.class === "write");
-  const total = writes.reduce((s, m) => s + m.value, 0);
-  const now = Date.now();
-  let perMin = "—";
-  if (lastWrites && now > lastWrites.at) perMin = (((total - lastWrites.n) * 60000) / (now - lastWrites.at)).toFixed(1);
-  lastWrites = { at: now, n: total };
+  const hourTotal = o.minutes.reduce((s, m) => s + KINDS.reduce((t, [k]) => t + m[k], 0), 0);
   const byUpstream = {};
   for (const m of writes) {
     const u = (byUpstream[m.labels.upstream] ||= {});
@@ -182,8 +242,23 @@ async function overview() {
       "div",
       { class: "tiles" },
       states.map((s) => h("a", { class: "tile", href: "#/actions?state=" + s }, stateTag(s), h("b", { "data-state": s }, o.actions[s] || 0))),
-      h("div", { class: "tile" }, "writes / min", h("b", { title: "since the previous refresh of this page" }, perMin)),
+      h("div", { class: "tile" }, "writes, last hour", h("b", { "data-total": "writes" }, hourTotal)),
       h("div", { class: "tile" }, "write log entries", h("b", {}, o.log_head_seq ?? "—")),
+    ),
+    h(
+      "section",
+      { id: "activity" },
+      h("h2", {}, "Writes per minute, the last hour"),
+      barChart(o.minutes, KINDS, "Writes per minute by outcome over the last hour", 150),
+      legend(KINDS, o.minutes),
+      h("h2", {}, "Unknown actions waiting"),
+      barChart(
+        o.minutes.map((m) => ({ at: m.at, unknown_waiting: m.unknown_waiting })),
+        [["unknown_waiting", "unknown waiting", "#e08a00"]],
+        "Unknown actions waiting, by minute, over the last hour",
+        80,
+      ),
+      h("p", { class: "muted" }, "Counted by this proxy since it started; the most seen in each minute. Hover a bar for its counts."),
     ),
     h(
       "section",
@@ -199,7 +274,7 @@ async function overview() {
       {},
       h("h2", {}, "Writes by upstream, since the proxy started"),
       table(
-        ["upstream", "sent", "replayed", "unknown", "not applied", "other"],
+        ["upstream", "sent", "replayed", "unknown", "not applied", "refused"],
         Object.entries(byUpstream).map(([u, c]) => [
           u,
           c.sent || 0,
@@ -302,6 +377,33 @@ function kv(pairs) {
   );
 }
 
+// The request's kept body (JSON pretty, a form's fields decoded), the first lines of a long one
+// with a way to see all. Shown as text: it came from a client.
+const BODY_LINES = 30;
+function bodyView(req) {
+  if (req.body === null || req.body === undefined) {
+    return h("p", { class: "muted", id: "request-body" }, "The body is not kept: only JSON and form bodies up to 16 KiB are, redacted.");
+  }
+  let text = req.body;
+  const type = ((req.headers || []).find(([k]) => k.toLowerCase() === "content-type") || [, ""])[1];
+  if (/json/i.test(type)) {
+    try {
+      text = JSON.stringify(JSON.parse(req.body), null, 2);
+    } catch (_) {}
+  } else if (/x-www-form-urlencoded/i.test(type)) {
+    text = [...new URLSearchParams(req.body)].map(([k, v]) => k + " = " + v).join("\n");
+  }
+  const lines = text.split("\n");
+  const pre = h("pre", { id: "request-body", class: "mono" }, lines.length > BODY_LINES ? lines.slice(0, BODY_LINES).join("\n") + "\n…" : text);
+  if (lines.length <= BODY_LINES) return pre;
+  const all = h("button", { type: "button", id: "request-body-all" }, "Show all " + lines.length + " lines");
+  all.addEventListener("click", () => {
+    pre.textContent = text;
+    all.remove();
+  });
+  return h("div", {}, pre, all);
+}
+
 async function action(id) {
   const a = await api("/v1/actions/" + encodeURIComponent(id));
   const result = h("div", { id: "result", "aria-live": "polite" });
@@ -332,7 +434,9 @@ async function action(id) {
       h("h2", {}, "Request (redacted)"),
       kv([
         ["body", a.request.body_size + " bytes, digest " + a.request.body_sha256],
+        ["not in the fingerprint", (a.request.fingerprint_ignore || []).join(", ") || null],
       ]),
+      bodyView(a.request),
       table(["header", "value"], (a.request.headers || []).map(([k, v]) => [k, h("span", { class: "mono" }, v)])),
     ),
     h(

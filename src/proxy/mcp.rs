@@ -151,6 +151,7 @@ impl Proxy {
         let span = tracing::Span::current();
         span.record("upstream", t.upstream.name.as_str());
         span.record("class", class.as_str());
+        span.record("tool", call.name.as_str());
         let problem = |e: ProxyError| {
             tracing::info!(error = %e, upstream = t.upstream.label, tool = %call.name, "problem");
             note(&e, Some(&call.name));
@@ -179,6 +180,7 @@ impl Proxy {
                     Err(KeyError::Required) => return Ok(problem(ProxyError::KeyRequired)),
                 };
                 span.record("action", identity.action_id.as_str());
+                span.record("key_source", identity.source.as_str());
                 let named = CallRef::new(&t.upstream.name, &principal, &parts.headers, &call.id);
                 self.calls.started(named, &identity.action_id);
                 let job = WriteJob {

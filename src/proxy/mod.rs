@@ -259,7 +259,7 @@ impl Proxy {
 
     /// Serves one request. Errors are logged here, once, and answered as problems.
     pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<ProxyBody> {
-        // A debug span: free unless asked for (RUST_LOG=oncegate=debug).
+        // A debug span: free unless asked for (RUST_LOG=oncegate=debug, or `[telemetry]`).
         let span = tracing::debug_span!(
             "request",
             method = %req.method(),
@@ -267,7 +267,12 @@ impl Proxy {
             upstream = tracing::field::Empty,
             class = tracing::field::Empty,
             action = tracing::field::Empty,
+            key_source = tracing::field::Empty,
+            tool = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            status = tracing::field::Empty,
         );
+        crate::telemetry::continue_trace(&span, req.headers());
         async move {
             let mut labels: (&'static str, &'static str) = ("-", "-");
             let (resp, outcome) = match self.call(req, &mut labels).await {
@@ -290,6 +295,11 @@ impl Proxy {
                 }
             };
             self.metrics.request(labels.0, labels.1, outcome);
+            let span = tracing::Span::current();
+            if !span.is_disabled() {
+                span.record("outcome", outcome);
+                span.record("status", resp.status().as_u16());
+            }
             resp
         }
         .instrument(span)

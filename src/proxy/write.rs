@@ -90,7 +90,9 @@ impl Proxy {
             KeyError::Invalid(m) => ProxyError::KeyInvalid(m),
             KeyError::Required => ProxyError::KeyRequired,
         })?;
-        tracing::Span::current().record("action", identity.action_id.as_str());
+        let span = tracing::Span::current();
+        span.record("action", identity.action_id.as_str());
+        span.record("key_source", identity.source.as_str());
         let job = WriteJob {
             upstream: t.upstream.clone(),
             policy: t.policy.clone(),
@@ -195,6 +197,12 @@ impl Proxy {
                 headers_dropped: 0,
                 body_size: job.body.len() as u64,
                 body_sha256: self.keyer.body(&job.body),
+                body: self.redactor.body(
+                    job.headers
+                        .get(http::header::CONTENT_TYPE)
+                        .map(|v| v.as_bytes()),
+                    &job.body,
+                ),
             },
             ..Record::new(id.action_id.clone(), id.fingerprint.clone())
         }
@@ -312,8 +320,27 @@ impl Proxy {
         match next? {
             Next::Attempt(rec, asked) => {
                 claimed.store(rec.attempts, Ordering::SeqCst);
+                let span = tracing::debug_span!(
+                    "attempt",
+                    action = %rec.id,
+                    attempt = rec.attempts,
+                    upstream = %job.upstream.name,
+                    tool = job.call.tool(),
+                    outcome = tracing::field::Empty,
+                    status = tracing::field::Empty,
+                );
                 // Boxed: the task is spawned, moved and completed at its future's size.
-                Box::pin(self.run_attempt(job, rec, asked)).await
+                let done = Box::pin(self.run_attempt(job, rec, asked))
+                    .instrument(span.clone())
+                    .await;
+                if !span.is_disabled() {
+                    if let Ok(r) = &done {
+                        let outcome = r.headers().get("oncegate-outcome");
+                        span.record("outcome", outcome.and_then(|v| v.to_str().ok()));
+                        span.record("status", r.status().as_u16());
+                    }
+                }
+                done
             }
             Next::Replay(rec) => self.replay(&rec, None, &job.call).await,
         }

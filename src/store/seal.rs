@@ -35,6 +35,9 @@ impl std::fmt::Debug for Sealer {
 #[derive(Serialize, Deserialize, Default)]
 struct Secrets {
     request_headers: Vec<(String, String)>,
+    /// The request's kept body (sealed since it was kept; absent in older blobs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    request_body: Option<String>,
     response_headers: Vec<(String, String)>,
     /// Each try's body excerpt, attempt by attempt.
     try_bodies: Vec<Vec<Option<String>>>,
@@ -103,6 +106,7 @@ impl Sealer {
     pub fn seal_record(&self, r: &mut Record) {
         let mut secrets = Secrets {
             request_headers: std::mem::take(&mut r.request.headers),
+            request_body: r.request.body.take(),
             ..Secrets::default()
         };
         if let Some(resp) = r.response.as_mut() {
@@ -126,6 +130,7 @@ impl Sealer {
         let secrets: Secrets = serde_json::from_slice(&self.open(&bytes)?)
             .map_err(|e| format!("a sealed record's secrets do not parse: {e}"))?;
         r.request.headers = secrets.request_headers;
+        r.request.body = secrets.request_body;
         if let Some(resp) = r.response.as_mut() {
             resp.headers = secrets.response_headers;
         }

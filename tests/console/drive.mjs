@@ -76,6 +76,9 @@ try {
   await page.waitForSelector("#settle");
   out.evidence = await page.textContent("main");
   out.lookup_offered = await page.locator("#lookup").count();
+  out.body_cut = await page.textContent("#request-body");
+  await page.click("#request-body-all");
+  out.body_all = await page.textContent("#request-body");
   await shot("3-unknown-action");
   // At a phone's width the decision comes first, and the id does not wrap down the screen.
   await page.setViewportSize({ width: 390, height: 844 });
@@ -138,6 +141,27 @@ try {
   await page.goto(base + "/#/overview");
   await page.waitForSelector(".tiles");
   out.overview_unknown = await page.textContent('[data-state="unknown"]');
+  // The chart: what its bars add up to by kind, and what its legend and tile say.
+  out.chart = await page.evaluate(() => {
+    const [writes, waiting] = document.querySelectorAll("#activity svg.chart");
+    const sum = {};
+    for (const r of writes.querySelectorAll("rect[data-kind]")) sum[r.dataset.kind] = (sum[r.dataset.kind] || 0) + Number(r.dataset.n);
+    // The tallest minute's bar spans the plot: its stacked heights over the plot's height.
+    const heights = [...writes.querySelectorAll("g[data-at]")].map((g) =>
+      [...g.querySelectorAll("rect[data-kind]")].reduce((s, r) => s + Number(r.getAttribute("height")), 0),
+    );
+    const legend = {};
+    for (const b of document.querySelectorAll(".legend [data-total]")) legend[b.dataset.total] = Number(b.textContent);
+    return {
+      sum,
+      legend,
+      minutes: writes.querySelectorAll("g[data-at]").length,
+      tallest: Math.max(...heights),
+      waiting_max: Math.max(0, ...[...waiting.querySelectorAll("rect[data-kind]")].map((r) => Number(r.dataset.n))),
+      hour_total: Number(document.querySelector('[data-total="writes"]').textContent),
+      titles: [...writes.querySelectorAll("g[data-at] title")].map((t) => t.textContent).filter((t) => !t.includes("sent 0, replayed 0, unknown 0, not applied 0, refused 0")),
+    };
+  });
   await shot("6-overview");
 
   // A page still loading when the operator moves on never replaces the page they moved to. From

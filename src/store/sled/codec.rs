@@ -7,7 +7,7 @@ use super::*;
 const ENCODED_HINT: usize = 1024;
 
 /// Encodes a record within [`RECORD_MAX`]. A record over it sheds evidence until it fits: the
-/// tries' bodies, oldest first, except the last try's; then the request's headers, last first;
+/// request's kept body (its size and hash stay); the tries' bodies, oldest first, except the last try's; then the request's headers, last first;
 /// then whole tries, oldest first (each attempt keeps its last); then the last try's body. Each
 /// dropped piece is marked in the record.
 /// Returns the record as stored and its encoding. The record is shared: it is copied only when
@@ -64,7 +64,8 @@ fn shed(mut r: Record, mut v: Vec<u8>, sealer: Option<&Sealer>) -> (Record, Vec<
     // Each step sheds about `excess` bytes (counted from the pieces' raw sizes) and says whether
     // it shed anything; it runs again until the encoding fits or it has nothing left.
     type Step<'a> = &'a dyn Fn(&mut Record, usize) -> bool;
-    let steps: [Step; 4] = [
+    let steps: [Step; 5] = [
+        &|r, _| r.request.body.take().is_some(),
         &|r, mut excess| {
             let mut shed = false;
             for &(a, t) in tries.iter().filter(|&&at| Some(at) != last) {

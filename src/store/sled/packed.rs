@@ -11,7 +11,7 @@
 //!
 //! The encoder takes every struct apart without `..`, so a field added to a record does not
 //! compile until it is packed here too. Fields added later follow the first form's, after an
-//! [`EXTENSION`] byte: a record packed before them ends without it and reads them as their
+//! [`EXTENSION`] byte: a record packed before them ends without it (or before the later ones) and reads them as their
 //! defaults, and an older version refuses the bytes after its last field instead of misreading
 //! them.
 
@@ -28,6 +28,8 @@ pub(super) const PACKED_BODY: u8 = 0xB2;
 const HEAD: usize = 5;
 /// Marks the fields added after the first packed form (`client_key`, `twin`).
 const EXTENSION: u8 = 1;
+/// Marks the fields added after those (the request's kept `body`).
+const EXTENSION_2: u8 = 2;
 
 /// Whether a stored value is a packed record.
 pub(super) fn is_packed(v: &[u8]) -> bool {
@@ -178,6 +180,7 @@ impl W<'_> {
             headers_dropped,
             body_size,
             body_sha256,
+            body: request_body,
         } = request;
         self.headers(headers);
         self.u32(*headers_dropped);
@@ -204,6 +207,9 @@ impl W<'_> {
         self.0.push(EXTENSION);
         self.opt_str(client_key);
         self.bool(*twin);
+        // Since the request's body is kept (a record packed before ends after `twin`).
+        self.0.push(EXTENSION_2);
+        self.opt_str(request_body);
     }
 
     fn attempt(&mut self, a: &Attempt) {
@@ -381,6 +387,7 @@ impl R<'_> {
                 headers_dropped: self.u32()?,
                 body_size: self.u64()?,
                 body_sha256: self.str()?,
+                body: None,
             },
             evidence: self.list(Self::attempt)?,
             response: self.opt(Self::response)?,
@@ -401,6 +408,12 @@ impl R<'_> {
                 EXTENSION => {
                     r.client_key = self.opt_str()?;
                     r.twin = self.bool()?;
+                    if !self.0.is_empty() {
+                        match self.byte()? {
+                            EXTENSION_2 => r.request.body = self.opt_str()?,
+                            b => return Err(format!("{b} is not a packed record's extension")),
+                        }
+                    }
                 }
                 b => return Err(format!("{b} is not a packed record's extension")),
             }
@@ -496,6 +509,7 @@ mod tests {
             .collect();
         r.request.headers_dropped = rng.random();
         r.request.body_size = millis(rng);
+        r.request.body = opt(rng, 200);
         r.evidence = (0..rng.random_range(0..4))
             .map(|n| Attempt {
                 n,
