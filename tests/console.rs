@@ -70,7 +70,7 @@ async fn an_operator_settles_an_unknown_write_and_the_log_shows_it_in_a_browser(
         .collect();
     let body = serde_json::json!({
         "amount": 4200,
-        "password": "hunter2-console",
+        "api_key": "hunter2-console",
         "metadata": metadata,
     });
     let lost = c
@@ -123,7 +123,7 @@ async fn an_operator_settles_an_unknown_write_and_the_log_shows_it_in_a_browser(
     // The request body: pretty, its secret redacted, its first lines, then all of it on a click.
     let cut = saw["body_cut"].as_str().unwrap();
     assert!(cut.contains("\"amount\": 4200"), "{saw}");
-    assert!(cut.contains("\"password\": \"REDACTED\""), "{saw}");
+    assert!(cut.contains("\"api_key\": \"REDACTED\""), "{saw}");
     assert!(!cut.contains("line_40"), "{saw}");
     assert!(
         saw["body_all"]

@@ -184,7 +184,7 @@ function hhmm(secs) {
 }
 
 // Bars of `values(m)` for each minute, stacked by `parts`; a title per bar says its counts.
-function barChart(minutes, parts, label, height) {
+function barChart(minutes, parts, label, height, unit) {
   const W = 600, H = height, top = 14, bottom = 16, left = 4;
   const slot = (W - left) / minutes.length;
   const totals = minutes.map((m) => parts.reduce((s, [k]) => s + (m[k] || 0), 0));
@@ -207,7 +207,7 @@ function barChart(minutes, parts, label, height) {
     "svg",
     { viewBox: `0 0 ${W} ${H}`, width: "100%", role: "img", "aria-label": label, class: "chart" },
     svg("line", { x1: left, x2: W, y1: H - bottom, y2: H - bottom, stroke: "#d7dde4" }),
-    svg("text", { x: left, y: 10, "font-size": 10, fill: "#5d6876" }, "max " + max + " / min"),
+    svg("text", { x: left, y: 10, "font-size": 10, fill: "#5d6876" }, "max " + max + " " + unit),
     svg("text", { x: left, y: H - 3, "font-size": 10, fill: "#5d6876" }, minutes.length ? hhmm(minutes[0].at) : ""),
     svg("text", { x: W - 2, y: H - 3, "font-size": 10, fill: "#5d6876", "text-anchor": "end" }, "now"),
     bars,
@@ -249,7 +249,7 @@ async function overview() {
       "section",
       { id: "activity" },
       h("h2", {}, "Writes per minute, the last hour"),
-      barChart(o.minutes, KINDS, "Writes per minute by outcome over the last hour", 150),
+      barChart(o.minutes, KINDS, "Writes per minute by outcome over the last hour", 150, "a minute"),
       legend(KINDS, o.minutes),
       h("h2", {}, "Unknown actions waiting"),
       barChart(
@@ -257,6 +257,7 @@ async function overview() {
         [["unknown_waiting", "unknown waiting", "#e08a00"]],
         "Unknown actions waiting, by minute, over the last hour",
         80,
+        "waiting",
       ),
       h("p", { class: "muted" }, "Counted by this proxy since it started; the most seen in each minute. Hover a bar for its counts."),
     ),
