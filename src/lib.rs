@@ -360,6 +360,18 @@ pub async fn run(
             }
         })
     };
+    // The write log's closed files, compressed soon after they close (sled: 64 MiB each).
+    let compactor = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+                if let Err(e) = store.compact_log().await {
+                    tracing::warn!(error = %e, "write log compaction");
+                }
+            }
+        })
+    };
     let timers = tokio::spawn(keep_timers_near());
     let admin_task = listeners.admin.map(|l| {
         if let Ok(addr) = l.local_addr() {
@@ -417,6 +429,7 @@ pub async fn run(
     background.abort();
     sweeper.abort();
     sampler.abort();
+    compactor.abort();
     timers.abort();
     // Actions whose clients left still run in their own tasks: give them the rest of the drain.
     proxy.attempts().close();

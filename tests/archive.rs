@@ -128,3 +128,76 @@ async fn an_archive_chains_across_its_files_while_the_store_prunes() {
     assert_eq!(v["first_bad_seq"], 13, "{v}");
     proxy.stop().await;
 }
+
+/// The store's closed log files are gzipped (issue 59: the log was most of a write's bytes on
+/// disk); the log still verifies, exports and archives whole, in order, and after a restart
+/// a write is still replayed and the chain goes on.
+#[tokio::test]
+async fn closed_log_files_are_compressed_and_the_log_stays_whole() {
+    let up = FakeUpstream::start().await;
+    up.set_default(Behavior::json(201, r#"{"id":"ch_1"}"#));
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("s");
+    let options = || oncegate::store::StoreOptions {
+        log_segment_bytes: Some(2048),
+        ..Default::default()
+    };
+    let store = Arc::new(oncegate::store::sled::SledStore::open(&path, options()).unwrap());
+    let proxy = TestProxy::start_with_store(&config(&up.url(), ""), store, tmp.path()).await;
+    for round in 0..4 {
+        writes(&proxy, round * 3, 3).await;
+    }
+    let listed = |ext: &str| -> Vec<u64> {
+        let mut v: Vec<u64> = std::fs::read_dir(path.join("log"))
+            .unwrap()
+            .filter_map(|e| {
+                let n = e.unwrap().file_name().to_string_lossy().into_owned();
+                n.strip_suffix(ext)?.parse().ok()
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let plain_before = listed(".ndjson").len();
+    let size = |p: &Path| -> u64 {
+        std::fs::read_dir(p)
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().len())
+            .sum()
+    };
+    let bytes_before = size(&path.join("log"));
+    let n = proxy.store.compact_log().await.unwrap();
+    assert_eq!(n, plain_before - 1, "every closed file, not the newest");
+    assert_eq!(listed(".ndjson.gz").len(), n);
+    assert_eq!(listed(".ndjson").len(), 1);
+    assert!(size(&path.join("log")) < bytes_before, "no smaller");
+    let v = proxy.store.verify_log().await.unwrap();
+    assert!(v.ok && v.entries == 36 && v.head_seq == 36, "{v:?}");
+    let log = proxy.store.log(0, 1000).await.unwrap();
+    assert_eq!(
+        log.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        (1..=36).collect::<Vec<_>>()
+    );
+    let dir = tmp.path().join("archive");
+    let (whole, v) = archive(&proxy, &dir).await;
+    assert!(whole && v["first"] == 1 && v["last"] == 36, "{v}");
+    let (ok, v) = verify(&dir);
+    assert!(ok && v["entries"] == 36, "{v}");
+    proxy.stop().await;
+
+    let store = Arc::new(oncegate::store::sled::SledStore::open(&path, options()).unwrap());
+    let proxy = TestProxy::start_with_store(&config(&up.url(), ""), store, tmp.path()).await;
+    let r = TestClient::default()
+        .post(
+            &proxy.url("/pay/v1/charges"),
+            &[("idempotency-key", "k0")],
+            "amount=1",
+        )
+        .await;
+    assert_eq!(r.header("oncegate-outcome"), Some("replayed"));
+    writes(&proxy, 100, 1).await;
+    let v = proxy.store.verify_log().await.unwrap();
+    assert!(v.ok && v.head_seq >= 40, "{v:?}");
+    assert_eq!(up.count(), 13);
+    proxy.stop().await;
+}

@@ -1,6 +1,7 @@
 //! The sled store's write log, in files of its own: append-only NDJSON segments
 //! `log/{first seq:020}.ndjson`, one sealed entry per line, and `log/anchor` (`[seq, prev]`)
-//! where a pruned log starts.
+//! where a pruned log starts. Closed segments are gzipped later, off the writer
+//! ([`super::logzip`]): `log/{first seq:020}.ndjson.gz`.
 //!
 //! The log is not kept in sled: it only grows (retention keeps it by default), and sled 0.34 holds
 //! per-page state in memory for all it stores, so a log inside sled made the proxy's memory grow
@@ -13,11 +14,11 @@
 //! [`LogFiles::open`] cuts a torn last line first, so every entry lands exactly once, in order.
 
 use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, IoSlice, Write};
+use std::io::{BufRead, IoSlice, Write};
 use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
 
-use super::files;
+use super::{files, logzip};
 use crate::log::Entry;
 
 /// A new segment once the current one holds this much (by default).
@@ -28,6 +29,8 @@ pub struct LogFiles {
     dir: PathBuf,
     /// The first sequence number of each segment, ascending.
     segments: Vec<u64>,
+    /// The segments that are compressed (closed ones only).
+    zipped: std::collections::BTreeSet<u64>,
     /// The newest segment, open for appending, and its length.
     current: Option<(File, u64)>,
     /// `(seq, hash)` of the last entry in the files.
@@ -157,10 +160,15 @@ impl LogFiles {
     /// Opens (or creates) the folder, cutting a torn last line left by a crash.
     pub fn open(dir: &Path, segment_bytes: u64) -> Result<LogFiles, String> {
         files::create_dir(dir)?;
-        let segments = files::numbered(dir, "ndjson")?;
+        let mut plain = files::numbered(dir, "ndjson")?;
+        let gz = files::numbered(dir, "ndjson.gz")?;
+        logzip::tidy(dir, &mut plain, &gz)?;
+        let mut segments: Vec<u64> = plain.into_iter().chain(gz.iter().copied()).collect();
+        segments.sort_unstable();
         let mut files = LogFiles {
             dir: dir.to_path_buf(),
             segments,
+            zipped: gz.into_iter().collect(),
             current: None,
             last: None,
             segment_bytes,
@@ -169,7 +177,21 @@ impl LogFiles {
         // The newest segment holding a whole entry gives the last one; a segment created just
         // before a crash may hold none.
         for &first in files.segments.iter().rev() {
-            let path = dir.join(segment_name(first));
+            let path = files.path(first);
+            if files.zipped.contains(&first) {
+                // Closed and whole: its last line is the last entry.
+                if let Some(line) = logzip::last_line(&path)? {
+                    let e = parse(&line).ok_or_else(|| {
+                        format!(
+                            "the last write log entry in {} does not parse",
+                            path.display()
+                        )
+                    })?;
+                    files.last = Some((e.seq, e.hash));
+                    break;
+                }
+                continue;
+            }
             let (whole, len, line) = tail(&path, TAIL_BLOCK)
                 .map_err(|e| format!("read the end of {}: {e}", path.display()))?;
             if whole < len {
@@ -188,6 +210,11 @@ impl LogFiles {
             }
         }
         if let Some(&first) = files.segments.last() {
+            if files.zipped.contains(&first) {
+                // Never the case as written (the newest is never compressed); a folder edited
+                // by hand: a new segment starts at the next append.
+                return Ok(files);
+            }
             let path = dir.join(segment_name(first));
             let f = OpenOptions::new()
                 .append(true)
@@ -346,9 +373,7 @@ impl LogFiles {
             .unwrap_or(0);
         let mut files = Vec::new();
         for &first in &self.segments[start..] {
-            let path = self.dir.join(segment_name(first));
-            let f = File::open(&path).map_err(|e| format!("open {}: {e}", path.display()))?;
-            files.push((first, f));
+            files.push((first, logzip::open(&self.path(first))?));
         }
         Ok(Reader {
             anchor: anchor(&self.dir)?,
@@ -366,7 +391,7 @@ impl LogFiles {
         let mut drop = 0;
         // A segment's entries are no newer than the next segment's first one.
         for (i, next) in self.segments.iter().enumerate().skip(1) {
-            match first_entry(&self.dir.join(segment_name(*next)))? {
+            match first_entry(&self.path(*next))? {
                 Some(e) if e.ts.as_str() < cutoff => drop = i,
                 _ => break,
             }
@@ -374,14 +399,57 @@ impl LogFiles {
         if drop == 0 {
             return Ok(Vec::new());
         }
-        let kept = self.dir.join(segment_name(self.segments[drop]));
+        let kept = self.path(self.segments[drop]);
         let e = first_entry(&kept)?.ok_or("the first kept write log file is empty")?;
         self.set_anchor(e.seq, &e.prev)?;
-        Ok(self
-            .segments
-            .drain(..drop)
-            .map(|first| self.dir.join(segment_name(first)))
-            .collect())
+        let gone: Vec<PathBuf> = self.segments[..drop]
+            .iter()
+            .map(|f| self.path(*f))
+            .collect();
+        for first in self.segments.drain(..drop) {
+            self.zipped.remove(&first);
+        }
+        Ok(gone)
+    }
+
+    /// A segment's file: plain, or compressed once it was.
+    fn path(&self, first: u64) -> PathBuf {
+        if self.zipped.contains(&first) {
+            self.dir.join(logzip::name(first))
+        } else {
+            self.dir.join(segment_name(first))
+        }
+    }
+
+    /// The closed segments not yet compressed, plain file and compressed name: every segment
+    /// but the newest, once the newest holds an entry (so that the last entry stays in a plain
+    /// file an open reads from its end).
+    pub fn to_compress(&self) -> Vec<(u64, PathBuf, PathBuf)> {
+        let (Some(&newest), Some((last, _))) = (self.segments.last(), &self.last) else {
+            return Vec::new();
+        };
+        if *last < newest {
+            return Vec::new();
+        }
+        self.segments[..self.segments.len() - 1]
+            .iter()
+            .filter(|f| !self.zipped.contains(f))
+            .map(|&f| {
+                let plain = self.dir.join(segment_name(f));
+                let gz = logzip::beside(&plain, f);
+                (f, plain, gz)
+            })
+            .collect()
+    }
+
+    /// `first`'s compressed file is in place: readers open it from now on. Returns whether the
+    /// segment is still this log's (pruning may have taken it meanwhile).
+    pub fn compressed(&mut self, first: u64) -> bool {
+        let ours = self.segments.contains(&first);
+        if ours {
+            self.zipped.insert(first);
+        }
+        ours
     }
 
     /// Where a pruned log starts: the first kept entry's `(seq, prev)`.
@@ -404,9 +472,8 @@ pub fn remove(files: &[PathBuf]) {
 
 /// The first whole entry of a segment.
 fn first_entry(path: &Path) -> Result<Option<Entry>, String> {
-    let f = File::open(path).map_err(|e| format!("open {}: {e}", path.display()))?;
     let mut line = Vec::new();
-    BufReader::new(f)
+    logzip::open(path)?
         .read_until(b'\n', &mut line)
         .map_err(|e| format!("read {}: {e}", path.display()))?;
     if line.last() != Some(&b'\n') {
@@ -421,14 +488,13 @@ fn first_entry(path: &Path) -> Result<Option<Entry>, String> {
 /// Open segments and the anchor, read without holding up the writer.
 pub struct Reader {
     pub anchor: Option<(u64, String)>,
-    files: Vec<(u64, File)>,
+    files: Vec<(u64, Box<dyn BufRead + Send>)>,
 }
 
 impl Reader {
     /// Every whole entry, in order; an entry that does not parse is reported by its number.
     pub fn entries(self) -> impl Iterator<Item = Result<Entry, u64>> {
-        self.files.into_iter().flat_map(|(first, f)| {
-            let mut r = BufReader::new(f);
+        self.files.into_iter().flat_map(|(first, mut r)| {
             let mut seq = first;
             let mut done = false;
             std::iter::from_fn(move || {

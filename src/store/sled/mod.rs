@@ -316,6 +316,32 @@ impl SledStore {
 }
 
 impl SledStore {
+    /// Gzips the write log's closed files, on a blocking thread: each is compressed without
+    /// the log's lock (a closed file is never written again), then swapped in under it, then
+    /// its plain file removed (a reader that opened it keeps it).
+    async fn compress_log(&self) -> Result<usize, StoreError> {
+        let shared = self.shared.clone();
+        tokio::task::spawn_blocking(move || {
+            let todo = shared.logfiles()?.to_compress();
+            let mut done = 0;
+            for (first, plain, gz) in todo {
+                let (from, to) =
+                    crate::store::logzip::compress(&plain, &gz).map_err(unavailable)?;
+                if shared.logfiles()?.compressed(first) {
+                    let _ = std::fs::remove_file(&plain);
+                    done += 1;
+                    tracing::debug!(first, from, to, "write log: a closed file compressed");
+                } else {
+                    // Pruned meanwhile.
+                    let _ = std::fs::remove_file(&gz);
+                }
+            }
+            Ok(done)
+        })
+        .await
+        .map_err(unavailable)?
+    }
+
     /// Prunes the write log's files past `log.retention` (after a sweep), on a blocking thread:
     /// the anchor is written and the files taken out under the log's lock, and removed after it,
     /// so that neither the writer nor the drainer's appends wait for the unlinks.
@@ -640,6 +666,10 @@ impl Store for SledStore {
                 tokio::time::sleep(pause.min(EXPIRE_PAUSE_MAX)).await;
             }
         })
+    }
+
+    fn compact_log(&self) -> BoxFuture<'_, Result<usize, StoreError>> {
+        Box::pin(self.compress_log())
     }
 
     fn close(&self) -> BoxFuture<'_, Result<(), StoreError>> {
