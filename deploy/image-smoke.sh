@@ -73,7 +73,8 @@ upstream=$!
 trap 'kill $upstream 2>/dev/null; podman rm -f og-smoke >/dev/null 2>&1 || true' EXIT
 podman volume rm -f og-smoke-data >/dev/null 2>&1 || true
 run() {
-  podman run -d --name og-smoke --network host --read-only --stop-timeout 40 \
+  # runc cannot raise the open-files and process limits past the host's hard limits.
+  podman run -d --name og-smoke --network host --read-only --stop-timeout 40 --ulimit nofile=16384:16384 --ulimit nproc=4096:4096 \
     -e ONCEGATE_ADMIN_TOKEN=smoke-token-0123456789 \
     -v "$cfg:/etc/oncegate/config.toml:ro" -v og-smoke-data:/var/lib/oncegate oncegate:1.0 >/dev/null
   for _ in $(seq 1 50); do curl -fs http://127.0.0.1:18181/readyz >/dev/null && return; sleep 0.2; done
