@@ -89,6 +89,7 @@ struct RawLog {
     redact_headers: Option<Vec<String>>,
     hmac_key_env: Option<String>,
     retention: Option<Dur>,
+    compress: Option<bool>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -161,6 +162,8 @@ pub struct LogConfig {
     pub redact_headers: Vec<HeaderName>,
     pub hmac_key_env: Option<String>,
     pub retention: Option<Duration>,
+    /// `log.compress`: gzip the embedded store's closed write-log files.
+    pub compress: bool,
 }
 
 /// `[telemetry]`: where spans go (OTLP over HTTP, protobuf), when anywhere.
@@ -388,6 +391,7 @@ impl RawConfig {
                     .collect::<Result<_, _>>()?,
                 hmac_key_env: self.log.hmac_key_env.clone(),
                 retention: self.log.retention.map(|d| d.0),
+                compress: self.log.compress.unwrap_or(false),
             };
 
         // Every header that carries a credential names the caller (SPEC §4.3): those the

@@ -1,6 +1,6 @@
-//! Closed write-log segments, gzipped (issue 59): the log is most of what a write leaves on
-//! disk, its lines are JSON with the same keys over and over, and a closed segment is never
-//! written again. The newest segment, which appends go to, stays plain.
+//! Closed write-log segments, gzipped when `log.compress` is set (issue 59): the log is much of
+//! what a write leaves on disk, its lines are JSON with the same keys over and over, and a closed
+//! segment is never written again. The newest segment, which appends go to, stays plain.
 //!
 //! A segment `{first:020}.ndjson` becomes `{first:020}.ndjson.gz` (gzip, one member, readable
 //! with `zcat`): compressed to `….gz.tmp`, fsynced, renamed, the folder fsynced; only then is the
@@ -38,6 +38,12 @@ pub fn is_gz(path: &Path) -> bool {
 
 /// Compresses the closed segment `plain` into `gz` durably (the plain file is left for the
 /// caller to remove once no one reads it as the segment). Returns the two sizes.
+///
+/// Gently: a quarter of a core at most, in slices of [`SLICE`] with a pause of three times what
+/// each took, and the output synced a MiB at a time. Compressing a 64 MiB segment at once took
+/// a core for about a second and its fsync a burst of the disk: the soak's p99 before expiry
+/// went from 7–17 ms to 64–205 ms; paced, to 10–54 ms (bench/results-soak-compression.md), which
+/// is why `log.compress` is off by default.
 pub fn compress(plain: &Path, gz: &Path) -> Result<(u64, u64), String> {
     let tmp = gz.with_extension("gz.tmp");
     let write = || -> std::io::Result<(u64, u64)> {
@@ -47,13 +53,26 @@ pub fn compress(plain: &Path, gz: &Path) -> Result<(u64, u64), String> {
             .write(true)
             .truncate(true)
             .open(&tmp)?;
-        // Level 1: a 64 MiB segment in about half a second of one core, off the writer; the
-        // lines shrink about 4.5-fold (level 6: 5-fold at three times the CPU).
-        let mut enc = GzEncoder::new(std::io::BufWriter::new(out), Compression::fast());
-        let read = std::io::copy(&mut src, &mut enc)?;
-        let mut out = enc.finish()?;
-        out.flush()?;
-        let out = out.into_inner().map_err(|e| e.into_error())?;
+        // Level 1: the lines shrink about 4.5-fold (level 6: 5-fold at three times the CPU).
+        let mut enc = GzEncoder::new(out, Compression::fast());
+        let mut buf = vec![0u8; SLICE];
+        let (mut read, mut synced) = (0u64, 0u64);
+        loop {
+            let started = std::time::Instant::now();
+            let n = src.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            enc.write_all(&buf[..n])?;
+            read += n as u64;
+            let out_len = enc.get_ref().metadata()?.len();
+            if out_len - synced >= 1 << 20 {
+                enc.get_ref().sync_data()?;
+                synced = out_len;
+            }
+            std::thread::sleep(started.elapsed().saturating_mul(3));
+        }
+        let out = enc.finish()?;
         out.sync_all()?;
         let written = out.metadata()?.len();
         std::fs::rename(&tmp, gz)?;
@@ -67,6 +86,9 @@ pub fn compress(plain: &Path, gz: &Path) -> Result<(u64, u64), String> {
     files::fsync_dir(dir).map_err(|e| format!("fsync {}: {e}", dir.display()))?;
     Ok(sizes)
 }
+
+/// How much of a segment is compressed between pauses.
+const SLICE: usize = 256 << 10;
 
 /// Tidies a log folder at open: a `.tmp` a crash left mid-compression goes, and so does a plain
 /// segment whose compressed copy was finished (renamed) before the crash.

@@ -315,32 +315,6 @@ impl SledStore {
     }
 }
 
-/// Reads what an expiry step from `from` will read, and drops it: the due entries of the expiry
-/// index (up to [`EXPIRE_STEP`] actions) and each due action's pointer and record. Errors are
-/// left for the step itself to meet.
-fn prefetch_expiry(db: &sled::Db, shared: &Shared, from: Option<Vec<u8>>, now: Millis) {
-    let start = from.unwrap_or_else(|| index::EXPIRY_PREFIX.to_vec());
-    let mut listed = 0;
-    for kv in db.range(start..index::expiry_end(now)) {
-        let Ok((k, v)) = kv else { return };
-        let Ok((_, actions)) = index::expiring(&k, &v) else {
-            return;
-        };
-        listed += actions.len();
-        for (_, id) in actions.iter().filter(|(at, _)| *at <= now) {
-            let _ = read_record(
-                id,
-                &shared.buckets,
-                |k, id| read_pointer(shared, db, k, id),
-                |k| read_key(shared, db, k),
-            );
-        }
-        if listed >= EXPIRE_STEP {
-            return;
-        }
-    }
-}
-
 impl SledStore {
     /// Gzips the write log's closed files, on a blocking thread: each is compressed without
     /// the log's lock (a closed file is never written again), then swapped in under it, then
@@ -678,13 +652,6 @@ impl Store for SledStore {
             // write, its pages cold in sled's cache).
             let (mut total, mut from) = (0, None);
             loop {
-                // What the step will read (its index entries, their records and pointers),
-                // read first off the writer: sled's pages come into its cache here, on a
-                // blocking thread, instead of while every write waits for the writer.
-                let (db, shared, start) = (self.db()?, self.shared.clone(), from.clone());
-                tokio::task::spawn_blocking(move || prefetch_expiry(&db, &shared, start, now))
-                    .await
-                    .map_err(unavailable)?;
                 let started = std::time::Instant::now();
                 let (n, next) = self.call(move |tx| Op::Expire(now, from, tx)).await?;
                 total += n;
