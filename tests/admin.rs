@@ -13,6 +13,17 @@ use support::{admin_call, config, Behavior, FakeUpstream, TestClient, TestProxy,
 const KEY: &str = "idempotency-key";
 
 /// A proxy (with `token` as its admin token) holding one unknown write.
+/// A fresh proxy on `text` whose admin API takes [`ADMIN_TOKEN`].
+async fn with_token(text: &str) -> TestProxy {
+    let cfg = oncegate::config::Config::parse(text).unwrap();
+    TestProxy::start_fresh(
+        cfg,
+        Some(ADMIN_TOKEN.to_string()),
+        oncegate::action::system_clock(),
+    )
+    .await
+}
+
 async fn with_unknown_write(token: Option<&str>) -> (FakeUpstream, TestProxy, String) {
     let up = FakeUpstream::start().await;
     let cfg = oncegate::config::Config::parse(&config(&up.url(), "timeout = \"200ms\"")).unwrap();
@@ -282,13 +293,10 @@ async fn the_console_reads_an_overview_a_filtered_log_and_actions_by_tool() {
 #[tokio::test]
 async fn an_action_shows_its_request_body_redacted() {
     let up = FakeUpstream::start().await;
-    let cfg = config(&up.url(), r#"fingerprint_ignore = ["/metadata/nonce"]"#);
-    let cfg = oncegate::config::Config::parse(&cfg).unwrap();
-    let proxy = TestProxy::start_fresh(
-        cfg,
-        Some(ADMIN_TOKEN.to_string()),
-        oncegate::action::system_clock(),
-    )
+    let proxy = with_token(&config(
+        &up.url(),
+        r#"fingerprint_ignore = ["/metadata/nonce"]"#,
+    ))
     .await;
     up.push(Behavior::json(201, r#"{"id":"ch_1"}"#));
     let body = r#"{"amount":4200,"card":{"token":"tok_s3cr3t"},"metadata":{"nonce":"n-1"}}"#;
@@ -407,14 +415,7 @@ async fn the_overview_counts_mcp_reads_as_reads() {
         200,
         r#"{"jsonrpc":"2.0","id":1,"result":{"content":[]}}"#,
     ));
-    let cfg = mcp_config(&format!("{}/mcp", up.url()), "");
-    let cfg = oncegate::config::Config::parse(&cfg).unwrap();
-    let proxy = TestProxy::start_fresh(
-        cfg,
-        Some(ADMIN_TOKEN.to_string()),
-        oncegate::action::system_clock(),
-    )
-    .await;
+    let proxy = with_token(&mcp_config(&format!("{}/mcp", up.url()), "")).await;
     let c = TestClient::default();
     let url = proxy.url("/mcp");
     let init = r#"{"jsonrpc":"2.0","id":0,"method":"initialize","params":{}}"#;

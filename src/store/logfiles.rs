@@ -178,26 +178,18 @@ impl LogFiles {
         // before a crash may hold none.
         for &first in files.segments.iter().rev() {
             let path = files.path(first);
-            if files.zipped.contains(&first) {
+            let line = if files.zipped.contains(&first) {
                 // Closed and whole: its last line is the last entry.
-                if let Some(line) = logzip::last_line(&path)? {
-                    let e = parse(&line).ok_or_else(|| {
-                        format!(
-                            "the last write log entry in {} does not parse",
-                            path.display()
-                        )
-                    })?;
-                    files.last = Some((e.seq, e.hash));
-                    break;
+                logzip::last_line(&path)?
+            } else {
+                let (whole, len, line) = tail(&path, TAIL_BLOCK)
+                    .map_err(|e| format!("read the end of {}: {e}", path.display()))?;
+                if whole < len {
+                    tracing::warn!(file = %path.display(), "cutting a torn write log line");
+                    files::cut(&path, whole)?;
                 }
-                continue;
-            }
-            let (whole, len, line) = tail(&path, TAIL_BLOCK)
-                .map_err(|e| format!("read the end of {}: {e}", path.display()))?;
-            if whole < len {
-                tracing::warn!(file = %path.display(), "cutting a torn write log line");
-                files::cut(&path, whole)?;
-            }
+                line
+            };
             if let Some(line) = line {
                 let e = parse(&line).ok_or_else(|| {
                     format!(
