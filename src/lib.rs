@@ -71,7 +71,7 @@ pub(crate) type FastSet<T> = std::collections::HashSet<T, foldhash::fast::Random
 
 use tokio::net::TcpListener;
 
-use crate::action::{Clock, State};
+use crate::action::Clock;
 use crate::config::{Config, StoreConfig};
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
@@ -355,8 +355,7 @@ pub async fn run(
         tokio::spawn(async move {
             loop {
                 if let Ok(counts) = store.counts().await {
-                    let unknown = counts.iter().find(|(s, _)| *s == State::Unknown);
-                    metrics.minutes.waiting(unknown.map_or(0, |(_, n)| *n));
+                    metrics.minutes.waiting(&counts);
                 }
                 tokio::time::sleep(std::time::Duration::from_secs(15)).await;
             }

@@ -138,7 +138,7 @@ impl Metrics {
     }
 
     pub fn request(&self, upstream: &'static str, class: &'static str, outcome: &'static str) {
-        if class == "write" {
+        if class == crate::route::Class::Write.as_str() {
             self.minutes.write(outcome);
         }
         self.requests

@@ -8,6 +8,9 @@
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::action::State;
+use crate::error::Outcome;
+
 /// What the chart stacks, in its order: sent, replayed, unknown, not applied, refused (every
 /// other answer to a write: nothing was sent for it).
 pub const KINDS: [&str; 5] = ["sent", "replayed", "unknown", "not_applied", "refused"];
@@ -37,13 +40,14 @@ impl Default for Minutes {
     }
 }
 
-/// The chart's kind of a write's `Oncegate-Outcome` (as the metrics label it).
+/// The chart's kind of a write's `Oncegate-Outcome` (as the metrics label it): anything but
+/// the first four was not sent for this request.
 fn kind(outcome: &str) -> usize {
-    match outcome {
-        "sent" => 0,
-        "replayed" => 1,
-        "unknown" => 2,
-        "not-applied" => 3,
+    match Outcome::from_header(outcome.as_bytes()) {
+        Some(Outcome::Sent) => 0,
+        Some(Outcome::Replayed) => 1,
+        Some(Outcome::Unknown) => 2,
+        Some(Outcome::NotApplied) => 3,
         _ => 4,
     }
 }
@@ -79,9 +83,10 @@ impl Minutes {
         self.with_slot(secs, |m| m.writes[k] += 1);
     }
 
-    /// `n` unknown actions wait now.
-    pub fn waiting(&self, n: u64) {
-        self.waiting_at(now_secs(), n);
+    /// The unknown actions waiting now, from the store's counts by state.
+    pub fn waiting(&self, counts: &[(State, u64)]) {
+        let unknown = counts.iter().find(|(s, _)| *s == State::Unknown);
+        self.waiting_at(now_secs(), unknown.map_or(0, |(_, n)| *n));
     }
 
     pub fn waiting_at(&self, secs: u64, n: u64) {

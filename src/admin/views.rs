@@ -134,9 +134,8 @@ impl Admin {
             Ok(rs) => rs,
             Err(e) => return store_problem(e),
         };
-        let unknown_now = counts.iter().find(|(s, _)| *s == State::Unknown);
         let minutes = &self.proxy.metrics.minutes;
-        minutes.waiting(unknown_now.map_or(0, |(_, n)| *n));
+        minutes.waiting(&counts);
         let by_state: serde_json::Map<String, Value> = counts
             .into_iter()
             .map(|(s, n)| (s.as_str().to_string(), json!(n)))

@@ -377,8 +377,8 @@ impl LogFiles {
     /// newest: records where the log now starts (the anchor, durably, first, so the log always
     /// verifies from its first kept entry) and takes the files out of those this log reads, and
     /// returns them for the caller to remove with [`remove`] once it no longer holds the log
-    /// (unlinking 64 MiB files would hold up every append meanwhile). A crash before they go leaves them behind the
-    /// anchor, as a crash between the anchor and the unlinks always could.
+    /// (unlinking 64 MiB files would hold up every append meanwhile). A crash before they go
+    /// leaves them behind the anchor, as a crash between the anchor and the unlinks always could.
     pub fn cut(&mut self, cutoff: &str) -> Result<Vec<PathBuf>, String> {
         let mut drop = 0;
         // A segment's entries are no newer than the next segment's first one.
@@ -427,9 +427,11 @@ impl LogFiles {
             .iter()
             .filter(|f| !self.zipped.contains(f))
             .map(|&f| {
-                let plain = self.dir.join(segment_name(f));
-                let gz = logzip::beside(&plain, f);
-                (f, plain, gz)
+                (
+                    f,
+                    self.dir.join(segment_name(f)),
+                    self.dir.join(logzip::name(f)),
+                )
             })
             .collect()
     }

@@ -9,7 +9,7 @@
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use flate2::read::MultiGzDecoder;
 use flate2::write::GzEncoder;
@@ -121,11 +121,6 @@ pub fn last_line(path: &Path) -> Result<Option<Vec<u8>>, String> {
     };
     let start = body.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
     Ok(Some(body[start..].to_vec()))
-}
-
-/// A compressed segment's path beside its plain one.
-pub fn beside(plain: &Path, first: u64) -> PathBuf {
-    plain.with_file_name(name(first))
 }
 
 #[cfg(test)]

@@ -7,9 +7,10 @@ use super::*;
 const ENCODED_HINT: usize = 1024;
 
 /// Encodes a record within [`RECORD_MAX`]. A record over it sheds evidence until it fits: the
-/// request's kept body (its size and hash stay); the tries' bodies, oldest first, except the last try's; then the request's headers, last first;
-/// then whole tries, oldest first (each attempt keeps its last); then the last try's body. Each
-/// dropped piece is marked in the record.
+/// request's kept body (its size and hash stay); then the tries' bodies, oldest first, except
+/// the last try's; then the request's headers, last first; then whole tries, oldest first (each
+/// attempt keeps its last); then the last try's body. Each dropped piece is marked in the
+/// record (the body's absence is its mark).
 /// Returns the record as stored and its encoding. The record is shared: it is copied only when
 /// it must shed evidence.
 pub(super) fn encode_bounded(r: Arc<Record>, sealer: Option<&Sealer>) -> (Arc<Record>, Vec<u8>) {

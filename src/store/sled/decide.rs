@@ -313,9 +313,6 @@ impl Writer {
         }
     }
 
-    /// Drops log entries older than `log.retention`, whole files at a time, keeping the chain
-    /// verifiable from the first kept entry (the anchor). Entries still on their way to the
-    /// files are newer than any file, which is never the newest.
     /// The next version of record `id`, made by `next` from the current one, with the stored
     /// body its value carries: `body` (sealed) when the change brings one, else the one the
     /// current version carries on. Returns the current version too.
