@@ -980,6 +980,11 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             conns: 64,
         },
         Spec {
+            name: "streamed read (SSE), time to first event, 1 connection",
+            workload: Workload::StreamRead,
+            conns: 1,
+        },
+        Spec {
             name: "unique durable writes, 1 connection",
             workload: Workload::Write,
             conns: 1,

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use hdrhistogram::Histogram;
+use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
@@ -42,13 +43,18 @@ pub async fn upstream() -> SocketAddr {
                 let svc = service_fn(|req: http::Request<hyper::body::Incoming>| async move {
                     let slow = req.uri().path().ends_with("/slow");
                     if req.uri().path().starts_with("/tools/") {
-                        return Ok(mcp_answer(req).await);
+                        return Ok(mcp_answer(req).await.map(|b| b.boxed_unsync()));
+                    }
+                    if req.uri().path().ends_with("/stream") {
+                        return Ok(stream_answer());
                     }
                     let _ = req.into_body().collect().await;
                     if slow {
                         tokio::time::sleep(Duration::from_millis(50)).await;
                     }
-                    let mut r = http::Response::new(Full::new(Bytes::from_static(BODY.as_bytes())));
+                    let mut r = http::Response::new(
+                        Full::new(Bytes::from_static(BODY.as_bytes())).boxed_unsync(),
+                    );
                     r.headers_mut()
                         .insert("content-type", "application/json".parse().unwrap());
                     Ok::<_, hyper::Error>(r)
@@ -60,6 +66,35 @@ pub async fn upstream() -> SocketAddr {
         }
     });
     addr
+}
+
+/// How long a streamed answer waits between its first event and its second.
+pub const STREAM_GAP: Duration = Duration::from_millis(5);
+
+/// A streamed (SSE) answer, as a completion API streams tokens: the first event at once, the
+/// second and last `STREAM_GAP` later. A proxy that held the stream back would show the gap in
+/// the time to the first event. `X-Accel-Buffering: no` tells nginx not to buffer it.
+fn stream_answer() -> http::Response<UnsyncBoxBody<Bytes, std::convert::Infallible>> {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(2);
+    tokio::spawn(async move {
+        let _ = tx
+            .send(Bytes::from_static(b"event: token\ndata: {\"text\":\"Hello\"}\n\n"))
+            .await;
+        tokio::time::sleep(STREAM_GAP).await;
+        let _ = tx
+            .send(Bytes::from_static(b"event: done\ndata: {}\n\n"))
+            .await;
+    });
+    let frames = futures_util::stream::unfold(rx, |mut rx| async move {
+        let b = rx.recv().await?;
+        Some((Ok::<_, std::convert::Infallible>(http_body::Frame::data(b)), rx))
+    });
+    let mut r = http::Response::new(http_body_util::StreamBody::new(frames).boxed_unsync());
+    r.headers_mut()
+        .insert("content-type", "text/event-stream".parse().unwrap());
+    r.headers_mut()
+        .insert("x-accel-buffering", "no".parse().unwrap());
+    r
 }
 
 /// An MCP server's answer to a `tools/call`: its JSON-RPC result, as one JSON body
@@ -89,6 +124,8 @@ async fn mcp_answer(req: http::Request<hyper::body::Incoming>) -> http::Response
 #[derive(Clone, Copy, PartialEq, Debug)]
 pub enum Workload {
     Read,
+    /// A streamed (SSE) read: its latency is the time to the first event, not to the end.
+    StreamRead,
     Write,
     Replay,
     Mixed,
@@ -183,6 +220,11 @@ pub fn build(
     };
     match w {
         Workload::Read => get(),
+        Workload::StreamRead => http::Request::get("/pay/v1/stream")
+            .header("host", "bench")
+            .header("accept", "text/event-stream")
+            .body(Full::new(Bytes::new()))
+            .unwrap(),
         Workload::Write => post("/pay/v1/charges", &fresh()),
         Workload::Replay => post(
             "/pay/v1/charges",
@@ -319,8 +361,16 @@ pub async fn drive_all(
                     match send.send_request(req).await {
                         Ok(resp) => {
                             let status = resp.status();
-                            let _ = resp.into_body().collect().await;
-                            let _ = hist.record(t.elapsed().as_micros() as u64);
+                            let mut body = resp.into_body();
+                            if w == Workload::StreamRead {
+                                // The time to the first event; the rest is the upstream's pace.
+                                let _ = body.frame().await;
+                                let _ = hist.record(t.elapsed().as_micros() as u64);
+                                let _ = body.collect().await;
+                            } else {
+                                let _ = body.collect().await;
+                                let _ = hist.record(t.elapsed().as_micros() as u64);
+                            }
                             n += 1;
                             // A storm's in-flight answers are expected; other failures are errors.
                             if status.is_server_error() {
