@@ -19,7 +19,8 @@
 //! to the proxy's command line (`BENCH_WRAP='perf record -o F'`); a script there can run another
 //! build instead (`shift; exec /tmp/og-base "$@"`: same-run pairs of two builds) or one under
 //! `valgrind --tool=callgrind`, whose instruction counts per call do not move with the machine's
-//! load (docs/decisions.md, "Small changes are measured in instructions"). `BENCH_TWIN_OFF=1` adds
+//! load (docs/decisions.md, "Small changes are measured in instructions").
+//! `BENCH_BARE_WRAP` does the same for the `bare hyper` processes. `BENCH_TWIN_OFF=1` adds
 //! `oncegate, twin guard off` (the same build, `twin_guard = false`, a store of its own warmed
 //! alike) to every workload, and a section pricing the unsettled-twin guard
 //! (bench/results-twin.md).
@@ -124,7 +125,12 @@ fn bare_proxy(upstream: SocketAddr, log: Option<PathBuf>) {
 }
 
 fn start_bare_proxy(upstream: SocketAddr, log: Option<&Path>) -> (std::process::Child, SocketAddr) {
-    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    // `BENCH_BARE_WRAP` is prepended to its command line, as `BENCH_WRAP` to oncegate's.
+    let wrap = std::env::var("BENCH_BARE_WRAP").unwrap_or_default();
+    let mut argv: Vec<String> = wrap.split_whitespace().map(str::to_string).collect();
+    argv.push(std::env::current_exe().unwrap().display().to_string());
+    let mut cmd = std::process::Command::new(&argv[0]);
+    cmd.args(&argv[1..]);
     cmd.env("BENCH_BARE_PROXY", upstream.to_string());
     if let Some(log) = log {
         cmd.env("BENCH_BARE_LOG", log);
@@ -963,11 +969,6 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         }
     }
 
-    // The replay workload's keys exist before it runs: each of the 512 keys sent once (the
-    // peer keeps them 10 s: its keys are sent again before each of its rounds).
-    for t in targets.iter().filter(|t| !t.peer && !t.one_writer_only) {
-        warm_replays(t.addr, false).await;
-    }
     let specs = [
         Spec {
             name: "read GET, 1 connection",
@@ -1027,6 +1028,17 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         .iter()
         .filter(|s| only.split('|').any(|o| s.name.contains(o)))
         .collect();
+    // The replay workload's keys exist before it runs: each of the 512 keys sent once (the
+    // peer keeps them 10 s: its keys are sent again before each of its rounds). Only when a
+    // workload replays, so that a profile of reads holds no writes.
+    if specs
+        .iter()
+        .any(|s| matches!(s.workload, Workload::Replay | Workload::Mixed))
+    {
+        for t in targets.iter().filter(|t| !t.peer && !t.one_writer_only) {
+            warm_replays(t.addr, false).await;
+        }
+    }
     let mut results: Vec<(&Spec, HashMap<&str, Result_>)> = Vec::new();
     let mut flushes_per_write = HashMap::new();
     // Where a write's time goes at 1 connection: oncegate's phase histograms over those rounds.

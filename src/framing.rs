@@ -8,6 +8,10 @@
 //! renames the offending `Content-Length` line to [`MARK`] (same length, so nothing shifts). hyper
 //! then parses the request exactly as before, and the proxy answers the marked request with a 400
 //! problem and `Connection: close`.
+//!
+//! It also bounds each request head in time (`header_timeout`), in place of hyper's own header
+//! timer, which allocates and registers a timer for every request: here one timer serves the
+//! connection, moved only when it fires.
 
 use std::future::Future;
 use std::io;
@@ -66,8 +70,16 @@ pub struct FramingGuard<IO> {
     buf: BytesMut,
     /// How many leading bytes of `buf` are scanned and may be handed to hyper.
     ready: usize,
-    /// Armed at opening, dropped once the first head is through.
+    /// The connection's one head timer (with `with_header_timeout`): it fires at or before the
+    /// head in progress is due, and is moved on when it fires early.
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    timeout: std::time::Duration,
+    /// When the head in progress began: the connection's opening for the first head, its first
+    /// byte for a later one; `None` between heads.
+    head_began: Option<tokio::time::Instant>,
+    /// Requests in progress on the connection: a later head's clock does not run while the
+    /// answer to an earlier request is awaited (a pipelined head waits for it).
+    busy: Option<crate::idle::Busy>,
     /// Request heads scanned whole.
     heads: u64,
 }
@@ -80,37 +92,72 @@ impl<IO> FramingGuard<IO> {
             buf: BytesMut::new(),
             ready: 0,
             deadline: None,
+            timeout: std::time::Duration::ZERO,
+            head_began: None,
+            busy: None,
             heads: 0,
         }
     }
 
-    /// Also closes the connection when its first request head does not arrive within `timeout`.
-    pub fn with_header_timeout(mut self, timeout: std::time::Duration) -> Self {
+    /// Also closes the connection when its first request head does not arrive whole within
+    /// `timeout` of opening, or a later one within `timeout` of its first byte (or of the end of
+    /// the requests `busy` counts, if later).
+    pub fn with_header_timeout(
+        mut self,
+        timeout: std::time::Duration,
+        busy: crate::idle::Busy,
+    ) -> Self {
         self.deadline = Some(Box::pin(tokio::time::sleep(timeout)));
+        self.timeout = timeout;
+        self.head_began = Some(tokio::time::Instant::now());
+        self.busy = Some(busy);
         self
     }
 
-    /// Whether the connection waits for (or is in) a request head.
-    fn awaiting_head(&self) -> bool {
-        matches!(self.state, State::Start | State::Head(_))
+    /// Whether a head has begun and is not whole yet: a line of it scanned, or a partial line
+    /// held back until its end arrives.
+    fn in_head(&self) -> bool {
+        matches!(&self.state, State::Head(h) if h.started || !self.buf.is_empty())
     }
 
-    /// `Err` once the opening deadline passed before the first head; registers the waker.
-    fn check_deadline(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
-        if self.heads > 0 || !self.awaiting_head() {
-            // hyper's own header timer takes over from here.
-            self.deadline = None;
-            return Ok(());
+    /// Follows the heads after a read: a head whole ends its clock, a new one starts one.
+    fn note_heads(&mut self, heads_before: u64) {
+        if self.deadline.is_none() {
+            return;
         }
-        let passed = self
-            .deadline
-            .as_mut()
-            .is_some_and(|d| d.as_mut().poll(cx).is_ready());
-        if passed {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "no whole request head within header_timeout",
-            ));
+        if self.heads != heads_before || matches!(self.state, State::Off) {
+            self.head_began = None;
+        }
+        if self.head_began.is_none() && self.in_head() {
+            self.head_began = Some(tokio::time::Instant::now());
+        }
+    }
+
+    /// `Err` once the head in progress is past its deadline; registers the waker.
+    fn check_deadline(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
+        let Some(deadline) = self.deadline.as_mut() else {
+            return Ok(());
+        };
+        let Some(began) = self.head_began else {
+            // Between heads the timer may fire; it is looked at again when a head begins.
+            return Ok(());
+        };
+        while deadline.as_mut().poll(cx).is_ready() {
+            let now = tokio::time::Instant::now();
+            if self.busy.as_ref().is_some_and(|b| !b.idle()) {
+                // A pipelined head waits for the answer before it: its clock starts again.
+                self.head_began = Some(now);
+                deadline.as_mut().reset(now + self.timeout);
+                continue;
+            }
+            let due = began + self.timeout;
+            if due <= now {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "no whole request head within header_timeout",
+                ));
+            }
+            deadline.as_mut().reset(due);
         }
         Ok(())
     }
@@ -286,14 +333,14 @@ impl<IO: AsyncRead + Unpin> AsyncRead for FramingGuard<IO> {
         out: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
+        let heads_before = this.heads;
         let result = Self::read_guarded(this, cx, out);
+        this.note_heads(heads_before);
         if result.is_pending() {
             // Waiting on the client: give up at the head deadline.
             if let Err(e) = this.check_deadline(cx) {
                 return Poll::Ready(Err(e));
             }
-        } else if this.heads > 0 || !this.awaiting_head() {
-            this.deadline = None;
         }
         result
     }

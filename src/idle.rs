@@ -28,7 +28,7 @@ impl Busy {
         BusyGuard(self.0.clone())
     }
 
-    fn idle(&self) -> bool {
+    pub fn idle(&self) -> bool {
         self.0.load(Ordering::Relaxed) == 0
     }
 }

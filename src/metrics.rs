@@ -57,6 +57,9 @@ pub struct ResultLabels {
     pub result: String,
 }
 
+/// The outcome of a request forwarded as it came (a read).
+pub const FORWARDED: &str = "forwarded";
+
 fn latency() -> Histogram {
     // 0.5 ms .. ~16 s
     Histogram::new(exponential_buckets(0.0005, 2.0, 16))
@@ -74,6 +77,16 @@ pub struct Metrics {
     pub log_head: Gauge,
     /// The last hour by minute, for the console's chart.
     pub minutes: Minutes,
+    /// Each upstream's handles for what every read counts, resolved once ([`Metrics::prepare`]).
+    hot: std::sync::OnceLock<Vec<Hot>>,
+}
+
+/// The series a forwarded read updates, held so that counting one hashes no labels.
+struct Hot {
+    upstream: &'static str,
+    /// `requests{class="read", outcome="forwarded"}`.
+    forwarded: Counter,
+    latency: Histogram,
 }
 
 impl Default for Metrics {
@@ -134,12 +147,46 @@ impl Metrics {
             lookups,
             log_head,
             minutes: Minutes::default(),
+            hot: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Resolves, once, the series each upstream's reads update. Reads of an upstream not named
+    /// here are counted all the same, through the label lookup.
+    pub fn prepare(&self, upstreams: impl Iterator<Item = &'static str>) {
+        let _ = self.hot.set(
+            upstreams
+                .map(|upstream| Hot {
+                    upstream,
+                    forwarded: self
+                        .requests
+                        .get_or_create(&RequestLabels {
+                            upstream,
+                            class: crate::route::Class::Read.as_str(),
+                            outcome: FORWARDED,
+                        })
+                        .clone(),
+                    latency: self
+                        .upstream_latency
+                        .get_or_create(&UpstreamLabels { upstream })
+                        .clone(),
+                })
+                .collect(),
+        );
+    }
+
+    fn hot(&self, upstream: &str) -> Option<&Hot> {
+        self.hot.get()?.iter().find(|h| h.upstream == upstream)
     }
 
     pub fn request(&self, upstream: &'static str, class: &'static str, outcome: &'static str) {
         if class == crate::route::Class::Write.as_str() {
             self.minutes.write(outcome);
+        } else if outcome == FORWARDED && class == crate::route::Class::Read.as_str() {
+            if let Some(h) = self.hot(upstream) {
+                h.forwarded.inc();
+                return;
+            }
         }
         self.requests
             .get_or_create(&RequestLabels {
@@ -159,6 +206,10 @@ impl Metrics {
     }
 
     pub fn upstream_latency(&self, upstream: &'static str, seconds: f64) {
+        if let Some(h) = self.hot(upstream) {
+            h.latency.observe(seconds);
+            return;
+        }
         self.upstream_latency
             .get_or_create(&UpstreamLabels { upstream })
             .observe(seconds);

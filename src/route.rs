@@ -374,8 +374,11 @@ pub fn route<'a>(
     } else {
         method
     };
-    let has_override =
-        METHOD_OVERRIDES.iter().any(|h| headers.contains_key(*h)) || tunnels_method(query);
+    // One pass over the names, no hashing: most requests carry no override.
+    let has_override = headers
+        .keys()
+        .any(|k| METHOD_OVERRIDES.contains(&k.as_str()))
+        || tunnels_method(query);
     let (class, policy) = if has_override {
         let (c, p) = strictest(upstream, method, &bare, headers, query);
         // The policy of the route that decided; borrowed from the config.

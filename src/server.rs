@@ -72,14 +72,11 @@ where
     F: Future<Output = Response<ProxyBody>> + Send + 'static,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    // The header read timeout only runs with a timer set (hyper needs one to sleep). hyper's
-    // default limit of 100 headers applies; setting it explicitly, even to 100, makes hyper
-    // build its header arrays element by element for every request.
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(opts.header_timeout)
-        .max_buf_size(HEAD_MAX);
+    // No timer for HTTP/1: hyper's header read timer would allocate and register a timer for
+    // every request; the framing guard bounds each head with one timer a connection instead
+    // (crate::framing). hyper's default limit of 100 headers applies; setting it explicitly,
+    // even to 100, makes hyper build its header arrays element by element for every request.
+    builder.http1().max_buf_size(HEAD_MAX);
     builder.http2().timer(TokioTimer::new());
     let builder = Arc::new(builder);
     let graceful = GracefulShutdown::new();
@@ -130,7 +127,8 @@ where
             let result = match &opts.tls {
                 None => {
                     let io = TokioIo::new(
-                        FramingGuard::new(idle(stream)).with_header_timeout(opts.header_timeout),
+                        FramingGuard::new(idle(stream))
+                            .with_header_timeout(opts.header_timeout, busy.clone()),
                     );
                     let conn = builder.serve_connection(io, svc);
                     watcher.watch(conn.into_owned()).await
@@ -158,7 +156,8 @@ where
                         Guarded::Plain(tls)
                     } else {
                         Guarded::Guarded(
-                            FramingGuard::new(tls).with_header_timeout(opts.header_timeout),
+                            FramingGuard::new(tls)
+                                .with_header_timeout(opts.header_timeout, busy.clone()),
                         )
                     });
                     let conn = builder.serve_connection(io, svc);

@@ -36,8 +36,11 @@ pub fn full(b: impl Into<Bytes>) -> ProxyBody {
         .boxed_unsync()
 }
 
+/// An empty body. `Empty` has no size, so boxing it allocates nothing.
 pub fn empty() -> ProxyBody {
-    full(Bytes::new())
+    http_body_util::Empty::<Bytes>::new()
+        .map_err(|never| match never {})
+        .boxed_unsync()
 }
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1).
@@ -83,7 +86,9 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// The upstream clients, one per upstream and connect timeout; looked up for every request
 /// ([`crate::FastMap`]).
 pub struct Upstreams {
-    clients: crate::FastMap<(String, Duration), HttpClient>,
+    /// By upstream name, then connect timeout (an upstream has one or a few): looked up by
+    /// `&str`, so that a request allocates nothing to find its client.
+    clients: crate::FastMap<String, Vec<(Duration, HttpClient)>>,
 }
 
 fn tls_config(up: &Upstream) -> Result<rustls::ClientConfig, String> {
@@ -123,7 +128,9 @@ impl Upstreams {
             let timeouts = std::iter::once(up.policy.connect_timeout)
                 .chain(up.routes.iter().map(|r| r.policy.connect_timeout));
             for ct in timeouts {
-                if clients.contains_key(&(up.name.clone(), ct)) {
+                let those: &mut Vec<(Duration, HttpClient)> =
+                    clients.entry(up.name.clone()).or_default();
+                if those.iter().any(|(t, _)| *t == ct) {
                     continue;
                 }
                 let mut http = HttpConnector::new();
@@ -141,7 +148,7 @@ impl Upstreams {
                     .pool_timer(TokioTimer::new())
                     .pool_idle_timeout(Duration::from_secs(60))
                     .build(https);
-                clients.insert((up.name.clone(), ct), client);
+                those.push((ct, client));
             }
         }
         Ok(Upstreams { clients })
@@ -149,7 +156,13 @@ impl Upstreams {
 
     fn client(&self, up: &Upstream, policy: &Policy) -> &HttpClient {
         self.clients
-            .get(&(up.name.clone(), policy.connect_timeout))
+            .get(up.name.as_str())
+            .and_then(|those| {
+                those
+                    .iter()
+                    .find(|(t, _)| *t == policy.connect_timeout)
+                    .map(|(_, c)| c)
+            })
             .expect("a client exists for every upstream and route connect_timeout")
     }
 }
@@ -186,14 +199,18 @@ impl Outgoing {
         key: Option<(&HeaderName, &str)>,
     ) -> Result<Outgoing, http::Error> {
         strip_hop_by_hop(&mut headers);
-        headers.remove(header::HOST);
-        let ours: Vec<HeaderName> = headers
-            .keys()
-            .filter(|k| k.as_str().starts_with("oncegate-"))
-            .cloned()
-            .collect();
-        for k in ours {
-            headers.remove(k);
+        // `Host` is the upstream's, made once with the config (the client would format it for
+        // every request).
+        headers.insert(header::HOST, up.host.clone());
+        if headers.keys().any(|k| k.as_str().starts_with("oncegate-")) {
+            let ours: Vec<HeaderName> = headers
+                .keys()
+                .filter(|k| k.as_str().starts_with("oncegate-"))
+                .cloned()
+                .collect();
+            for k in ours {
+                headers.remove(k);
+            }
         }
         headers.append(header::VIA, HeaderValue::from_static("1.1 oncegate"));
         if let Some((name, value)) = key {
@@ -250,6 +267,15 @@ impl Outgoing {
         *req.method_mut() = self.method.clone();
         *req.uri_mut() = self.uri.clone();
         *req.headers_mut() = self.headers.clone();
+        req
+    }
+
+    /// The request of the last try: the head moves instead of being copied.
+    fn into_request(self, body: ProxyBody) -> Request<ProxyBody> {
+        let mut req = Request::new(body);
+        *req.method_mut() = self.method;
+        *req.uri_mut() = self.uri;
+        *req.headers_mut() = self.headers;
         req
     }
 }
@@ -419,7 +445,7 @@ impl Upstreams {
         &self,
         up: &Upstream,
         policy: &Policy,
-        out: &Outgoing,
+        out: Outgoing,
         body: B,
     ) -> Result<Response<Incoming>, ReadFailure>
     where
@@ -429,20 +455,38 @@ impl Upstreams {
         let client = self.client(up, policy);
         let hint = body.size_hint();
         let bodiless = hint.exact() == Some(0);
-        let slot = Arc::new(Mutex::new(Some(body)));
+        // A body is handed to each try through a slot that the try reading it empties; a
+        // bodiless read (most are) needs none: each try gets an empty body, which allocates
+        // nothing.
+        let slot = (!bodiless).then(|| Arc::new(Mutex::new(Some(body))));
+        let mut out = Some(out);
         let mut n = 0;
         loop {
-            let b = TakeOnce {
-                slot: slot.clone(),
-                taken: None,
-                hint,
+            let b = match &slot {
+                None => empty(),
+                Some(slot) => TakeOnce {
+                    slot: slot.clone(),
+                    taken: None,
+                    hint,
+                }
+                .boxed_unsync(),
             };
-            let req = out.request(b.boxed_unsync());
             let last = n >= policy.retries;
+            let req = if last {
+                out.take()
+                    .expect("the head is kept until the last try")
+                    .into_request(b)
+            } else {
+                out.as_ref()
+                    .expect("the head is kept until the last try")
+                    .request(b)
+            };
             match tokio::time::timeout(policy.timeout, client.request(req)).await {
                 Err(_) => return Err(ReadFailure::Timeout(policy.timeout)),
                 Ok(Err(e)) if e.is_connect() => {
-                    let unread = slot.lock().map(|s| s.is_some()).unwrap_or(false);
+                    let unread = slot
+                        .as_ref()
+                        .is_none_or(|s| s.lock().map(|s| s.is_some()).unwrap_or(false));
                     if last || !unread {
                         return Err(ReadFailure::Unreachable(error_chain(&e)));
                     }

@@ -63,6 +63,49 @@ async fn an_idle_keep_alive_connection_is_closed_at_header_timeout_after_its_res
     assert!(held >= Duration::from_millis(1_900), "{held:?}");
 }
 
+/// A later head on a kept-alive connection is bounded too: trickled a byte every 300 ms after a
+/// first request was answered, it is cut at `header_timeout` of its first byte (the silence
+/// bound never fires, since the client keeps sending), and nothing of it is sent upstream.
+#[tokio::test]
+async fn a_trickled_second_head_is_closed_at_header_timeout() {
+    let up = FakeUpstream::start().await;
+    // The test config's header_timeout is 2s.
+    let proxy = TestProxy::start(&config(&up.url(), "")).await;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(b"GET /pay/v1/first HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(buf[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &buf[..n]);
+    assert_eq!(up.count(), 1);
+    let started = Instant::now();
+    let head =
+        b"GET /pay/v1/second HTTP/1.1\r\nhost: x\r\nx-long: aaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n\r\n";
+    let mut closed = None;
+    for b in head.iter() {
+        if s.write_all(&[*b]).await.is_err() {
+            closed = Some(started.elapsed());
+            break;
+        }
+        // A closed connection shows as a read of 0 (or an error) before the next byte.
+        match tokio::time::timeout(Duration::from_millis(300), s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => {
+                closed = Some(started.elapsed());
+                break;
+            }
+            Ok(Ok(n)) => panic!("answered a head never finished: {:?}", &buf[..n]),
+            Err(_) => {}
+        }
+    }
+    let held = closed.expect("the trickled head's connection is closed before it finishes");
+    assert!(
+        held >= Duration::from_millis(1_900) && held < Duration::from_millis(3_500),
+        "closed after {held:?}, not at header_timeout (2 s) of the head's first byte"
+    );
+    assert_eq!(up.count(), 1, "nothing of the trickled head was sent");
+}
+
 #[tokio::test]
 async fn a_trickled_or_missing_write_body_gets_408_and_nothing_is_sent() {
     let up = FakeUpstream::start().await;

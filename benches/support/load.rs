@@ -78,7 +78,9 @@ fn stream_answer() -> http::Response<UnsyncBoxBody<Bytes, std::convert::Infallib
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(2);
     tokio::spawn(async move {
         let _ = tx
-            .send(Bytes::from_static(b"event: token\ndata: {\"text\":\"Hello\"}\n\n"))
+            .send(Bytes::from_static(
+                b"event: token\ndata: {\"text\":\"Hello\"}\n\n",
+            ))
             .await;
         tokio::time::sleep(STREAM_GAP).await;
         let _ = tx
@@ -87,7 +89,10 @@ fn stream_answer() -> http::Response<UnsyncBoxBody<Bytes, std::convert::Infallib
     });
     let frames = futures_util::stream::unfold(rx, |mut rx| async move {
         let b = rx.recv().await?;
-        Some((Ok::<_, std::convert::Infallible>(http_body::Frame::data(b)), rx))
+        Some((
+            Ok::<_, std::convert::Infallible>(http_body::Frame::data(b)),
+            rx,
+        ))
     });
     let mut r = http::Response::new(http_body_util::StreamBody::new(frames).boxed_unsync());
     r.headers_mut()

@@ -67,6 +67,8 @@ pub struct Upstream {
     pub prefix: String,
     /// The upstream base URL as written (scheme, authority and an optional base path).
     pub url: Uri,
+    /// The `Host` header requests to it carry: its host, and its port unless the scheme's own.
+    pub host: http::HeaderValue,
     pub ca_file: Option<PathBuf>,
     /// Paths may carry `%2F` inside a segment (APIs such as GitLab's); refused otherwise.
     pub allow_encoded_slash: bool,
@@ -389,10 +391,12 @@ pub(super) fn resolve_upstream(
             policy: Arc::new(rp),
         });
     }
+    let host = host_header(&url).ok_or_else(|| invalid(format!("{at}url"), "has no host"))?;
     Ok(Upstream {
         name: u.name.clone(),
         label: crate::metrics::intern(&u.name),
         prefix: prefix.to_string(),
+        host,
         url,
         ca_file: u.ca_file.clone(),
         allow_encoded_slash: u.allow_encoded_slash.unwrap_or(false),
@@ -402,9 +406,44 @@ pub(super) fn resolve_upstream(
     })
 }
 
+/// The `Host` header for `url`, as an HTTP client derives it: the host, with the port only
+/// where it is not the scheme's default.
+fn host_header(url: &Uri) -> Option<http::HeaderValue> {
+    let host = url.host()?;
+    let default = match url.scheme_str() {
+        Some("https") => 443,
+        _ => 80,
+    };
+    let text = match url.port_u16() {
+        Some(p) if p != default => format!("{host}:{p}"),
+        _ => host.to_string(),
+    };
+    http::HeaderValue::from_str(&text).ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::NameGlob;
+
+    #[test]
+    fn host_headers() {
+        let cases = [
+            ("http://127.0.0.1:8080/v1", "127.0.0.1:8080"),
+            ("http://api.example.com", "api.example.com"),
+            ("http://api.example.com:80", "api.example.com"),
+            ("https://api.example.com:443/x", "api.example.com"),
+            ("https://api.example.com:8443", "api.example.com:8443"),
+            ("http://[::1]:9000", "[::1]:9000"),
+        ];
+        for (url, want) in cases {
+            let got = super::host_header(&url.parse().expect("a URL"));
+            assert_eq!(
+                got.as_ref().map(|v| v.to_str().ok()),
+                Some(Some(want)),
+                "{url}"
+            );
+        }
+    }
 
     #[test]
     fn name_globs() {

@@ -67,6 +67,9 @@ use crate::upstream::{
 /// for a body over `max_stored_response`: it keeps records small (`store::sled::RECORD_MAX`).
 pub const STORED_HEAD_MAX: usize = 16 * 1024;
 
+/// The header every answer of the proxy's own carries its outcome in.
+static OUTCOME: http::HeaderName = http::HeaderName::from_static("oncegate-outcome");
+
 /// Wakes requests waiting for an in-flight attempt of the same action, by action id
 /// ([`crate::FastMap`]).
 #[derive(Default)]
@@ -178,7 +181,10 @@ fn content_length(h: &HeaderMap) -> Option<u64> {
 /// Refuses ambiguous framing (request smuggling): CL + TE, or more than one Content-Length.
 /// hyper hides both cases; the connection's [`crate::framing::FramingGuard`] marks them.
 fn check_framing(h: &HeaderMap) -> Result<(), ProxyError> {
-    if h.contains_key(crate::framing::MARK) || h.contains_key(crate::framing::MARK_TE) {
+    // One pass over the names, no hashing: the guard's marks are rare.
+    if h.keys()
+        .any(|k| matches!(k.as_str(), crate::framing::MARK | crate::framing::MARK_TE))
+    {
         return Err(ProxyError::BadRequest(
             "the request has both Content-Length and Transfer-Encoding, or more than one Content-Length".into(),
         ));
@@ -216,6 +222,7 @@ impl Proxy {
                 "store: made before stores had a secret, so the principals, fingerprints and body digests it keeps are plain SHA-256, against which a reader of its write log can test a guessed body or credential; a new store keys them (docs/operations.md, \"A store without a secret\")"
             );
         }
+        metrics.prepare(config.upstreams.iter().map(|u| u.label));
         Ok(Proxy {
             clock,
             upstreams: Arc::new(Upstreams::new(&config)?),
@@ -280,8 +287,8 @@ impl Proxy {
                     tracing::debug!(status = resp.status().as_u16(), "answered");
                     // MCP problems are answered, not raised (SPEC §14.4): their outcome is
                     // in the header, as every other answer's.
-                    let outcome = match resp.headers().get("oncegate-outcome") {
-                        None => "forwarded",
+                    let outcome = match resp.headers().get(&OUTCOME) {
+                        None => crate::metrics::FORWARDED,
                         Some(v) => {
                             Outcome::from_header(v.as_bytes()).map_or("other", Outcome::as_str)
                         }
@@ -442,7 +449,7 @@ impl Proxy {
         let started = std::time::Instant::now();
         let answer = self
             .upstreams
-            .forward_read(t.upstream, policy, &out, body)
+            .forward_read(t.upstream, policy, out, body)
             .await;
         self.metrics
             .upstream_latency(t.upstream.label, started.elapsed().as_secs_f64());

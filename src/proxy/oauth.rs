@@ -77,7 +77,7 @@ impl Proxy {
                     })?;
                 let resp = self
                     .upstreams
-                    .forward_read(&up, &up.policy, &out, body)
+                    .forward_read(&up, &up.policy, out, body)
                     .await
                     .map_err(|e| ProxyError::UpstreamFailed(format!("{e:?}")))?;
                 Ok(resp.map(|b| b.map_err(Into::into).boxed_unsync()))

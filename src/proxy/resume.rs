@@ -63,7 +63,7 @@ impl Proxy {
             .map_err(|e| format!("cannot build the resuming request: {e}"))?;
             let resp = self
                 .upstreams
-                .forward_read(&job.upstream, &job.policy, &out, crate::upstream::empty())
+                .forward_read(&job.upstream, &job.policy, out, crate::upstream::empty())
                 .await
                 .map_err(|e| {
                     format!("resuming the stream after event {last_id:?} failed: {e:?}")
