@@ -23,7 +23,8 @@
 //! `BENCH_BARE_WRAP` does the same for the `bare hyper` processes. `BENCH_TWIN_OFF=1` adds
 //! `oncegate, twin guard off` (the same build, `twin_guard = false`, a store of its own warmed
 //! alike) to every workload, and a section pricing the unsettled-twin guard
-//! (bench/results-twin.md).
+//! (bench/results-twin.md). `BENCH_BASELINE=path` adds `oncegate, baseline build`: the oncegate
+//! binary at that path (another build) on a store of its own warmed alike, for same-run pairs.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "support/append_log.rs"]
@@ -34,6 +35,8 @@ mod fsync_probe;
 mod load;
 #[path = "support/proc.rs"]
 mod proc;
+#[path = "support/reads.rs"]
+mod reads;
 #[path = "support/sled_alone.rs"]
 mod sled_alone;
 
@@ -63,6 +66,10 @@ const PEER_DURABLE: &str = "peer, Redis appendfsync always";
 /// With `BENCH_TWIN_OFF=1`: oncegate again, on a store of its own warmed the same way, with the
 /// unsettled-twin guard off: the same-run pair that prices the guard (SPEC §4.1).
 const OG_NO_GUARD: &str = "oncegate, twin guard off";
+
+/// With `BENCH_BASELINE=path`: the oncegate binary at that path (another build), on a store of
+/// its own warmed the same way.
+const OG_BASELINE: &str = "oncegate, baseline build";
 
 // ---------------------------------------------------------------- the bare hyper proxy
 
@@ -932,6 +939,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     });
     targets.push(plain("oncegate", og_addr, Some(og.id())));
     let mut no_guard = None;
+    let mut baseline = None;
     if std::env::var("BENCH_TWIN_OFF").is_ok_and(|v| v == "1") {
         let dir = tmp.path().join("og-no-guard");
         std::fs::create_dir_all(&dir).unwrap();
@@ -939,6 +947,19 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         let (c, addr, _, _) = start_measured_with(&dir, up, "twin_guard = false").await;
         targets.push(plain(OG_NO_GUARD, addr, Some(c.id())));
         no_guard = Some(c);
+    }
+    // `BENCH_BASELINE=path`: another build of oncegate (today's main, say), on a store of its
+    // own warmed alike: a same-run pair of two builds.
+    if let Ok(bin) = std::env::var("BENCH_BASELINE") {
+        let dir = tmp.path().join("og-baseline");
+        std::fs::create_dir_all(&dir).unwrap();
+        warm(&dir.join("store")).await;
+        let store = format!("path = {:?}", dir.join("store").display().to_string());
+        let conf = load::config(&dir, up, &store, "");
+        let bin: &'static str = Box::leak(bin.into_boxed_str());
+        let (c, addr, _, _) = load::launch_bin(bin, &conf, &[], &[]);
+        targets.push(plain(OG_BASELINE, addr, Some(c.id())));
+        baseline = Some(c);
     }
     // The closest public peer, on Redis without persistence and with every write fsynced
     // (`BENCH_PEER=0` leaves it out).
@@ -1138,6 +1159,10 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     // Stopped as an operator would (SIGTERM), so that what it prints at exit (with `BENCH_ECHO=1`
     // and `_RJEM_MALLOC_CONF=stats_print:true`, the allocator's statistics) is seen.
     stop(&mut og).await;
+    if let Some(mut c) = baseline {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
     if let Some(mut c) = no_guard {
         stop(&mut c).await;
     }
@@ -1458,6 +1483,12 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
             .map(|(flushes, writes)| flushes / (*writes).max(1) as f64),
         actions,
     );
+    reads::report(&mut md, |w, conns| {
+        results
+            .iter()
+            .find(|(s, _)| s.workload == w && s.conns == conns)
+            .map(|(_, p)| p)
+    });
     print!("{md}");
     if let Some(p) = out {
         if let Some(parent) = p.parent() {
@@ -1685,6 +1716,7 @@ fn invocation() -> String {
         "BENCH_SECS",
         "BENCH_PEER",
         "BENCH_TWIN_OFF",
+        "BENCH_BASELINE",
     ]
     .iter()
     .filter_map(|k| {
