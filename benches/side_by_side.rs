@@ -133,11 +133,8 @@ fn bare_proxy(upstream: SocketAddr, log: Option<PathBuf>) {
 
 fn start_bare_proxy(upstream: SocketAddr, log: Option<&Path>) -> (std::process::Child, SocketAddr) {
     // `BENCH_BARE_WRAP` is prepended to its command line, as `BENCH_WRAP` to oncegate's.
-    let wrap = std::env::var("BENCH_BARE_WRAP").unwrap_or_default();
-    let mut argv: Vec<String> = wrap.split_whitespace().map(str::to_string).collect();
-    argv.push(std::env::current_exe().unwrap().display().to_string());
-    let mut cmd = std::process::Command::new(&argv[0]);
-    cmd.args(&argv[1..]);
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd = load::wrapped("BENCH_BARE_WRAP", exe.to_str().unwrap());
     cmd.env("BENCH_BARE_PROXY", upstream.to_string());
     if let Some(log) = log {
         cmd.env("BENCH_BARE_LOG", log);
@@ -956,8 +953,7 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         warm(&dir.join("store")).await;
         let store = format!("path = {:?}", dir.join("store").display().to_string());
         let conf = load::config(&dir, up, &store, "");
-        let bin: &'static str = Box::leak(bin.into_boxed_str());
-        let (c, addr, _, _) = load::launch_bin(bin, &conf, &[], &[]);
+        let (c, addr, _, _) = load::launch_bin(&bin, &conf, &[], &[]);
         targets.push(plain(OG_BASELINE, addr, Some(c.id())));
         baseline = Some(c);
     }

@@ -70,18 +70,23 @@ pub struct FramingGuard<IO> {
     buf: BytesMut,
     /// How many leading bytes of `buf` are scanned and may be handed to hyper.
     ready: usize,
-    /// The connection's one head timer (with `with_header_timeout`): it fires at or before the
-    /// head in progress is due, and is moved on when it fires early.
-    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The bound on each head's time (with `with_header_timeout`).
+    clock: Option<HeadClock>,
+    /// Request heads scanned whole.
+    heads: u64,
+}
+
+/// One timer for all of a connection's heads: it fires at or before the head in progress is
+/// due, and is moved on when it fires early.
+struct HeadClock {
+    sleep: Pin<Box<tokio::time::Sleep>>,
     timeout: std::time::Duration,
     /// When the head in progress began: the connection's opening for the first head, its first
     /// byte for a later one; `None` between heads.
-    head_began: Option<tokio::time::Instant>,
+    began: Option<tokio::time::Instant>,
     /// Requests in progress on the connection: a later head's clock does not run while the
     /// answer to an earlier request is awaited (a pipelined head waits for it).
-    busy: Option<crate::idle::Busy>,
-    /// Request heads scanned whole.
-    heads: u64,
+    busy: crate::idle::Busy,
 }
 
 impl<IO> FramingGuard<IO> {
@@ -91,10 +96,7 @@ impl<IO> FramingGuard<IO> {
             state: State::Start,
             buf: BytesMut::new(),
             ready: 0,
-            deadline: None,
-            timeout: std::time::Duration::ZERO,
-            head_began: None,
-            busy: None,
+            clock: None,
             heads: 0,
         }
     }
@@ -107,10 +109,12 @@ impl<IO> FramingGuard<IO> {
         timeout: std::time::Duration,
         busy: crate::idle::Busy,
     ) -> Self {
-        self.deadline = Some(Box::pin(tokio::time::sleep(timeout)));
-        self.timeout = timeout;
-        self.head_began = Some(tokio::time::Instant::now());
-        self.busy = Some(busy);
+        self.clock = Some(HeadClock {
+            sleep: Box::pin(tokio::time::sleep(timeout)),
+            timeout,
+            began: Some(tokio::time::Instant::now()),
+            busy,
+        });
         self
     }
 
@@ -122,42 +126,44 @@ impl<IO> FramingGuard<IO> {
 
     /// Follows the heads after a read: a head whole ends its clock, a new one starts one.
     fn note_heads(&mut self, heads_before: u64) {
-        if self.deadline.is_none() {
+        let in_head = self.in_head();
+        let (done, off) = (self.heads != heads_before, matches!(self.state, State::Off));
+        let Some(clock) = self.clock.as_mut() else {
             return;
+        };
+        if done || off {
+            clock.began = None;
         }
-        if self.heads != heads_before || matches!(self.state, State::Off) {
-            self.head_began = None;
-        }
-        if self.head_began.is_none() && self.in_head() {
-            self.head_began = Some(tokio::time::Instant::now());
+        if clock.began.is_none() && in_head {
+            clock.began = Some(tokio::time::Instant::now());
         }
     }
 
     /// `Err` once the head in progress is past its deadline; registers the waker.
     fn check_deadline(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
-        let Some(deadline) = self.deadline.as_mut() else {
+        let Some(clock) = self.clock.as_mut() else {
             return Ok(());
         };
-        let Some(began) = self.head_began else {
-            // Between heads the timer may fire; it is looked at again when a head begins.
-            return Ok(());
-        };
-        while deadline.as_mut().poll(cx).is_ready() {
-            let now = tokio::time::Instant::now();
-            if self.busy.as_ref().is_some_and(|b| !b.idle()) {
-                // A pipelined head waits for the answer before it: its clock starts again.
-                self.head_began = Some(now);
-                deadline.as_mut().reset(now + self.timeout);
-                continue;
+        // Between heads the timer may fire; it is looked at again when a head begins.
+        while let Some(began) = clock.began {
+            if clock.sleep.as_mut().poll(cx).is_pending() {
+                break;
             }
-            let due = began + self.timeout;
+            let now = tokio::time::Instant::now();
+            let due = if clock.busy.idle() {
+                began + clock.timeout
+            } else {
+                // A pipelined head waits for the answer before it: its clock starts again.
+                clock.began = Some(now);
+                now + clock.timeout
+            };
             if due <= now {
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
                     "no whole request head within header_timeout",
                 ));
             }
-            deadline.as_mut().reset(due);
+            clock.sleep.as_mut().reset(due);
         }
         Ok(())
     }

@@ -363,13 +363,9 @@ pub async fn run(
     };
     // `log.compress`: the write log's closed files, compressed soon after they close (sled:
     // 64 MiB each). Off by default: on two cores at half load it cost the p99 (decision 0050).
-    let compactor = {
+    let compactor = config.log.compress.then(|| {
         let store = store.clone();
-        let on = config.log.compress;
         tokio::spawn(async move {
-            if !on {
-                return;
-            }
             loop {
                 tokio::time::sleep(std::time::Duration::from_secs(5)).await;
                 if let Err(e) = store.compact_log().await {
@@ -377,7 +373,7 @@ pub async fn run(
                 }
             }
         })
-    };
+    });
     let timers = tokio::spawn(keep_timers_near());
     let admin_task = listeners.admin.map(|l| {
         if let Ok(addr) = l.local_addr() {
@@ -435,7 +431,9 @@ pub async fn run(
     background.abort();
     sweeper.abort();
     sampler.abort();
-    compactor.abort();
+    if let Some(c) = compactor {
+        c.abort();
+    }
     timers.abort();
     // Actions whose clients left still run in their own tasks: give them the rest of the drain.
     proxy.attempts().close();

@@ -199,18 +199,20 @@ impl Outgoing {
         key: Option<(&HeaderName, &str)>,
     ) -> Result<Outgoing, http::Error> {
         strip_hop_by_hop(&mut headers);
-        // `Host` is the upstream's, made once with the config (the client would format it for
-        // every request).
-        headers.insert(header::HOST, up.host.clone());
-        if headers.keys().any(|k| k.as_str().starts_with("oncegate-")) {
-            let ours: Vec<HeaderName> = headers
-                .keys()
-                .filter(|k| k.as_str().starts_with("oncegate-"))
-                .cloned()
-                .collect();
-            for k in ours {
-                headers.remove(k);
-            }
+        // `Host` is the upstream's: made once with the config for a plain-HTTP one (the client
+        // would format it for every request), set by the client on an HTTPS one's HTTP/1
+        // connections.
+        match &up.host {
+            Some(host) => headers.insert(header::HOST, host.clone()),
+            None => headers.remove(header::HOST),
+        };
+        let ours: Vec<HeaderName> = headers
+            .keys()
+            .filter(|k| k.as_str().starts_with("oncegate-"))
+            .cloned()
+            .collect();
+        for k in ours {
+            headers.remove(k);
         }
         headers.append(header::VIA, HeaderValue::from_static("1.1 oncegate"));
         if let Some((name, value)) = key {
@@ -263,11 +265,7 @@ impl Outgoing {
     }
 
     fn request(&self, body: ProxyBody) -> Request<ProxyBody> {
-        let mut req = Request::new(body);
-        *req.method_mut() = self.method.clone();
-        *req.uri_mut() = self.uri.clone();
-        *req.headers_mut() = self.headers.clone();
-        req
+        self.clone().into_request(body)
     }
 
     /// The request of the last try: the head moves instead of being copied.

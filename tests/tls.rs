@@ -73,6 +73,8 @@ async fn https_upstream_with_a_ca_file_speaks_http2_by_alpn() {
     let got = &up.received()[0];
     assert_eq!(got.version, Version::HTTP_2);
     assert_eq!(got.target, "/v1/x?y=1");
+    // Over HTTP/2 the authority travels as `:authority`, with no `Host` header beside it.
+    assert_eq!(got.header("host"), None);
     // A write goes over TLS too, with its key.
     let r = TestClient::default()
         .post(
@@ -97,6 +99,11 @@ async fn https_upstream_over_http1_when_alpn_offers_only_http1() {
     let r = TestClient::default().get(&proxy.url("/pay/v1/x")).await;
     assert_eq!(r.status, 200);
     assert_eq!(up.received()[0].version, Version::HTTP_11);
+    // Over HTTP/1.1, `Host` is the upstream's.
+    assert_eq!(
+        up.received()[0].header("host"),
+        Some(up.addr.to_string().as_str())
+    );
 }
 
 #[tokio::test]

@@ -428,6 +428,16 @@ pub fn launch(
     launch_bin(env!("CARGO_BIN_EXE_oncegate"), conf, env, flags)
 }
 
+/// A command running `bin`, with the words of the environment variable `var` before it (a
+/// profiler, or a script that runs another build).
+pub fn wrapped(var: &str, bin: &str) -> std::process::Command {
+    let wrap = std::env::var(var).unwrap_or_default();
+    let mut argv = wrap.split_whitespace().chain([bin]);
+    let mut cmd = std::process::Command::new(argv.next().unwrap_or(bin));
+    cmd.args(argv);
+    cmd
+}
+
 /// [`launch`], of the oncegate binary at `bin` (a baseline build, for a same-run comparison).
 pub fn launch_bin(
     bin: &str,
@@ -436,11 +446,8 @@ pub fn launch_bin(
     flags: &'static [(&'static str, &'static str)],
 ) -> (std::process::Child, SocketAddr, SocketAddr, &'static str) {
     // `BENCH_WRAP='heaptrack -o /tmp/og'` runs the proxy under a profiler.
-    let wrap = std::env::var("BENCH_WRAP").unwrap_or_default();
-    let mut argv: Vec<&str> = wrap.split_whitespace().collect();
-    argv.extend([bin, "run", "--config", conf.to_str().unwrap()]);
-    let mut child = std::process::Command::new(argv[0])
-        .args(&argv[1..])
+    let mut child = wrapped("BENCH_WRAP", bin)
+        .args(["run", "--config", conf.to_str().unwrap()])
         .envs(env.iter().map(|(k, v)| (k, v)))
         .env("RUST_LOG", "warn,oncegate=info")
         .stderr(std::process::Stdio::piped())

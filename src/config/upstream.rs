@@ -67,8 +67,11 @@ pub struct Upstream {
     pub prefix: String,
     /// The upstream base URL as written (scheme, authority and an optional base path).
     pub url: Uri,
-    /// The `Host` header requests to it carry: its host, and its port unless the scheme's own.
-    pub host: http::HeaderValue,
+    /// For a plain-HTTP upstream (always HTTP/1), the `Host` header its requests carry, made
+    /// once: its host, and its port unless 80. `None` for HTTPS: the connection's protocol is
+    /// known only after ALPN, and HTTP/2 carries the authority as `:authority`, not `Host`; the
+    /// client sets `Host` on an HTTP/1 one.
+    pub host: Option<http::HeaderValue>,
     pub ca_file: Option<PathBuf>,
     /// Paths may carry `%2F` inside a segment (APIs such as GitLab's); refused otherwise.
     pub allow_encoded_slash: bool,
@@ -391,7 +394,12 @@ pub(super) fn resolve_upstream(
             policy: Arc::new(rp),
         });
     }
-    let host = host_header(&url).ok_or_else(|| invalid(format!("{at}url"), "has no host"))?;
+    let host = match url.scheme_str() {
+        Some("http") => {
+            Some(host_header(&url).ok_or_else(|| invalid(format!("{at}url"), "has no host"))?)
+        }
+        _ => None,
+    };
     Ok(Upstream {
         name: u.name.clone(),
         label: crate::metrics::intern(&u.name),
