@@ -156,7 +156,11 @@ fn run(duration: Duration, rate: Option<f64>) -> Floor {
         for k in indexes {
             db.insert(k, &[]).unwrap();
         }
-        expiring.push((action.expires_at.unwrap_or_default(), action.id.clone()));
+        expiring.push(oncegate::store::sled::Due {
+            at: action.expires_at.unwrap_or_default(),
+            created: Some(action.created_at),
+            id: action.id.clone(),
+        });
         if expiring.len() == EXPIRIES_A_BATCH {
             let tag = u128::from(writes).to_be_bytes();
             let (k, v) = oncegate::store::sled::expiry_entry(&expiring, tag).unwrap();

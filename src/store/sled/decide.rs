@@ -51,22 +51,26 @@ impl Writer {
         let mut freed = Vec::new();
         for (k, tag, actions) in entries {
             let mut kept = Vec::new();
-            for (at, id) in actions {
-                if at > now {
-                    kept.push((at, id));
+            for due in actions {
+                if due.at > now {
+                    kept.push(due);
                     continue;
                 }
-                let Some(r) = self.read(pending, &id)? else {
+                let found = match due.created {
+                    Some(created) => self.read_at(pending, &due.id, created)?,
+                    None => self.read(pending, &due.id)?,
+                };
+                let Some(r) = found else {
                     continue;
                 };
-                if r.expires_at != Some(at) {
+                if r.expires_at != Some(due.at) {
                     // It expires at another time now, under another entry.
                     continue;
                 }
                 if !r.is_expired(now) {
                     // Only settled records expire: one not settled (kept with an expiry by an
                     // older version) stays listed.
-                    kept.push((at, id));
+                    kept.push(due);
                     continue;
                 }
                 self.unstage(pending, &r);

@@ -139,11 +139,25 @@ pub(super) const EXPIRY_PREFIX: &[u8] = b"e/";
 /// about 3 ms of the writer's time; bench/results-soak.md).
 pub(super) const EXPIRE_STEP: usize = 256;
 
-/// Actions and when each expires, as an expiry index entry lists them.
-pub(super) type Expiring = Vec<(Millis, String)>;
+/// An action an expiry index entry lists: when it expires, and when its record was created,
+/// which with its id names the key the record lives under ([`created_key`]), so that the sweeper
+/// reads the record directly instead of through its pointer's bucket, a page of its own that is
+/// rarely in sled's cache (bench/results-soak.md). `created` is `None` in entries of versions
+/// before (forms without it), whose records are found through their pointers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Due {
+    pub at: Millis,
+    pub created: Option<Millis>,
+    pub id: String,
+}
 
-/// The first byte of a batch's expiry entry ([`encode_expiring`]): its form's version.
-const EXPIRING_FORM: u8 = 1;
+/// Actions and when each expires, as an expiry index entry lists them.
+pub(super) type Expiring = Vec<Due>;
+
+/// The first byte of a batch's expiry entry ([`encode_expiring`]): its form's version. Form 1
+/// listed each action's expiry and id; form 2 adds its record's creation time.
+const EXPIRING_FORM: u8 = 2;
+const EXPIRING_FORM_1: u8 = 1;
 
 /// The key of a batch's expiry entry: by the earliest expiry it lists, then `tag` (where the
 /// batch's frame goes in the write-ahead log: [`crate::store::wal::Wal::position`]).
@@ -154,19 +168,21 @@ fn expiring_key(earliest: Millis, tag: [u8; 16]) -> Vec<u8> {
 /// The expiry index entry, key and value, of a batch that gives `actions` a new expiry (`None`
 /// for none); `tag` says where its frame goes in the write-ahead log (public for the benches'
 /// `sled alone` floor, which writes one for its writes too).
-pub fn expiry_entry(actions: &[(Millis, String)], tag: [u8; 16]) -> Option<(Vec<u8>, Vec<u8>)> {
-    let earliest = actions.iter().map(|(at, _)| *at).min()?;
+pub fn expiry_entry(actions: &[Due], tag: [u8; 16]) -> Option<(Vec<u8>, Vec<u8>)> {
+    let earliest = actions.iter().map(|d| d.at).min()?;
     Some((expiring_key(earliest, tag), encode_expiring(actions)))
 }
 
 /// The value of a batch's expiry entry: the form's version, then each action's expiry (be64),
-/// id length (u16, be) and id.
-fn encode_expiring(actions: &[(Millis, String)]) -> Vec<u8> {
-    let size: usize = actions.iter().map(|(_, id)| 10 + id.len()).sum();
+/// its record's creation time (be64; 0 for one not known, which no record has), id length (u16,
+/// be) and id.
+fn encode_expiring(actions: &[Due]) -> Vec<u8> {
+    let size: usize = actions.iter().map(|d| 18 + d.id.len()).sum();
     let mut v = Vec::with_capacity(1 + size);
     v.push(EXPIRING_FORM);
-    for (at, id) in actions {
-        push_timed(&mut v, *at, id.as_bytes());
+    for d in actions {
+        v.extend_from_slice(&d.at.to_be_bytes());
+        push_timed(&mut v, d.created.unwrap_or(0), d.id.as_bytes());
     }
     v
 }
@@ -189,21 +205,53 @@ pub(super) fn expiring(
             .and_then(|b| <[u8; 8]>::try_from(b).ok())
             .map(Millis::from_be_bytes)
             .ok_or_else(|| corrupt("too short to say when"))?;
-        return Ok((None, vec![(when, index_id(key, EXPIRY_PREFIX)?)]));
+        let id = index_id(key, EXPIRY_PREFIX)?;
+        return Ok((
+            None,
+            vec![Due {
+                at: when,
+                created: None,
+                id,
+            }],
+        ));
     }
     let tag = key
         .get(at..)
         .and_then(|b| <[u8; 16]>::try_from(b).ok())
         .ok_or_else(|| corrupt("a batch's key without its tag"))?;
-    let Some((&EXPIRING_FORM, rest)) = value.split_first() else {
-        return Err(corrupt("of a form this version does not know"));
+    let id = |id: &[u8]| String::from_utf8_lossy(id).into_owned();
+    let out = match value.split_first() {
+        Some((&EXPIRING_FORM_1, rest)) => timed(rest)
+            .map(|e| {
+                let (at, i, _) = e.map_err(corrupt)?;
+                Ok(Due {
+                    at,
+                    created: None,
+                    id: id(i),
+                })
+            })
+            .collect::<Result<_, StoreError>>()?,
+        Some((&EXPIRING_FORM, mut rest)) => {
+            let mut out = Vec::new();
+            while !rest.is_empty() {
+                let (when, tail) = rest
+                    .split_first_chunk::<8>()
+                    .ok_or_else(|| corrupt("cut short"))?;
+                let (created, i, range) = timed(tail)
+                    .next()
+                    .unwrap_or(Err("cut short"))
+                    .map_err(corrupt)?;
+                out.push(Due {
+                    at: Millis::from_be_bytes(*when),
+                    created: (created != 0).then_some(created),
+                    id: id(i),
+                });
+                rest = &tail[range.end..];
+            }
+            out
+        }
+        _ => return Err(corrupt("of a form this version does not know")),
     };
-    let out = timed(rest)
-        .map(|e| {
-            e.map(|(at, id, _)| (at, String::from_utf8_lossy(id).into_owned()))
-                .map_err(corrupt)
-        })
-        .collect::<Result<_, _>>()?;
     Ok((Some(tag), out))
 }
 
@@ -551,31 +599,47 @@ mod tests {
             [&b"e/\0\0\0\0\0\0\0\x01"[..], &[2; 16]].concat()
         );
         assert_eq!(
-            encode_expiring(&[(1, "ab".into())]),
-            b"\x01\0\0\0\0\0\0\0\x01\0\x02ab"
+            encode_expiring(&[Due {
+                at: 1,
+                created: Some(3),
+                id: "ab".into()
+            }]),
+            b"\x02\0\0\0\0\0\0\0\x01\0\0\0\0\0\0\0\x03\0\x02ab"
         );
     }
 
-    /// A batch's entry lists its actions back as written; one action's entry as versions before
-    /// kept it reads as that action; anything else is refused, not read as something else.
+    /// A batch's entry lists its actions back as written, with where each record lives (one
+    /// not known reads as not known: the sweeper then finds it through its pointer); entries of
+    /// the form before (no creation times) and one action's entry as versions before kept it
+    /// read too; anything else is refused, not read as something else.
     #[test]
-    fn expiry_entries_read_back_in_both_forms() {
+    fn expiry_entries_read_back_in_every_form() {
+        let due = |at, created, id: &str| Due {
+            at,
+            created,
+            id: id.to_string(),
+        };
         let actions = vec![
-            (7, "a1".to_string()),
-            (3, "b".repeat(40)),
-            (9, String::new()),
+            due(7, Some(2), "a1"),
+            due(3, None, &"b".repeat(40)),
+            due(9, Some(1), ""),
         ];
         let key = expiring_key(3, [5; 16]);
         let value = encode_expiring(&actions);
         let (tag, listed) = expiring(&key, &value).expect("a batch's entry reads");
         assert_eq!(listed, actions);
         assert_eq!(tag, Some([5; 16]));
+        let form_1 = b"\x01\0\0\0\0\0\0\0\x07\0\x02a1";
+        let (_, listed) = expiring(&key, form_1).expect("the form before reads");
+        assert_eq!(listed, vec![due(7, None, "a1")]);
         let old = expiry_key(11, "c1");
         let (tag, listed) = expiring(&old, &[]).expect("an older entry reads");
-        assert_eq!(listed, vec![(11, "c1".to_string())]);
+        assert_eq!(listed, vec![due(11, None, "c1")]);
         assert_eq!(tag, None);
         assert!(expiring(&key, &value[..value.len() - 1]).is_err());
-        assert!(expiring(&key, b"\x02").is_err());
+        assert!(expiring(&key, &value[..5]).is_err());
+        assert!(expiring(&key, &form_1[..form_1.len() - 1]).is_err());
+        assert!(expiring(&key, b"\x03").is_err());
         assert!(expiring(b"e/\0", &[]).is_err());
         assert!(expiring(&key[..key.len() - 1], &value).is_err());
     }

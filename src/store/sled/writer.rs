@@ -370,6 +370,31 @@ impl Writer {
         }
     }
 
+    /// [`Writer::read`] for the sweeper, which knows when the record it looks for was created:
+    /// read at its key directly, not through its pointer's bucket, and not kept in the cache (it
+    /// is about to go). `None` when no record of `id` lives there now: gone, or made again
+    /// since under a new creation key (whose own expiry lists it).
+    pub(super) fn read_at(
+        &self,
+        pending: &Pending,
+        id: &str,
+        created: Millis,
+    ) -> Result<Option<Arc<Record>>, StoreError> {
+        if let Some(r) = pending.records.get(id) {
+            return Ok(r.clone());
+        }
+        if let Some((_, r, _)) = self.unapplied.get(id) {
+            return Ok(r.clone());
+        }
+        let key = created_key(created, id);
+        match self.db.get(&key).map_err(unavailable)? {
+            Some(v) if !v.is_empty() => {
+                Ok(Some(Arc::new(decode(&key, &v, self.sealer.as_deref())?)))
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// Chains an event into the batch.
     pub(super) fn append(&mut self, pending: &mut Pending, ev: LogEvent) {
         let (e, line) = self
@@ -491,7 +516,11 @@ impl Writer {
             .expires_at
             .filter(|&e| old.and_then(|o| o.expires_at) != Some(e))
         {
-            pending.expiring.push((at, new.id.clone()));
+            pending.expiring.push(Due {
+                at,
+                created: Some(new.created_at),
+                id: new.id.clone(),
+            });
         }
         pending
             .records
