@@ -231,14 +231,15 @@ async fn keep_timers_near() {
     }
 }
 
-/// How often the sweeper deletes expired records: a tenth of the shortest retention, between
+/// How often the sweeper deletes expired records: a sixtieth of the shortest retention (so that a
+/// sweep has a few seconds of due actions, not a burst of many: decision 0052), between
 /// one second and one minute.
 fn sweep_interval(config: &Config) -> std::time::Duration {
     config
         .upstreams
         .iter()
         .flat_map(|u| std::iter::once(&u.policy).chain(u.routes.iter().map(|r| &r.policy)))
-        .map(|p| p.retention / 10)
+        .map(|p| p.retention / 60)
         .min()
         .unwrap_or(std::time::Duration::from_secs(60))
         .clamp(

@@ -146,6 +146,11 @@ const ANCHOR_KEY: &[u8] = b"m/log_anchor";
 const EXPIRE_PACE: u32 = 3;
 /// The longest pause between a sweep's steps.
 const EXPIRE_PAUSE_MAX: std::time::Duration = std::time::Duration::from_millis(100);
+/// How long a sweep's step waits at most for the drainer to have room
+/// ([`Shared::drainer_has_room`]), checked every [`EXPIRE_ROOM_POLL`]: past it the step goes
+/// anyway, so that expiry keeps some pace under a load sled never has room for.
+const EXPIRE_ROOM_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+const EXPIRE_ROOM_POLL: std::time::Duration = std::time::Duration::from_millis(5);
 /// Audit-only log entries and lease renewals are made durable within this.
 const LAZY_FLUSH: std::time::Duration = std::time::Duration::from_millis(100);
 /// Audit-only log entries (notes: `replayed`, `conflict`, …) wait at most this long, or until
@@ -649,9 +654,14 @@ impl Store for SledStore {
             // a pause of [`EXPIRE_PACE`] times what the step took, so that a sweep takes at most
             // a quarter of the writer's time while it runs, instead of all of it in a burst
             // (bench/results-soak.md: an expired action costs the writer about as much as a
-            // write, its pages cold in sled's cache).
+            // write, its pages cold in sled's cache); and each step only once the drainer has
+            // room for it, so that expiry never makes writes wait for sled.
             let (mut total, mut from) = (0, None);
             loop {
+                let waited = std::time::Instant::now();
+                while !self.shared.drainer_has_room() && waited.elapsed() < EXPIRE_ROOM_WAIT {
+                    tokio::time::sleep(EXPIRE_ROOM_POLL).await;
+                }
                 let started = std::time::Instant::now();
                 let (n, next) = self.call(move |tx| Op::Expire(now, from, tx)).await?;
                 total += n;

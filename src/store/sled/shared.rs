@@ -278,6 +278,18 @@ impl Shared {
         self.applied.lock().map(|a| *a).unwrap_or(0)
     }
 
+    /// Whether sled is keeping up: no drain is running, or fewer changes wait for the next one
+    /// than a drain's worth. A sweep steps only then ([`EXPIRE_ROOM_WAIT`]): an expired action costs the
+    /// drainer about as much as a write (its record's and its bucket's pages are cold), and
+    /// steps taken while the drainer is behind pushed the changes waiting past
+    /// [`BACKLOG_KEYS`], where every write waits for the running drain (bench/results-soak.md).
+    pub(super) fn drainer_has_room(&self) -> bool {
+        self.mem
+            .read()
+            .map(|m| !m.draining || m.active.len() < DRAIN_KEYS)
+            .unwrap_or(true)
+    }
+
     /// Waits until batch `seq` is applied to sled (or the store broke).
     pub(super) fn wait_applied(&self, seq: u64) -> Result<(), String> {
         let guard = self.applied.lock().map_err(|_| "store lock poisoned")?;
