@@ -374,8 +374,16 @@ fn main() {
             .unwrap_or(last);
         let peak_rss = windows.iter().map(|w| w.rss_mib).fold(0.0, f64::max);
         let grow = |f: &dyn Fn(&Window) -> f64| f(&windows[last]) / f(&windows[settled]).max(1e-9);
+        // The report and its chart are named after `--out` (a longer run beside the default).
+        let md_name = out
+            .as_ref()
+            .and_then(|p| p.file_name())
+            .map_or("results-soak.md".into(), |n| n.to_string_lossy().into_owned());
+        let svg_name = std::path::Path::new(&md_name).with_extension("svg");
+        let svg_name = svg_name.display();
+        let env = if secs == 600 { String::new() } else { format!("SOAK_SECS={secs} ") };
         let mut md = format!(
-            "# Steady state: a soak run\n\n`cargo bench --bench soak -- --out bench/results-soak.md` \
+            "# Steady state: a soak run\n\n`{env}cargo bench --bench soak -- --out bench/{md_name}` \
              (2 cores; {secs} s; windows of {} s). One proxy on the embedded store, `retention = \
              \"{retention}\"`, `log.retention = \"{log_retention}\"`. A fixed rate of {rate:.0} \
              requests/s{} over {CONNS} connections, open loop (latency counts from each request's \
@@ -384,7 +392,7 @@ fn main() {
              Disk is what the \
              store's folder takes (allocated blocks): the write log (`log/`) and the rest \
              (database, write-ahead log, ids filter).\n\n\
-             ![the run](results-soak.svg)\n\n\
+             ![the run]({svg_name})\n\n\
              | window | answered/s | errors | p50 | p99 | RSS | database + WAL | write log | open files |\n\
              |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
             window.as_secs(),
@@ -449,7 +457,7 @@ fn main() {
         );
         println!("{md}");
         if let Some(p) = out {
-            std::fs::write(p.with_file_name("results-soak.svg"), svg(&windows, ws, &rps, expiry_at)).unwrap();
+            std::fs::write(p.with_extension("svg"), svg(&windows, ws, &rps, expiry_at)).unwrap();
             std::fs::write(&p, md).unwrap();
         }
     });
