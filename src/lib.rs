@@ -466,3 +466,26 @@ pub async fn run(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sweep has a sixtieth of the shortest retention's due actions (decision 0052): 2 s for
+    /// 2 minutes, 1 s at the least, a minute at the most; a route's retention counts too.
+    #[test]
+    fn sweeps_come_every_sixtieth_of_the_shortest_retention() {
+        let every = |upstream: &str, route: &str| {
+            let text = format!(
+                "[server]\n[store]\npath = \"s\"\n[[upstreams]]\nname = \"h\"\nprefix = \"/h\"\n\
+                 url = \"http://127.0.0.1:1\"\n{upstream}\n[[upstreams.routes]]\nmethods = [\"POST\"]\n\
+                 path = \"/v1/x\"\n{route}\n"
+            );
+            sweep_interval(&Config::parse(&text).expect("valid")).as_millis()
+        };
+        assert_eq!(every("retention = \"2m\"", ""), 2_000);
+        assert_eq!(every("retention = \"24h\"", ""), 60_000);
+        assert_eq!(every("retention = \"10s\"", ""), 1_000);
+        assert_eq!(every("retention = \"24h\"", "retention = \"3m\""), 3_000);
+    }
+}
