@@ -655,7 +655,8 @@ impl Store for SledStore {
             // a quarter of the writer's time while it runs, instead of all of it in a burst
             // (bench/results-soak.md: an expired action costs the writer about as much as a
             // write, its pages cold in sled's cache); and each step only once the drainer has
-            // room for it, so that expiry never makes writes wait for sled.
+            // room for it, so that expiry does not push it behind, where every write waits for
+            // it (decision 0052).
             let (mut total, mut from) = (0, None);
             loop {
                 let waited = std::time::Instant::now();

@@ -339,11 +339,8 @@ impl Writer {
         pending: &Pending,
         id: &str,
     ) -> Result<Option<Arc<Record>>, StoreError> {
-        if let Some(r) = pending.records.get(id) {
-            return Ok(r.clone());
-        }
-        if let Some((_, r, _)) = self.unapplied.get(id) {
-            return Ok(r.clone());
+        if let Some(r) = self.batched(pending, id) {
+            return Ok(r);
         }
         if !self.ids.may_hold(id.as_bytes()) {
             // Never given a pointer: sled has nothing under it.
@@ -370,6 +367,16 @@ impl Writer {
         }
     }
 
+    /// The record of `id` as this batch or a batch sled lacks left it (`Some(None)`: removed);
+    /// `None` when no such batch changed it, and sled holds its latest.
+    fn batched(&self, pending: &Pending, id: &str) -> Option<Option<Arc<Record>>> {
+        pending
+            .records
+            .get(id)
+            .or_else(|| self.unapplied.get(id).map(|(_, r, _)| r))
+            .cloned()
+    }
+
     /// [`Writer::read`] for the sweeper, which knows when the record it looks for was created:
     /// read at its key directly, not through its pointer's bucket, and not kept in the cache (it
     /// is about to go). `None` when no record of `id` lives there now: gone, or made again
@@ -380,11 +387,8 @@ impl Writer {
         id: &str,
         created: Millis,
     ) -> Result<Option<Arc<Record>>, StoreError> {
-        if let Some(r) = pending.records.get(id) {
-            return Ok(r.clone());
-        }
-        if let Some((_, r, _)) = self.unapplied.get(id) {
-            return Ok(r.clone());
+        if let Some(r) = self.batched(pending, id) {
+            return Ok(r);
         }
         let key = created_key(created, id);
         match self.db.get(&key).map_err(unavailable)? {
