@@ -23,6 +23,7 @@ use tokio_postgres::types::ToSql;
 mod batch;
 mod clock;
 mod commit;
+mod fast;
 mod history;
 mod sets;
 
@@ -381,6 +382,7 @@ impl PostgresStore {
             head: head.clone(),
             clock: Default::default(),
             contended: Default::default(),
+            memory: Default::default(),
         };
         writer.spawn(rx);
         let mut store = PostgresStore {

@@ -21,7 +21,7 @@ use bytes::Bytes;
 use deadpool_postgres::GenericClient;
 use tokio::sync::{mpsc, oneshot};
 
-use super::commit::{write_and_commit, Ending};
+use super::commit::{write_and_commit, Ending, Sending};
 use super::sets::{Outcome, Rows};
 use super::{
     db, encode, judge_time, lock, pool_err, prepared, twin_holder, unavailable, write, Head, Moves,
@@ -70,7 +70,7 @@ impl Op {
     }
 
     /// The caller's time, which a store opened with `caller_clock` judges by.
-    fn given(&self) -> Millis {
+    pub(super) fn given(&self) -> Millis {
         match self {
             Op::Claim(r, _) => r.now,
             Op::Settle(r, _) => r.settlement.now,
@@ -126,6 +126,8 @@ pub(super) struct Writer {
     pub(super) clock: super::clock::DbClock,
     /// Until when the head is read under lock (another proxy moved it lately).
     pub(super) contended: std::sync::Mutex<Option<std::time::Instant>>,
+    /// What batches made as one statement decide on ([`super::fast`]).
+    pub(super) memory: std::sync::Mutex<super::fast::Memory>,
 }
 
 impl Writer {
@@ -149,7 +151,7 @@ impl Writer {
 
     /// Keeps the head a committed batch moved to (`None`: it appended nothing, the head kept
     /// is still its own), or forgets it when a batch failed.
-    fn keep_head(&self, new: Option<Head>, failed: bool) {
+    pub(super) fn keep_head(&self, new: Option<Head>, failed: bool) {
         let mut h = self.head.lock().unwrap_or_else(|p| p.into_inner());
         if failed {
             *h = None;
@@ -195,7 +197,12 @@ impl Writer {
     /// transition (a stale settlement, a resolution of a settled action) fails alone.
     async fn transaction(&self, ops: &[Op]) -> Result<Vec<Result<Done, StoreError>>, StoreError> {
         let c = self.pool.get().await.map_err(pool_err)?;
-        let mut done = self.in_transaction(&c, ops, self.chain_after()).await;
+        let mut done = match self.alone(&c, ops).await {
+            Some(Err(Ending::Stale)) | None => {
+                self.in_transaction(&c, ops, self.chain_after()).await
+            }
+            Some(done) => done,
+        };
         if let Err(Ending::HeadMoved) = done {
             // Another proxy shares the log: nothing of the batch was committed; it is made
             // again with the head read under lock, as the next batches are for a while.
@@ -214,6 +221,7 @@ impl Writer {
                 Err(match e {
                     Ending::Failed(e) => e,
                     Ending::HeadMoved => unavailable("the write log's head moved under its lock"),
+                    Ending::Stale => unavailable("a row changed under its lock"),
                 })
             }
         }
@@ -221,7 +229,7 @@ impl Writer {
 
     /// The head the batch chains after without reading it: the one this proxy last committed,
     /// unless another proxy moved it lately.
-    fn chain_after(&self) -> Option<Head> {
+    pub(super) fn chain_after(&self) -> Option<Head> {
         let mut contended = self.contended.lock().unwrap_or_else(|p| p.into_inner());
         match *contended {
             Some(until) if std::time::Instant::now() < until => None,
@@ -242,21 +250,53 @@ impl Writer {
         ops: &[Op],
         head: Option<Head>,
     ) -> Result<Vec<Result<Done, StoreError>>, Ending> {
+        self.memory().forget(ops);
         let begin = tx.batch_execute("BEGIN");
         let work = self.changes(tx, ops);
         let (began, worked) = tokio::join!(begin, work);
         began.map_err(db)?;
         let (done, events, moves, rows) = worked?;
-        let committed =
-            write_and_commit(tx, &self.chain, &self.instance, &rows, &moves, events, head).await;
+        let committed = write_and_commit(
+            tx,
+            &self.chain,
+            &self.instance,
+            &rows,
+            &moves,
+            events,
+            head,
+            Sending::WithCommit,
+        )
+        .await;
         match committed {
-            Ok(head) => self.keep_head(head, false),
+            Ok(head) => {
+                self.keep_head(head, false);
+                self.memory().committed();
+            }
             Err(e) => {
                 self.keep_head(None, true);
+                self.memory().forget(ops);
                 return Err(e);
             }
         }
         Ok(done)
+    }
+
+    /// The database's time to judge by (`None`: each operation's own, `caller_clock`), read
+    /// when the last reading is too old.
+    pub(super) async fn db_now(
+        &self,
+        tx: &deadpool_postgres::Client,
+    ) -> Result<Option<Millis>, StoreError> {
+        if self.caller_clock {
+            return Ok(None);
+        }
+        if let Some(t) = self.clock.now() {
+            return Ok(Some(t));
+        }
+        let sent = std::time::Instant::now();
+        let t = judge_time(tx, None).await?;
+        self.clock.sampled(t, sent);
+        Ok(Some(t))
     }
 
     /// Every operation's change, decided and made: each one's answer, and the log entries and
@@ -270,18 +310,7 @@ impl Writer {
         keys.sort_unstable();
         keys.dedup();
         // The clock and the twin keys' locks, sent together.
-        let clock = async {
-            if self.caller_clock {
-                return Ok::<_, StoreError>(None);
-            }
-            if let Some(t) = self.clock.now() {
-                return Ok(Some(t));
-            }
-            let sent = std::time::Instant::now();
-            let t = judge_time(tx, None).await?;
-            self.clock.sampled(t, sent);
-            Ok(Some(t))
-        };
+        let clock = self.db_now(tx);
         let locks = async {
             if !keys.is_empty() {
                 let sql = "SELECT pg_advisory_xact_lock(hashtextextended(k, 0)) FROM (SELECT unnest($1::text[]) AS k ORDER BY 1) s";

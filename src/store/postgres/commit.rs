@@ -18,7 +18,7 @@ use std::task::Poll;
 use deadpool_postgres::GenericClient;
 use tokio_postgres::error::SqlState;
 
-use super::sets::{Rows, UNNEST};
+use super::sets::Rows;
 use super::{db, prepared, Head, Moves};
 use crate::action::now_millis;
 use crate::log::{Chain, LogEvent};
@@ -29,6 +29,10 @@ pub(super) enum Ending {
     /// Another transaction moved the log's head since this proxy last committed: nothing of the
     /// batch was committed, and it can be made again.
     HeadMoved,
+    /// A row decided on what this proxy last wrote no longer holds it, or a new action's id or
+    /// twin slot is taken: nothing of the batch was written, and it can be made again under
+    /// lock.
+    Stale,
     Failed(StoreError),
 }
 
@@ -41,16 +45,39 @@ impl From<StoreError> for Ending {
 /// The deferred rows, the counts and the log, in one statement. The head is moved only when
 /// it is still `$22`/`$23`; the last line divides by zero when it was not (a run-time error,
 /// since the divisor is a subquery's), which aborts the statement and the transaction.
+///
+/// Rows come in three kinds ([`super::sets::Kind`]): decided under their lock (`l`, upserted), new actions
+/// (`f`, inserted only where their id and twin slot are free, the twin key's lock taken first as
+/// a claim under lock takes it), and rows decided on the record this proxy last wrote (`c`,
+/// updated only where the row still holds it, `$25`). When fewer than the `$26` conditional
+/// rows were written, the statement takes the logarithm of zero (another run-time error): what
+/// they were decided on no longer holds, and nothing is written.
 fn statement() -> String {
     format!(
-        "WITH w AS (
-             INSERT INTO oncegate_actions (id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, body, twin, generation)
-             SELECT * FROM {UNNEST}
+        "WITH u AS MATERIALIZED (
+             SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::bigint[], $8::bigint[], $9::bigint[], $10::text[], $11::bytea[], $12::text[], $13::bigint[], $24::text[], $25::text[])
+                 AS u(id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, body, twin, generation, kind, old)
+         ), w AS (
+             INSERT INTO oncegate_actions ({COLUMNS})
+             SELECT {COLUMNS} FROM u WHERE kind = 'l'
              ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, task = EXCLUDED.task,
                  owner = EXCLUDED.owner, lease_until = EXCLUDED.lease_until,
                  created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at,
                  record = EXCLUDED.record, body = COALESCE(EXCLUDED.body, oncegate_actions.body),
                  twin = EXCLUDED.twin, generation = EXCLUDED.generation
+         ), f AS (
+             INSERT INTO oncegate_actions ({COLUMNS}, sending_at)
+             SELECT {COLUMNS}, created_at FROM u
+             WHERE kind = 'f' AND (twin IS NULL OR (SELECT true FROM pg_advisory_xact_lock(hashtextextended(twin, 0))))
+             ON CONFLICT DO NOTHING
+             RETURNING 1
+         ), k AS (
+             UPDATE oncegate_actions a SET state = u.state, task = u.task, owner = u.owner,
+                 lease_until = u.lease_until, created_at = u.created_at, expires_at = u.expires_at,
+                 record = u.record, body = COALESCE(u.body, a.body), twin = u.twin,
+                 generation = u.generation
+             FROM u WHERE u.kind = 'c' AND a.id = u.id AND a.record = u.old
+             RETURNING 1
          ), c AS (
              INSERT INTO oncegate_counts (instance, state, n)
              SELECT $14, s, d FROM UNNEST($15::text[], $16::bigint[]) AS u(s, d)
@@ -64,10 +91,15 @@ fn statement() -> String {
              SELECT u.* FROM UNNEST($17::bigint[], $18::text[], $19::text[]) AS u
              WHERE EXISTS (SELECT 1 FROM h)
          )
-         SELECT CASE WHEN cardinality($17::bigint[]) = 0 THEN 1
+         SELECT CASE WHEN (SELECT count(*) FROM f) + (SELECT count(*) FROM k) <> $26
+                         THEN ln((SELECT count(*) FROM k)::float8 * 0)::int
+                     WHEN cardinality($17::bigint[]) = 0 THEN 1
                      ELSE 1 / (SELECT count(*)::int FROM h) END"
     )
 }
+
+/// The columns a row statement writes.
+const COLUMNS: &str = "id, state, upstream, principal, task, owner, lease_until, created_at, expires_at, record, body, twin, generation";
 
 /// `events` sealed into the chain after `head`: their columns, and the head after them.
 pub(super) fn seal(
@@ -87,8 +119,18 @@ pub(super) fn seal(
     (seqs, tss, lines, (seq, hash))
 }
 
+/// How the batch's last statement is sent.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Sending {
+    /// In the batch's open transaction, with its `COMMIT` right behind it.
+    WithCommit,
+    /// As the whole transaction: the batch made no other statement.
+    Alone,
+}
+
 /// Writes `rows`, `moves` and `events` after `head` (read here, under lock, when `None`) and
 /// commits. Returns the new head (`None`: the batch appended nothing).
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn write_and_commit(
     tx: &deadpool_postgres::Client,
     chain: &Chain,
@@ -97,6 +139,7 @@ pub(super) async fn write_and_commit(
     moves: &Moves,
     events: Vec<LogEvent>,
     head: Option<Head>,
+    sending: Sending,
 ) -> Result<Option<Head>, Ending> {
     let appends = !events.is_empty();
     let head = match head {
@@ -116,25 +159,56 @@ pub(super) async fn write_and_commit(
     // Prepared before anything is sent: the statement must reach the server before `COMMIT`,
     // and a statement not yet in the cache would first cost a round trip of its own.
     let stmt = prepared(tx, &statement()).await?;
-    let [p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13] = rows.params();
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 23] = [
-        p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, &instance, &states, &deltas, &seqs,
-        &tss, &lines, &new.0, &new.1, &head.0, &head.1,
+    let [p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p24, p25] = rows.all_params();
+    let conditional = rows.conditional();
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 26] = [
+        p1,
+        p2,
+        p3,
+        p4,
+        p5,
+        p6,
+        p7,
+        p8,
+        p9,
+        p10,
+        p11,
+        p12,
+        p13,
+        &instance,
+        &states,
+        &deltas,
+        &seqs,
+        &tss,
+        &lines,
+        &new.0,
+        &new.1,
+        &head.0,
+        &head.1,
+        p24,
+        p25,
+        &conditional,
     ];
     let mut written = pin!(tx.query_one(&stmt, &params));
-    // Its first poll sends the statement (tokio-postgres queues a request to its connection
-    // when first polled); only then is `COMMIT` queued behind it.
-    let first = futures_util::poll!(written.as_mut());
-    let (written, committed) = match first {
-        // Answered at once: it failed before it was sent (the transaction is still open and
-        // whole: the caller rolls it back), or, improbably, succeeded.
-        Poll::Ready(Err(e)) => return Err(db(e).into()),
-        Poll::Ready(w) => (w, tx.batch_execute("COMMIT").await),
-        Poll::Pending => tokio::join!(written, tx.batch_execute("COMMIT")),
+    let (written, committed) = if sending == Sending::Alone {
+        (written.await, Ok(()))
+    } else {
+        // Its first poll sends the statement (tokio-postgres queues a request to its
+        // connection when first polled); only then is `COMMIT` queued behind it.
+        match futures_util::poll!(written.as_mut()) {
+            // Answered at once: it failed before it was sent (the transaction is still open
+            // and whole: the caller rolls it back), or, improbably, succeeded.
+            Poll::Ready(Err(e)) => return Err(db(e).into()),
+            Poll::Ready(w) => (w, tx.batch_execute("COMMIT").await),
+            Poll::Pending => tokio::join!(written, tx.batch_execute("COMMIT")),
+        }
     };
     match written {
         Ok(_) => {}
         Err(e) if e.code() == Some(&SqlState::DIVISION_BY_ZERO) => return Err(Ending::HeadMoved),
+        Err(e) if e.code() == Some(&SqlState::INVALID_ARGUMENT_FOR_LOG) => {
+            return Err(Ending::Stale)
+        }
         // The transaction was aborted; the `COMMIT` behind it rolled it back.
         Err(e) => return Err(db(e).into()),
     }

@@ -23,6 +23,28 @@ use crate::store::{claim_events, StoreError};
 /// What one operation came to: its answer, and what it changes besides its record.
 pub(super) type Outcome = (Result<Done, StoreError>, Changes);
 
+/// How the batch's last statement writes a row ([`super::commit`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Kind {
+    /// Decided on the row read under its lock: written whatever is there.
+    Locked,
+    /// A new action decided on nothing stored: inserted only if its id and its twin slot are
+    /// free.
+    Fresh,
+    /// Decided on the record this proxy last wrote: written only if the row still holds it.
+    Checked,
+}
+
+impl Kind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Kind::Locked => "l",
+            Kind::Fresh => "f",
+            Kind::Checked => "c",
+        }
+    }
+}
+
 /// The columns of rows to write, one array each (`UNNEST`).
 #[derive(Default)]
 pub(super) struct Rows {
@@ -39,10 +61,32 @@ pub(super) struct Rows {
     body: Vec<Option<Vec<u8>>>,
     twin: Vec<Option<String>>,
     generation: Vec<i64>,
+    kind: Vec<&'static str>,
+    /// What a checked row must still hold (its `record` column).
+    old: Vec<Option<String>>,
 }
 
 impl Rows {
-    pub(super) fn push(&mut self, r: &Record, body: Option<&Bytes>, sealer: Option<&Sealer>) {
+    /// A row decided under its lock. Returns the record as it will be stored.
+    pub(super) fn push(
+        &mut self,
+        r: &Record,
+        body: Option<&Bytes>,
+        sealer: Option<&Sealer>,
+    ) -> &str {
+        self.push_as(Kind::Locked, r, body, sealer, None)
+    }
+
+    /// A row written as `kind` says (`old`: what a checked row must still hold). Returns the
+    /// record as it will be stored.
+    pub(super) fn push_as(
+        &mut self,
+        kind: Kind,
+        r: &Record,
+        body: Option<&Bytes>,
+        sealer: Option<&Sealer>,
+        old: Option<String>,
+    ) -> &str {
         self.id.push(r.id.clone());
         self.state.push(r.state.as_str());
         self.upstream.push(r.upstream.clone());
@@ -56,6 +100,22 @@ impl Rows {
         self.body.push(body.map(|b| super::seal_opt(sealer, b)));
         self.twin.push(r.holds_twin().then(|| r.twin_key()));
         self.generation.push(i64::from(r.attempts));
+        self.kind.push(kind.as_str());
+        self.old.push(old);
+        self.record.last().map_or("", String::as_str)
+    }
+
+    /// How many rows are written only if what they were decided on still holds.
+    pub(super) fn conditional(&self) -> i64 {
+        self.kind.iter().filter(|k| **k != "l").count() as i64
+    }
+
+    /// [`Rows::params`], with each row's kind and what a checked row must still hold.
+    pub(super) fn all_params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 15] {
+        let [p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13] = self.params();
+        [
+            p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, &self.kind, &self.old,
+        ]
     }
 
     pub(super) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 13] {
@@ -126,8 +186,8 @@ impl Writer {
                 // Stopped by an unsettled twin.
                 None => out.push((i, Some((Ok(Done::Claim(claim)), Changes::default())))),
                 Some(w) => {
-                    rows.push(&w, None, sealer);
-                    fresh.push((i, claim, w));
+                    let text = rows.push(&w, None, sealer).to_string();
+                    fresh.push((i, claim, w, text));
                 }
             }
         }
@@ -146,11 +206,13 @@ impl Writer {
             .into_iter()
             .map(|r| r.get(0))
             .collect();
-        for (i, claim, w) in fresh {
+        for (i, claim, w, text) in fresh {
             if !inserted.contains(&w.id) {
                 out.push((i, None));
                 continue;
             }
+            // Its settlement can then be decided without reading ([`super::fast`]).
+            self.memory().hold_after_commit(w.clone(), text);
             let mut moves = Moves::default();
             moves.moved(None, Some(w.state));
             let events: Vec<LogEvent> = claim_events(&claim, &w)

@@ -1,0 +1,214 @@
+//! A batch as one statement (SPEC §13): no `BEGIN`, no read, no `COMMIT` of its own.
+//!
+//! A batch made under lock costs two round trips and the flush at least (the rows read and
+//! locked, then the last statement with the `COMMIT`), and a claim under the twin guard two
+//! more (the twin keys' locks, the twin slots' read). Most batches need none of those reads:
+//! a fresh claim is decided on nothing stored (its id and its twin slot are new), and a
+//! settlement on the record this proxy's own claim wrote a moment before. So the writer holds
+//! the records its claims wrote, decides such a batch without reading, and sends its rows, its
+//! counts and its log as the batch's last statement alone, which is then the whole transaction:
+//! one round trip and the flush.
+//!
+//! What was assumed is checked by that statement, under the rows' locks: a new action is
+//! inserted only where its id and its twin slot are free (its twin key's lock taken first, as a
+//! claim under lock takes it), and a settled row is written only where it still holds the
+//! record this proxy wrote (another proxy that took the action over changed it). When anything
+//! assumed no longer holds, nothing is written, and the batch is made again under lock, as
+//! the writer's batches are for a second after (a replayed key's claim finds its action stored).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::batch::{settled, Done, Op, Writer};
+use super::commit::{write_and_commit, Ending, Sending};
+use super::sets::{Kind, Rows};
+use super::{Head, Moves};
+use crate::action::{decide_claim, Millis, Record};
+use crate::log::LogEvent;
+use crate::store::{claim_events, StoreError};
+
+/// At most this many records held; past it the writer forgets them all (their settlements are
+/// then decided under lock).
+const HELD_MAX: usize = 65_536;
+
+/// How long after a batch found what it assumed no longer held the writer decides under lock.
+const STALE_FOR: Duration = Duration::from_secs(1);
+
+/// A record as this proxy's writer last committed it, and its text as stored.
+struct Held {
+    record: Record,
+    text: String,
+}
+
+/// What the writer remembers between batches to decide them without reading.
+#[derive(Default)]
+pub(super) struct Memory {
+    held: HashMap<String, Held>,
+    /// What the batch being made under lock will hold once it commits.
+    pending: Vec<Held>,
+    /// Until when batches are made under lock.
+    stale_until: Option<Instant>,
+}
+
+impl Memory {
+    /// Forgets what it held of `ops`' actions: a batch made under lock changes them.
+    pub(super) fn forget(&mut self, ops: &[Op]) {
+        for op in ops {
+            self.held.remove(op.id());
+        }
+        self.pending.clear();
+    }
+
+    /// Holds `record`, stored as `text`, once the batch under lock commits.
+    pub(super) fn hold_after_commit(&mut self, record: Record, text: String) {
+        self.pending.push(Held { record, text });
+    }
+
+    /// The batch under lock committed: what it will hold is held.
+    pub(super) fn committed(&mut self) {
+        let pending = std::mem::take(&mut self.pending);
+        self.hold(pending);
+    }
+
+    fn hold(&mut self, records: Vec<Held>) {
+        if self.held.len() + records.len() > HELD_MAX {
+            self.held.clear();
+        }
+        for h in records {
+            self.held.insert(h.record.id.clone(), h);
+        }
+    }
+}
+
+/// A batch decided without reading: each operation's answer, and what the statement writes.
+struct Plan {
+    done: Vec<Result<Done, StoreError>>,
+    rows: Rows,
+    events: Vec<LogEvent>,
+    moves: Moves,
+    head: Head,
+    /// The records the batch's claims write, with their text.
+    fresh: Vec<Held>,
+}
+
+impl Writer {
+    /// Makes the batch as one statement when every operation of it can be decided without
+    /// reading (a fresh claim, a settlement of an action this proxy claimed, an audit note,
+    /// each alone on its action and twin key), the log's head is this proxy's own and the
+    /// database's clock is known. `None`: it cannot, and nothing was written.
+    pub(super) async fn alone(
+        &self,
+        c: &deadpool_postgres::Client,
+        ops: &[Op],
+    ) -> Option<Result<Vec<Result<Done, StoreError>>, Ending>> {
+        let db_now = self.db_now(c).await.ok()?;
+        let now = |op: &Op| db_now.unwrap_or_else(|| op.given());
+        let plan = self.plan(ops, now)?;
+        let Plan {
+            done,
+            rows,
+            events,
+            moves,
+            head,
+            fresh,
+        } = plan;
+        let written = write_and_commit(
+            c,
+            &self.chain,
+            &self.instance,
+            &rows,
+            &moves,
+            events,
+            Some(head),
+            Sending::Alone,
+        )
+        .await;
+        let mut memory = self.memory();
+        match written {
+            Ok(head) => {
+                self.keep_head(head, false);
+                memory.forget(ops);
+                memory.hold(fresh);
+                Some(Ok(done))
+            }
+            Err(e) => {
+                memory.forget(ops);
+                match e {
+                    Ending::Stale => memory.stale_until = Some(Instant::now() + STALE_FOR),
+                    Ending::HeadMoved => {}
+                    Ending::Failed(_) => self.keep_head(None, true),
+                }
+                Some(Err(e))
+            }
+        }
+    }
+
+    pub(super) fn memory(&self) -> std::sync::MutexGuard<'_, Memory> {
+        self.memory.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The batch decided without reading, or `None` when it cannot be.
+    fn plan(&self, ops: &[Op], now: impl Fn(&Op) -> Millis) -> Option<Plan> {
+        let sealer = self.sealer.as_deref();
+        let mut memory = self.memory();
+        if let Some(until) = memory.stale_until {
+            if Instant::now() < until {
+                return None;
+            }
+            memory.stale_until = None;
+        }
+        let head = self.chain_after()?;
+        // Each operation alone on its action and its twin key.
+        let (mut ids, mut twins) = (HashSet::new(), HashSet::new());
+        for op in ops {
+            if matches!(op, Op::Note(..)) {
+                continue;
+            }
+            if !ids.insert(op.id()) || op.twin_key().is_some_and(|k| !twins.insert(k)) {
+                return None;
+            }
+        }
+        let mut plan = Plan {
+            done: Vec::with_capacity(ops.len()),
+            rows: Rows::default(),
+            events: Vec::new(),
+            moves: Moves::default(),
+            head,
+            fresh: Vec::new(),
+        };
+        for op in ops {
+            let done = match op {
+                Op::Note(ev) => {
+                    plan.events.push((**ev).clone());
+                    Done::Note
+                }
+                Op::Claim(req, _) => {
+                    let mut req = (**req).clone();
+                    req.now = now(op);
+                    let (claim, write) = decide_claim(None, None, &req);
+                    let w = write?;
+                    let text = plan.rows.push_as(Kind::Fresh, &w, None, sealer, None);
+                    let text = text.to_string();
+                    plan.moves.moved(None, Some(w.state));
+                    let events = claim_events(&claim, &w);
+                    plan.events.extend(events.into_iter().map(LogEvent::from));
+                    plan.fresh.push(Held { record: w, text });
+                    Done::Claim(claim)
+                }
+                Op::Settle(req, _) => {
+                    let held = memory.held.get(&req.id)?;
+                    let ch = &mut (&mut plan.events, &mut plan.moves);
+                    let new = settled(req, Some(held.record.clone()), now(op), ch).ok()?;
+                    let old = Some(held.text.clone());
+                    plan.rows
+                        .push_as(Kind::Checked, &new, req.body.as_ref(), sealer, old);
+                    Done::Settle(Arc::new(new))
+                }
+                Op::Resolve(..) => return None,
+            };
+            plan.done.push(Ok(done));
+        }
+        Some(plan)
+    }
+}

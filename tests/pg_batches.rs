@@ -1,0 +1,236 @@
+//! PostgreSQL batches made as one statement (SPEC §13; `src/store/postgres/fast.rs`): a proxy
+//! decides a fresh claim and a settlement of its own claim without reading, and the statement
+//! writes them only where what it assumed still holds. Two stores on one database play two
+//! proxies; times are the callers' (`caller_clock`).
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::sync::Arc;
+
+use oncegate::action::*;
+use oncegate::store::{SettleRequest, Store, StoreError};
+
+type S = Arc<dyn Store>;
+
+const T0: Millis = 1_800_000_000_000;
+
+async fn two_proxies() -> (S, S) {
+    let url = support::fresh_database(&support::postgres_url()).await;
+    let open = || async {
+        let options = oncegate::store::StoreOptions {
+            caller_clock: true,
+            ..Default::default()
+        };
+        let s = oncegate::store::postgres::PostgresStore::open(&url, options)
+            .await
+            .unwrap();
+        Arc::new(s) as S
+    };
+    (open().await, open().await)
+}
+
+/// A claim of `id`; under the twin guard when `twin` names the fingerprint it shares with its
+/// twins.
+fn claim(id: &str, owner: &str, now: Millis, twin: Option<&str>) -> ClaimRequest {
+    let fingerprint = twin.map_or_else(|| format!("fp-{id}"), str::to_string);
+    ClaimRequest {
+        fresh: Record {
+            upstream: "pay".into(),
+            principal: "p1".into(),
+            key: format!("key-{id}"),
+            method: "POST".into(),
+            path: "/v1/charges".into(),
+            retention_ms: 3_600_000,
+            ..Record::new(id, &fingerprint)
+        },
+        key_source: KeySource::Header,
+        max_attempts: 2,
+        owner: owner.into(),
+        lease: 1_000,
+        now,
+        twin: twin.map(|fp| TwinGuard {
+            key: oncegate::identity::twin_key("pay", "p1", fp),
+            allow: None,
+        }),
+        window: None,
+    }
+}
+
+fn succeeded(id: &str, attempt: u32, now: Millis) -> SettleRequest {
+    SettleRequest {
+        id: id.into(),
+        attempt,
+        settlement: Settlement {
+            state: State::Succeeded,
+            tries: vec![Try {
+                at: now,
+                status: Some(201),
+                ..Default::default()
+            }],
+            response: Some(StoredResponse {
+                status: 201,
+                headers: vec![],
+                size: 2,
+                body: BodyRef::Inline,
+                source: Source::Upstream,
+            }),
+            external_id: None,
+            needs_decision: false,
+            now,
+        },
+        body: Some(bytes::Bytes::from_static(b"{}")),
+    }
+}
+
+/// Proxy A claims, is paused past its lease, and proxy B finds the action and records it
+/// unknown. A's late answer is still the action's outcome, but decided on the row as B left it:
+/// B's evidence (A's lease ran out) stays, which a settlement written from A's own copy of the
+/// record would have lost.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
+async fn a_settlement_is_decided_on_the_row_another_proxy_changed() {
+    let (a, b) = two_proxies().await;
+    let c = a.claim(claim("x1", "proxy-a", T0, None)).await.unwrap();
+    assert!(matches!(c, Claim::Claimed(_)), "{c:?}");
+    let c = b
+        .claim(claim("x1", "proxy-b", T0 + 5_000, None))
+        .await
+        .unwrap();
+    assert!(
+        matches!(&c, Claim::Existing(r) if r.state == State::Unknown),
+        "{c:?}"
+    );
+    let r = a.settle(succeeded("x1", 1, T0 + 5_001)).await.unwrap();
+    assert_eq!(r.state, State::Succeeded);
+    let tries = &r.evidence[0].tries;
+    assert!(
+        tries
+            .iter()
+            .any(|t| t.error.as_deref().is_some_and(|e| e.contains("proxy-a"))),
+        "B's evidence is kept: {tries:?}"
+    );
+    // What is stored is what A was answered, and its body is there to replay.
+    let stored = b.get("x1").await.unwrap().unwrap();
+    assert_eq!(stored.evidence, r.evidence);
+    assert_eq!(b.body(&stored).await.unwrap().unwrap().as_ref(), b"{}");
+    assert!(a.verify_log().await.unwrap().ok);
+}
+
+/// A settlement for an attempt another proxy has since replaced changes nothing, whatever
+/// proxy A still holds of the action.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
+async fn a_settlement_of_a_replaced_attempt_changes_nothing() {
+    let (a, b) = two_proxies().await;
+    a.claim(claim("x2", "proxy-a", T0, None)).await.unwrap();
+    // B records it unknown, an operator says it did not happen, and B claims it again.
+    b.claim(claim("x2", "proxy-b", T0 + 5_000, None))
+        .await
+        .unwrap();
+    let res = Resolve {
+        applied: false,
+        external_id: None,
+        response: None,
+        body: None,
+        actor: "admin".into(),
+        reason: "checked at the provider".into(),
+        now: T0 + 6_000,
+        absent_after: None,
+    };
+    b.resolve("x2".into(), res, oncegate::log::Event::Resolved)
+        .await
+        .unwrap();
+    let c = b
+        .claim(claim("x2", "proxy-b", T0 + 7_000, None))
+        .await
+        .unwrap();
+    assert!(matches!(&c, Claim::Claimed(r) if r.attempts == 2), "{c:?}");
+    let late = a.settle(succeeded("x2", 1, T0 + 7_001)).await;
+    assert!(matches!(late, Err(StoreError::Settle(_))), "{late:?}");
+    let r = b.get("x2").await.unwrap().unwrap();
+    assert_eq!((r.state, r.attempts), (State::InFlight, 2));
+    assert_eq!(r.owner.as_deref(), Some("proxy-b"));
+}
+
+/// A claim decided on nothing stored finds its id or its twin slot taken (a replay, a twin on
+/// another proxy): it is decided again on what is there, and the next fresh claims go through.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
+async fn a_claim_that_finds_its_id_or_twin_taken_is_decided_on_what_is_there() {
+    let (a, b) = two_proxies().await;
+    a.claim(claim("x3", "proxy-a", T0, Some("twin-3")))
+        .await
+        .unwrap();
+    a.settle(succeeded("x3", 1, T0 + 1)).await.unwrap();
+    // The same key again, on the other proxy: the stored action, not a new one.
+    let c = b
+        .claim(claim("x3", "proxy-b", T0 + 2, Some("twin-3")))
+        .await
+        .unwrap();
+    assert!(
+        matches!(&c, Claim::Existing(r) if r.state == State::Succeeded),
+        "{c:?}"
+    );
+    // An unsettled twin on A stops B's claim of the same write under another key.
+    a.claim(claim("x4", "proxy-a", T0 + 3, Some("twin-4")))
+        .await
+        .unwrap();
+    let c = b
+        .claim(claim("x5", "proxy-b", T0 + 4, Some("twin-4")))
+        .await
+        .unwrap();
+    assert!(
+        !matches!(c, Claim::Claimed(_)),
+        "a twin in flight elsewhere stops it: {c:?}"
+    );
+    assert!(b.get("x5").await.unwrap().is_none());
+    // Fresh claims go on, on both.
+    for (s, id) in [(&a, "x6"), (&b, "x7")] {
+        let c = s.claim(claim(id, "p", T0 + 5, Some(id))).await.unwrap();
+        assert!(matches!(c, Claim::Claimed(_)), "{c:?}");
+    }
+    assert!(b.verify_log().await.unwrap().ok);
+}
+
+/// A row changed without a log entry (by hand, or by a writer that logs nothing) is not what
+/// this proxy holds: the settlement is decided on the row as it is, whatever the log's head
+/// says.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
+async fn a_row_changed_behind_the_logs_back_is_read_before_it_is_settled() {
+    let url = support::fresh_database(&support::postgres_url()).await;
+    let options = oncegate::store::StoreOptions {
+        caller_clock: true,
+        ..Default::default()
+    };
+    let a: S = Arc::new(
+        oncegate::store::postgres::PostgresStore::open(&url, options)
+            .await
+            .unwrap(),
+    );
+    // Two claims: the first commits the log's head this proxy then knows as its own.
+    for id in ["y0", "y1"] {
+        let c = a.claim(claim(id, "proxy-a", T0, None)).await.unwrap();
+        assert!(matches!(c, Claim::Claimed(_)), "{c:?}");
+    }
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let n = db
+        .execute(
+            "UPDATE oncegate_actions SET record = jsonb_set(record::jsonb, '{tool}', '\"by-hand\"')::text WHERE id = 'y1'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+    let r = a.settle(succeeded("y1", 1, T0 + 1)).await.unwrap();
+    assert_eq!(r.tool.as_deref(), Some("by-hand"), "decided on the row");
+    let stored = a.get("y1").await.unwrap().unwrap();
+    assert_eq!(
+        (stored.state, stored.tool.as_deref()),
+        (State::Succeeded, Some("by-hand"))
+    );
+}
