@@ -172,6 +172,7 @@ pub fn store_options(config: &Config, metrics: &Metrics) -> Result<StoreOptions,
         chain: log::Chain::new(key),
         log_retention: config.log.retention,
         flush_latency: Some(metrics.flush_latency.clone()),
+        batches: metrics.batches.clone(),
         wal_checkpoint_bytes: match &config.store {
             StoreConfig::Sled { wal_size, .. } => *wal_size,
             StoreConfig::Postgres { .. } => None,

@@ -57,6 +57,11 @@ pub struct ResultLabels {
     pub result: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MadeLabels {
+    pub made: &'static str,
+}
+
 /// The outcome of a request forwarded as it came (a read).
 pub const FORWARDED: &str = "forwarded";
 
@@ -71,6 +76,8 @@ pub struct Metrics {
     pub upstream_latency: Family<UpstreamLabels, Histogram, fn() -> Histogram>,
     pub actions: Family<StateLabels, Gauge>,
     pub flush_latency: Histogram,
+    /// How the store's batches were made (PostgreSQL), resolved once.
+    pub batches: crate::store::BatchCounts,
     /// Handles made once per phase, so that observing one is a lookup-free call.
     write_phases: [Histogram; 3],
     pub lookups: Family<ResultLabels, Counter>,
@@ -119,6 +126,18 @@ impl Metrics {
             "Duration of one durable store flush (a group commit)",
             flush_latency.clone(),
         );
+        let made = Family::<MadeLabels, Counter>::default();
+        registry.register(
+            "store_batches",
+            "PostgreSQL batches: committed as one statement, committed under lock, or made again (what one assumed had changed)",
+            made.clone(),
+        );
+        let count = |made_as| made.get_or_create(&MadeLabels { made: made_as }).clone();
+        let batches = crate::store::BatchCounts {
+            one_statement: count("one_statement"),
+            under_lock: count("under_lock"),
+            again: count("again"),
+        };
         let phases =
             Family::<PhaseLabels, Histogram, fn() -> Histogram>::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(0.000025, 2.0, 18))
@@ -143,6 +162,7 @@ impl Metrics {
             upstream_latency,
             actions,
             flush_latency,
+            batches,
             write_phases,
             lookups,
             log_head,

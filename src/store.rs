@@ -114,6 +114,19 @@ pub fn recover_event<'a>(r: &'a Record, reason: &str) -> RecordEvent<'a> {
         .detail(reason)
 }
 
+/// How a store's batches were made (`oncegate_store_batches_total`; PostgreSQL's writer counts
+/// them, [`postgres`]).
+#[derive(Debug, Clone, Default)]
+pub struct BatchCounts {
+    /// Committed as one statement, decided without reading.
+    pub one_statement: prometheus_client::metrics::counter::Counter,
+    /// Committed as a transaction that read and locked what it decided on.
+    pub under_lock: prometheus_client::metrics::counter::Counter,
+    /// Not committed and made again: what it was decided on had changed (another proxy's
+    /// commit moved the log's head, a row or a new action's slot was taken).
+    pub again: prometheus_client::metrics::counter::Counter,
+}
+
 /// What every store needs besides its location.
 #[derive(Debug, Clone, Default)]
 pub struct StoreOptions {
@@ -123,6 +136,8 @@ pub struct StoreOptions {
     pub log_retention: Option<std::time::Duration>,
     /// Where to record how long each durable flush takes.
     pub flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
+    /// Where PostgreSQL's writer counts how it made its batches.
+    pub batches: BatchCounts,
     /// sled: start a new write-ahead log file (and checkpoint sled) after this many bytes
     /// (default [`wal::CHECKPOINT_BYTES`]; smaller in tests).
     pub wal_checkpoint_bytes: Option<u64>,

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use oncegate::action::*;
 use oncegate::store::{SettleRequest, Store, StoreError};
+use support::{config, Behavior, ChildProxy, FakeUpstream, TestClient};
 
 type S = Arc<dyn Store>;
 
@@ -233,4 +234,66 @@ async fn a_row_changed_behind_the_logs_back_is_read_before_it_is_settled() {
         (stored.state, stored.tool.as_deref()),
         (State::Succeeded, Some("by-hand"))
     );
+}
+
+/// `oncegate_store_batches_total{made}` of proxy `p`.
+async fn batches(p: &ChildProxy, made: &str) -> u64 {
+    let text = TestClient::default()
+        .get(&format!("http://{}/metrics", p.admin))
+        .await
+        .body;
+    let text = String::from_utf8_lossy(&text).to_string();
+    let series = format!("oncegate_store_batches_total{{made=\"{made}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .unwrap_or_else(|| panic!("no {series} in {text}"))
+        .parse()
+        .unwrap()
+}
+
+/// Through a whole proxy: one write at a time, each batch is one statement; a replayed key's
+/// claim finds its action stored, and is made again under lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
+async fn a_proxy_commits_its_writes_one_statement_a_batch() {
+    let up = FakeUpstream::start().await;
+    up.set_default(Behavior::json(201, r#"{"id":"ch"}"#));
+    let url = support::fresh_database(&support::postgres_url()).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("oncegate.toml");
+    let text = config(&up.url(), "").replace(
+        "[defaults]",
+        "[store]\nbackend = \"postgres\"\nurl_env = \"ONCEGATE_TEST_DB\"\n\n[defaults]",
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let p = tokio::task::spawn_blocking(move || {
+        ChildProxy::spawn_with(&cfg, &[("ONCEGATE_TEST_DB", &url)])
+    })
+    .await
+    .unwrap();
+    let c = TestClient::default();
+    let write = |key: String| {
+        let url = p.url("/pay/v1/charges");
+        let c = c.clone();
+        async move {
+            c.post(&url, &[("idempotency-key", &key)], &format!("amount={key}"))
+                .await
+        }
+    };
+    for i in 0..30 {
+        let r = write(format!("k{i}")).await;
+        assert_eq!(r.status, 201, "{r:?}");
+    }
+    assert_eq!(up.count(), 30);
+    // A claim and a settlement a write: the first batch may read the log's head.
+    assert!(batches(&p, "one_statement").await >= 59);
+    assert!(batches(&p, "under_lock").await <= 1);
+    assert_eq!(batches(&p, "again").await, 0);
+    let r = write("k7".into()).await;
+    assert_eq!(r.header("oncegate-outcome"), Some("replayed"), "{r:?}");
+    assert_eq!(batches(&p, "again").await, 1);
+    let r = write("k30".into()).await;
+    assert_eq!((r.status.as_u16(), up.count()), (201, 31));
+    let v = p.admin("GET", "/v1/log/verify", "").await.json();
+    assert_eq!(v["ok"], true, "{v}");
 }

@@ -379,6 +379,7 @@ impl PostgresStore {
             caller_clock: options.caller_clock,
             chain: options.chain.clone(),
             flush_latency: options.flush_latency.clone(),
+            batches: options.batches.clone(),
             head: head.clone(),
             clock: Default::default(),
             contended: Default::default(),

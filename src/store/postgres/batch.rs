@@ -119,6 +119,7 @@ pub(super) struct Writer {
     pub(super) caller_clock: bool,
     pub(super) chain: Chain,
     pub(super) flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
+    pub(super) batches: crate::store::BatchCounts,
     /// The newest log head this proxy committed: the next batch chains after it without
     /// reading the head first, unless another transaction moved it meanwhile.
     pub(super) head: Arc<std::sync::Mutex<Option<Head>>>,
@@ -198,12 +199,19 @@ impl Writer {
     async fn transaction(&self, ops: &[Op]) -> Result<Vec<Result<Done, StoreError>>, StoreError> {
         let c = self.pool.get().await.map_err(pool_err)?;
         let mut done = match self.alone(&c, ops).await {
-            Some(Err(Ending::Stale)) | None => {
+            Some(Ok(done)) => {
+                self.batches.one_statement.inc();
+                return Ok(done);
+            }
+            Some(Err(Ending::Stale)) => {
+                self.batches.again.inc();
                 self.in_transaction(&c, ops, self.chain_after()).await
             }
-            Some(done) => done,
+            None => self.in_transaction(&c, ops, self.chain_after()).await,
+            Some(Err(e)) => Err(e),
         };
         if let Err(Ending::HeadMoved) = done {
+            self.batches.again.inc();
             // Another proxy shares the log: nothing of the batch was committed; it is made
             // again with the head read under lock, as the next batches are for a while.
             self.keep_head(None, false);
@@ -212,7 +220,10 @@ impl Writer {
             done = self.in_transaction(&c, ops, None).await;
         }
         match done {
-            Ok(done) => Ok(done),
+            Ok(done) => {
+                self.batches.under_lock.inc();
+                Ok(done)
+            }
             Err(e) => {
                 // Nothing was committed: the transaction ends here, or with its connection.
                 if c.batch_execute("ROLLBACK").await.is_err() {
