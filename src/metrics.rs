@@ -129,12 +129,13 @@ impl Metrics {
         let made = Family::<MadeLabels, Counter>::default();
         registry.register(
             "store_batches",
-            "PostgreSQL batches: committed as one statement, committed under lock, or made again (what one assumed had changed)",
+            "PostgreSQL batches: committed as one statement, after reading the log's head under lock, after reading their rows under lock, or made again (what one assumed had changed)",
             made.clone(),
         );
         let count = |made_as| made.get_or_create(&MadeLabels { made: made_as }).clone();
         let batches = crate::store::BatchCounts {
             one_statement: count("one_statement"),
+            head_locked: count("head_locked"),
             under_lock: count("under_lock"),
             again: count("again"),
         };

@@ -120,6 +120,9 @@ pub fn recover_event<'a>(r: &'a Record, reason: &str) -> RecordEvent<'a> {
 pub struct BatchCounts {
     /// Committed as one statement, decided without reading.
     pub one_statement: prometheus_client::metrics::counter::Counter,
+    /// Decided without reading its rows, committed after reading the log's head under lock
+    /// (another proxy had moved it).
+    pub head_locked: prometheus_client::metrics::counter::Counter,
     /// Committed as a transaction that read and locked what it decided on.
     pub under_lock: prometheus_client::metrics::counter::Counter,
     /// Not committed and made again: what it was decided on had changed (another proxy's

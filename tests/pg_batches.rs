@@ -236,6 +236,70 @@ async fn a_row_changed_behind_the_logs_back_is_read_before_it_is_settled() {
     );
 }
 
+/// A store whose batches are counted, by way they were made.
+async fn counted(url: &str) -> (S, oncegate::store::BatchCounts) {
+    let batches = oncegate::store::BatchCounts::default();
+    let options = oncegate::store::StoreOptions {
+        caller_clock: true,
+        batches: batches.clone(),
+        ..Default::default()
+    };
+    let s = oncegate::store::postgres::PostgresStore::open(url, options)
+        .await
+        .unwrap();
+    (Arc::new(s), batches)
+}
+
+/// Another proxy keeps moving the log's head: batches decided without reading read the head
+/// under lock after their rows, and still write a row only where it holds what they were
+/// decided on.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
+async fn with_the_head_moved_by_another_proxy_rows_are_still_checked() {
+    let url = support::fresh_database(&support::postgres_url()).await;
+    let (a, made) = counted(&url).await;
+    let (b, _) = counted(&url).await;
+    for id in ["y0", "y1"] {
+        a.claim(claim(id, "proxy-a", T0, None)).await.unwrap();
+    }
+    // B moves the head: A's next batch finds it moved and is made again under lock; A then
+    // reads the head under lock for a while.
+    b.claim(claim("z0", "proxy-b", T0, None)).await.unwrap();
+    a.claim(claim("y2", "proxy-a", T0, None)).await.unwrap();
+    assert_eq!(made.again.get(), 1);
+    let head_locked = made.head_locked.get();
+    let r = a.settle(succeeded("y2", 1, T0 + 1)).await.unwrap();
+    assert_eq!(r.state, State::Succeeded);
+    assert_eq!(
+        made.head_locked.get(),
+        head_locked + 1,
+        "decided without reading"
+    );
+    // y1 changed behind the log's back: its settlement is decided on the row as it is.
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    db.execute(
+        "UPDATE oncegate_actions SET record = jsonb_set(record::jsonb, '{tool}', '\"by-hand\"')::text WHERE id = 'y1'",
+        &[],
+    )
+    .await
+    .unwrap();
+    let under_lock = made.under_lock.get();
+    let r = a.settle(succeeded("y1", 1, T0 + 2)).await.unwrap();
+    assert_eq!(r.tool.as_deref(), Some("by-hand"), "decided on the row");
+    assert_eq!(
+        (made.again.get(), made.under_lock.get()),
+        (2, under_lock + 1)
+    );
+    // The connection is whole after the batch rolled back: B and A go on, one chain.
+    b.settle(succeeded("z0", 1, T0 + 3)).await.unwrap();
+    a.settle(succeeded("y0", 1, T0 + 4)).await.unwrap();
+    assert_eq!(a.get("y0").await.unwrap().unwrap().state, State::Succeeded);
+    assert!(b.verify_log().await.unwrap().ok);
+}
+
 /// `oncegate_store_batches_total{made}` of proxy `p`.
 async fn batches(p: &ChildProxy, made: &str) -> u64 {
     let text = TestClient::default()

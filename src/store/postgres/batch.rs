@@ -199,10 +199,7 @@ impl Writer {
     async fn transaction(&self, ops: &[Op]) -> Result<Vec<Result<Done, StoreError>>, StoreError> {
         let c = self.pool.get().await.map_err(pool_err)?;
         let mut done = match self.alone(&c, ops).await {
-            Some(Ok(done)) => {
-                self.batches.one_statement.inc();
-                return Ok(done);
-            }
+            Some(Ok(done)) => return Ok(done),
             Some(Err(Ending::Stale)) => {
                 self.batches.again.inc();
                 self.in_transaction(&c, ops, self.chain_after()).await

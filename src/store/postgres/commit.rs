@@ -128,6 +128,88 @@ pub(super) enum Sending {
     Alone,
 }
 
+/// The statement's parameters besides the rows' columns.
+struct Rest<'a> {
+    instance: &'a str,
+    states: Vec<&'static str>,
+    deltas: Vec<i64>,
+    seqs: Vec<i64>,
+    tss: Vec<String>,
+    lines: Vec<String>,
+    new: Head,
+    head: Head,
+    conditional: i64,
+}
+
+impl<'a> Rest<'a> {
+    /// `events` sealed after `head`, with `moves` and `rows`' count of conditional rows.
+    fn new(
+        chain: &Chain,
+        instance: &'a str,
+        rows: &Rows,
+        moves: &Moves,
+        events: Vec<LogEvent>,
+        head: Head,
+    ) -> Rest<'a> {
+        let (seqs, tss, lines, new) = seal(chain, events, head.clone());
+        let (states, deltas) = moves.columns();
+        Rest {
+            instance,
+            states,
+            deltas,
+            seqs,
+            tss,
+            lines,
+            new,
+            head,
+            conditional: rows.conditional(),
+        }
+    }
+
+    fn params<'b>(&'b self, rows: &'b Rows) -> [&'b (dyn tokio_postgres::types::ToSql + Sync); 26] {
+        let [p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p24, p25] = rows.all_params();
+        [
+            p1,
+            p2,
+            p3,
+            p4,
+            p5,
+            p6,
+            p7,
+            p8,
+            p9,
+            p10,
+            p11,
+            p12,
+            p13,
+            &self.instance,
+            &self.states,
+            &self.deltas,
+            &self.seqs,
+            &self.tss,
+            &self.lines,
+            &self.new.0,
+            &self.new.1,
+            &self.head.0,
+            &self.head.1,
+            p24,
+            p25,
+            &self.conditional,
+        ]
+    }
+}
+
+/// The statement's failure as why the batch ended.
+fn ending(e: tokio_postgres::Error) -> Ending {
+    match e.code() {
+        Some(&SqlState::DIVISION_BY_ZERO) => Ending::HeadMoved,
+        Some(&SqlState::INVALID_ARGUMENT_FOR_LOG) => Ending::Stale,
+        _ => Ending::Failed(db(e)),
+    }
+}
+
+const HEAD_FOR_UPDATE: &str = "SELECT seq, hash FROM oncegate_log_head WHERE id = 1 FOR UPDATE";
+
 /// Writes `rows`, `moves` and `events` after `head` (read here, under lock, when `None`) and
 /// commits. Returns the new head (`None`: the batch appended nothing).
 #[allow(clippy::too_many_arguments)]
@@ -145,50 +227,19 @@ pub(super) async fn write_and_commit(
     let head = match head {
         Some(h) => h,
         None if appends => {
-            let sql = "SELECT seq, hash FROM oncegate_log_head WHERE id = 1 FOR UPDATE";
             let row = tx
-                .query_one(&prepared(tx, sql).await?, &[])
+                .query_one(&prepared(tx, HEAD_FOR_UPDATE).await?, &[])
                 .await
                 .map_err(db)?;
             (row.get(0), row.get(1))
         }
         None => (0, String::new()),
     };
-    let (seqs, tss, lines, new) = seal(chain, events, head.clone());
-    let (states, deltas) = moves.columns();
+    let rest = Rest::new(chain, instance, rows, moves, events, head);
     // Prepared before anything is sent: the statement must reach the server before `COMMIT`,
     // and a statement not yet in the cache would first cost a round trip of its own.
     let stmt = prepared(tx, &statement()).await?;
-    let [p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p24, p25] = rows.all_params();
-    let conditional = rows.conditional();
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 26] = [
-        p1,
-        p2,
-        p3,
-        p4,
-        p5,
-        p6,
-        p7,
-        p8,
-        p9,
-        p10,
-        p11,
-        p12,
-        p13,
-        &instance,
-        &states,
-        &deltas,
-        &seqs,
-        &tss,
-        &lines,
-        &new.0,
-        &new.1,
-        &head.0,
-        &head.1,
-        p24,
-        p25,
-        &conditional,
-    ];
+    let params = rest.params(rows);
     let mut written = pin!(tx.query_one(&stmt, &params));
     let (written, committed) = if sending == Sending::Alone {
         (written.await, Ok(()))
@@ -203,15 +254,57 @@ pub(super) async fn write_and_commit(
             Poll::Pending => tokio::join!(written, tx.batch_execute("COMMIT")),
         }
     };
-    match written {
-        Ok(_) => {}
-        Err(e) if e.code() == Some(&SqlState::DIVISION_BY_ZERO) => return Err(Ending::HeadMoved),
-        Err(e) if e.code() == Some(&SqlState::INVALID_ARGUMENT_FOR_LOG) => {
-            return Err(Ending::Stale)
-        }
-        // The transaction was aborted; the `COMMIT` behind it rolled it back.
-        Err(e) => return Err(db(e).into()),
-    }
+    // On failure the transaction was aborted; the `COMMIT` behind it rolled it back.
+    written.map_err(ending)?;
     committed.map_err(db)?;
-    Ok(appends.then(|| new.clone()))
+    Ok(appends.then(|| rest.new.clone()))
+}
+
+/// [`write_and_commit`] for a batch decided without reading, when another proxy moves the
+/// log's head: `BEGIN`, the rows (written only where what they were decided on holds, as the
+/// one statement would) and the head's read under lock go out together, so that the head is
+/// held only from after the rows' work to the commit; then the counts and the log, with the
+/// `COMMIT`. Two round trips. On [`Ending::Stale`] the transaction is still open (aborted):
+/// the caller rolls it back.
+pub(super) async fn rows_then_log(
+    tx: &deadpool_postgres::Client,
+    chain: &Chain,
+    instance: &str,
+    rows: &Rows,
+    moves: &Moves,
+    events: Vec<LogEvent>,
+) -> Result<Option<Head>, Ending> {
+    let stmt = prepared(tx, &statement()).await?;
+    let head_stmt = prepared(tx, HEAD_FOR_UPDATE).await?;
+    // The rows alone: no log entries, so the head is neither checked nor moved.
+    let rest = Rest::new(
+        chain,
+        instance,
+        rows,
+        &Moves::default(),
+        Vec::new(),
+        (0, String::new()),
+    );
+    let params = rest.params(rows);
+    let (began, written, head) = tokio::join!(
+        tx.batch_execute("BEGIN"),
+        tx.query_one(&stmt, &params),
+        tx.query_one(&head_stmt, &[]),
+    );
+    began.map_err(db)?;
+    written.map_err(ending)?;
+    let head = head.map_err(db)?;
+    let head = (head.get(0), head.get(1));
+    let none = Rows::default();
+    write_and_commit(
+        tx,
+        chain,
+        instance,
+        &none,
+        moves,
+        events,
+        Some(head),
+        Sending::WithCommit,
+    )
+    .await
 }

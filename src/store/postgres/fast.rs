@@ -7,7 +7,10 @@
 //! settlement on the record this proxy's own claim wrote a moment before. So the writer holds
 //! the records its claims wrote, decides such a batch without reading, and sends its rows, its
 //! counts and its log as the batch's last statement alone, which is then the whole transaction:
-//! one round trip and the flush.
+//! one round trip and the flush. When another proxy moves the log's head, `BEGIN`, the rows
+//! and the head's read under lock go out together, then the counts and the log with the
+//! `COMMIT` ([`super::commit::rows_then_log`]): two round trips, where a batch under lock takes
+//! four or five, and the head held as briefly.
 //!
 //! What was assumed is checked by that statement, under the rows' locks: a new action is
 //! inserted only where its id and its twin slot are free (its twin key's lock taken first, as a
@@ -21,9 +24,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::batch::{settled, Done, Op, Writer};
-use super::commit::{write_and_commit, Ending, Sending};
+use super::commit::{rows_then_log, write_and_commit, Ending, Sending};
 use super::sets::{Kind, Rows};
-use super::{Head, Moves};
+use super::Moves;
 use crate::action::{decide_claim, Millis, Record};
 use crate::log::LogEvent;
 use crate::store::{claim_events, StoreError};
@@ -87,16 +90,16 @@ struct Plan {
     rows: Rows,
     events: Vec<LogEvent>,
     moves: Moves,
-    head: Head,
     /// The records the batch's claims write, with their text.
     fresh: Vec<Held>,
 }
 
 impl Writer {
-    /// Makes the batch as one statement when every operation of it can be decided without
-    /// reading (a fresh claim, a settlement of an action this proxy claimed, an audit note,
-    /// each alone on its action and twin key), the log's head is this proxy's own and the
-    /// database's clock is known. `None`: it cannot, and nothing was written.
+    /// Makes the batch without reading its rows when every operation of it can be decided so
+    /// (a fresh claim, a settlement of an action this proxy claimed, an audit note, each alone
+    /// on its action and twin key) and the database's clock is known: as one statement when the
+    /// log's head is this proxy's own, or else with the head read under lock after the rows.
+    /// `None`: it cannot, and nothing was sent.
     pub(super) async fn alone(
         &self,
         c: &deadpool_postgres::Client,
@@ -104,32 +107,55 @@ impl Writer {
     ) -> Option<Result<Vec<Result<Done, StoreError>>, Ending>> {
         let db_now = self.db_now(c).await.ok()?;
         let now = |op: &Op| db_now.unwrap_or_else(|| op.given());
-        let plan = self.plan(ops, now)?;
         let Plan {
             done,
             rows,
             events,
             moves,
-            head,
             fresh,
-        } = plan;
-        let written = write_and_commit(
-            c,
-            &self.chain,
-            &self.instance,
-            &rows,
-            &moves,
-            events,
-            Some(head),
-            Sending::Alone,
-        )
-        .await;
+        } = self.plan(ops, now)?;
+        let head = self.chain_after();
+        let made = match head {
+            Some(_) => &self.batches.one_statement,
+            None => &self.batches.head_locked,
+        };
+        let written = match head {
+            Some(head) => {
+                let (chain, instance) = (&self.chain, &self.instance);
+                let head = Some(head);
+                write_and_commit(
+                    c,
+                    chain,
+                    instance,
+                    &rows,
+                    &moves,
+                    events,
+                    head,
+                    Sending::Alone,
+                )
+                .await
+            }
+            // Another proxy moves the head: it is read under lock, after the rows.
+            None => {
+                let written =
+                    rows_then_log(c, &self.chain, &self.instance, &rows, &moves, events).await;
+                if let Err(Ending::Stale) = written {
+                    if c.batch_execute("ROLLBACK").await.is_err() {
+                        return Some(Err(Ending::Failed(super::unavailable(
+                            "could not roll back a batch",
+                        ))));
+                    }
+                }
+                written
+            }
+        };
         let mut memory = self.memory();
         match written {
             Ok(head) => {
                 self.keep_head(head, false);
                 memory.forget(ops);
                 memory.hold(fresh);
+                made.inc();
                 Some(Ok(done))
             }
             Err(e) => {
@@ -158,7 +184,6 @@ impl Writer {
             }
             memory.stale_until = None;
         }
-        let head = self.chain_after()?;
         // Each operation alone on its action and its twin key.
         let (mut ids, mut twins) = (HashSet::new(), HashSet::new());
         for op in ops {
@@ -174,7 +199,6 @@ impl Writer {
             rows: Rows::default(),
             events: Vec::new(),
             moves: Moves::default(),
-            head,
             fresh: Vec::new(),
         };
         for op in ops {
