@@ -198,22 +198,31 @@ impl Writer {
     /// transition (a stale settlement, a resolution of a settled action) fails alone.
     async fn transaction(&self, ops: &[Op]) -> Result<Vec<Result<Done, StoreError>>, StoreError> {
         let c = self.pool.get().await.map_err(pool_err)?;
-        let mut done = match self.alone(&c, ops).await {
-            Some(Ok(done)) => return Ok(done),
-            Some(Err(Ending::Stale)) => {
-                self.batches.again.inc();
-                self.in_transaction(&c, ops, self.chain_after()).await
-            }
-            None => self.in_transaction(&c, ops, self.chain_after()).await,
-            Some(Err(e)) => Err(e),
-        };
+        // Decided without reading when it can be: as one statement, or, once the head proved
+        // moved by another proxy, with the head read under lock.
+        let mut done = Err(Ending::Stale);
+        for _ in 0..2 {
+            done = match self.alone(&c, ops).await {
+                Some(Ok(done)) => return Ok(done),
+                Some(Err(Ending::HeadMoved)) => {
+                    self.batches.again.inc();
+                    self.contended();
+                    continue;
+                }
+                Some(Err(Ending::Stale)) => {
+                    self.batches.again.inc();
+                    self.in_transaction(&c, ops, self.chain_after()).await
+                }
+                Some(Err(e)) => Err(e),
+                None => self.in_transaction(&c, ops, self.chain_after()).await,
+            };
+            break;
+        }
         if let Err(Ending::HeadMoved) = done {
             self.batches.again.inc();
             // Another proxy shares the log: nothing of the batch was committed; it is made
             // again with the head read under lock, as the next batches are for a while.
-            self.keep_head(None, false);
-            *self.contended.lock().unwrap_or_else(|p| p.into_inner()) =
-                Some(std::time::Instant::now() + CONTENDED_FOR);
+            self.contended();
             done = self.in_transaction(&c, ops, None).await;
         }
         match done {
@@ -233,6 +242,14 @@ impl Writer {
                 })
             }
         }
+    }
+
+    /// Another proxy moved the log's head: the head kept is forgotten, and read under lock by
+    /// the batches of the next [`CONTENDED_FOR`].
+    fn contended(&self) {
+        self.keep_head(None, false);
+        *self.contended.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(std::time::Instant::now() + CONTENDED_FOR);
     }
 
     /// The head the batch chains after without reading it: the one this proxy last committed,

@@ -159,11 +159,18 @@ impl Writer {
                 Some(Ok(done))
             }
             Err(e) => {
-                memory.forget(ops);
                 match e {
-                    Ending::Stale => memory.stale_until = Some(Instant::now() + STALE_FOR),
+                    // Nothing was written, and what it held may still hold: the row check
+                    // says so when the batch is made again.
                     Ending::HeadMoved => {}
-                    Ending::Failed(_) => self.keep_head(None, true),
+                    Ending::Stale => {
+                        memory.forget(ops);
+                        memory.stale_until = Some(Instant::now() + STALE_FOR);
+                    }
+                    Ending::Failed(_) => {
+                        memory.forget(ops);
+                        self.keep_head(None, true);
+                    }
                 }
                 Some(Err(e))
             }
