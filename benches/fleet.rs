@@ -117,6 +117,29 @@ struct Runs {
     one: Result_,
     /// The PostgreSQL server's CPU seconds during the 64-connection runs.
     server_secs: f64,
+    /// Its proxies' `oncegate_store_batches_total`, by way made (a build without it: none).
+    batches: std::collections::BTreeMap<String, u64>,
+}
+
+/// The ways a batch is made, as `oncegate_store_batches_total{made}` names them, in the
+/// report's order.
+const MADE: [&str; 4] = ["one_statement", "head_locked", "under_lock", "again"];
+
+/// Proxy `admin`'s `oncegate_store_batches_total` series, added into `into`.
+fn scrape_batches(admin: SocketAddr, into: &mut std::collections::BTreeMap<String, u64>) {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(admin) else {
+        return;
+    };
+    let _ = s.write_all(b"GET /metrics HTTP/1.0\r\nhost: bench\r\n\r\n");
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text);
+    for made in MADE {
+        let series = format!("oncegate_store_batches_total{{made=\"{made}\"}} ");
+        if let Some(n) = text.lines().find_map(|l| l.strip_prefix(&series)) {
+            *into.entry(made.to_string()).or_default() += n.trim().parse::<u64>().unwrap_or(0);
+        }
+    }
 }
 
 /// Starts the target's proxies, warms them, drives 64 connections then 1, and stops them.
@@ -152,6 +175,19 @@ async fn run_target(t: &Target, server: &Server, secs: f64, into: &mut Runs) {
     }
     into.one
         .merge(drive_all(&addrs[..1], Workload::Write, 1, dur, &pids, false).await);
+    if t.postgres {
+        let admins: Vec<SocketAddr> = children.iter().map(|c| c.2).collect();
+        let mut seen = std::mem::take(&mut into.batches);
+        seen = tokio::task::spawn_blocking(move || {
+            for a in admins {
+                scrape_batches(a, &mut seen);
+            }
+            seen
+        })
+        .await
+        .unwrap();
+        into.batches = seen;
+    }
     for (mut c, ..) in children {
         load::stop(&mut c).await;
     }
@@ -480,6 +516,39 @@ fn report(
         if p99 <= 5.0 { "met" } else { "**missed**" }
     )
     .unwrap();
+    // How each target's batches were made, all runs together.
+    writeln!(
+        md,
+        "How the proxies made their batches (`oncegate_store_batches_total{{made}}`, all runs):\n\n\
+         | target | one statement | head read under lock | rows read under lock | made again |\n\
+         |---|---:|---:|---:|---:|"
+    )
+    .unwrap();
+    for (t, r) in targets.iter().zip(runs).filter(|(t, _)| t.postgres) {
+        let all: u64 = MADE
+            .iter()
+            .map(|m| r.batches.get(*m).copied().unwrap_or(0))
+            .sum();
+        if all == 0 {
+            writeln!(md, "| {} | — | — | — | — |", t.name).unwrap();
+            continue;
+        }
+        let cell = |m: &str| {
+            let n = r.batches.get(m).copied().unwrap_or(0);
+            format!("{n} ({:.0} %)", n as f64 * 100.0 / all as f64)
+        };
+        writeln!(
+            md,
+            "| {} | {} | {} | {} | {} |",
+            t.name,
+            cell(MADE[0]),
+            cell(MADE[1]),
+            cell(MADE[2]),
+            cell(MADE[3])
+        )
+        .unwrap();
+    }
+    writeln!(md).unwrap();
     if let Some(b) = std::env::var("BENCH_BASELINE")
         .ok()
         .filter(|b| !b.is_empty())
