@@ -16,19 +16,40 @@ type S = Arc<dyn Store>;
 
 const T0: Millis = 1_800_000_000_000;
 
+/// A store on the database at `url`, as one proxy opens it, with its batches counted by the
+/// way they were made.
+async fn counted(url: &str) -> (S, oncegate::store::BatchCounts) {
+    let batches = oncegate::store::BatchCounts::default();
+    let options = oncegate::store::StoreOptions {
+        caller_clock: true,
+        batches: batches.clone(),
+        ..Default::default()
+    };
+    let s = oncegate::store::postgres::PostgresStore::open(url, options)
+        .await
+        .unwrap();
+    (Arc::new(s), batches)
+}
+
 async fn two_proxies() -> (S, S) {
     let url = support::fresh_database(&support::postgres_url()).await;
-    let open = || async {
-        let options = oncegate::store::StoreOptions {
-            caller_clock: true,
-            ..Default::default()
-        };
-        let s = oncegate::store::postgres::PostgresStore::open(&url, options)
-            .await
-            .unwrap();
-        Arc::new(s) as S
-    };
-    (open().await, open().await)
+    (counted(&url).await.0, counted(&url).await.0)
+}
+
+/// Sets the `tool` of action `id`'s stored record by hand: a change no log entry records.
+async fn change_by_hand(url: &str, id: &str) {
+    let (db, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let n = db
+        .execute(
+            "UPDATE oncegate_actions SET record = jsonb_set(record::jsonb, '{tool}', '\"by-hand\"')::text WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
 }
 
 /// A claim of `id`; under the twin guard when `twin` names the fingerprint it shares with its
@@ -201,32 +222,13 @@ async fn a_claim_that_finds_its_id_or_twin_taken_is_decided_on_what_is_there() {
 #[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
 async fn a_row_changed_behind_the_logs_back_is_read_before_it_is_settled() {
     let url = support::fresh_database(&support::postgres_url()).await;
-    let options = oncegate::store::StoreOptions {
-        caller_clock: true,
-        ..Default::default()
-    };
-    let a: S = Arc::new(
-        oncegate::store::postgres::PostgresStore::open(&url, options)
-            .await
-            .unwrap(),
-    );
+    let (a, _) = counted(&url).await;
     // Two claims: the first commits the log's head this proxy then knows as its own.
     for id in ["y0", "y1"] {
         let c = a.claim(claim(id, "proxy-a", T0, None)).await.unwrap();
         assert!(matches!(c, Claim::Claimed(_)), "{c:?}");
     }
-    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let n = db
-        .execute(
-            "UPDATE oncegate_actions SET record = jsonb_set(record::jsonb, '{tool}', '\"by-hand\"')::text WHERE id = 'y1'",
-            &[],
-        )
-        .await
-        .unwrap();
-    assert_eq!(n, 1);
+    change_by_hand(&url, "y1").await;
     let r = a.settle(succeeded("y1", 1, T0 + 1)).await.unwrap();
     assert_eq!(r.tool.as_deref(), Some("by-hand"), "decided on the row");
     let stored = a.get("y1").await.unwrap().unwrap();
@@ -234,20 +236,6 @@ async fn a_row_changed_behind_the_logs_back_is_read_before_it_is_settled() {
         (stored.state, stored.tool.as_deref()),
         (State::Succeeded, Some("by-hand"))
     );
-}
-
-/// A store whose batches are counted, by way they were made.
-async fn counted(url: &str) -> (S, oncegate::store::BatchCounts) {
-    let batches = oncegate::store::BatchCounts::default();
-    let options = oncegate::store::StoreOptions {
-        caller_clock: true,
-        batches: batches.clone(),
-        ..Default::default()
-    };
-    let s = oncegate::store::postgres::PostgresStore::open(url, options)
-        .await
-        .unwrap();
-    (Arc::new(s), batches)
 }
 
 /// Another proxy keeps moving the log's head: batches decided without reading read the head
@@ -276,16 +264,7 @@ async fn with_the_head_moved_by_another_proxy_rows_are_still_checked() {
         "decided without reading"
     );
     // y1 changed behind the log's back: its settlement is decided on the row as it is.
-    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    db.execute(
-        "UPDATE oncegate_actions SET record = jsonb_set(record::jsonb, '{tool}', '\"by-hand\"')::text WHERE id = 'y1'",
-        &[],
-    )
-    .await
-    .unwrap();
+    change_by_hand(&url, "y1").await;
     let under_lock = made.under_lock.get();
     let r = a.settle(succeeded("y1", 1, T0 + 2)).await.unwrap();
     assert_eq!(r.tool.as_deref(), Some("by-hand"), "decided on the row");

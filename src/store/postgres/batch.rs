@@ -21,7 +21,7 @@ use bytes::Bytes;
 use deadpool_postgres::GenericClient;
 use tokio::sync::{mpsc, oneshot};
 
-use super::commit::{write_and_commit, Ending, Sending};
+use super::commit::{Ending, Last, Sending};
 use super::sets::{Outcome, Rows};
 use super::{
     db, encode, judge_time, lock, pool_err, prepared, twin_holder, unavailable, write, Head, Moves,
@@ -281,17 +281,14 @@ impl Writer {
         let (began, worked) = tokio::join!(begin, work);
         began.map_err(db)?;
         let (done, events, moves, rows) = worked?;
-        let committed = write_and_commit(
-            tx,
-            &self.chain,
-            &self.instance,
-            &rows,
-            &moves,
+        let last = Last {
+            chain: &self.chain,
+            instance: &self.instance,
+            rows: &rows,
+            moves: &moves,
             events,
-            head,
-            Sending::WithCommit,
-        )
-        .await;
+        };
+        let committed = last.commit(tx, head, Sending::WithCommit).await;
         match committed {
             Ok(head) => {
                 self.keep_head(head, false);

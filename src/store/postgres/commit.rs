@@ -210,101 +210,106 @@ fn ending(e: tokio_postgres::Error) -> Ending {
 
 const HEAD_FOR_UPDATE: &str = "SELECT seq, hash FROM oncegate_log_head WHERE id = 1 FOR UPDATE";
 
-/// Writes `rows`, `moves` and `events` after `head` (read here, under lock, when `None`) and
-/// commits. Returns the new head (`None`: the batch appended nothing).
-#[allow(clippy::too_many_arguments)]
-pub(super) async fn write_and_commit(
-    tx: &deadpool_postgres::Client,
-    chain: &Chain,
-    instance: &str,
-    rows: &Rows,
-    moves: &Moves,
-    events: Vec<LogEvent>,
-    head: Option<Head>,
-    sending: Sending,
-) -> Result<Option<Head>, Ending> {
-    let appends = !events.is_empty();
-    let head = match head {
-        Some(h) => h,
-        None if appends => {
-            let row = tx
-                .query_one(&prepared(tx, HEAD_FOR_UPDATE).await?, &[])
-                .await
-                .map_err(db)?;
-            (row.get(0), row.get(1))
-        }
-        None => (0, String::new()),
-    };
-    let rest = Rest::new(chain, instance, rows, moves, events, head);
-    // Prepared before anything is sent: the statement must reach the server before `COMMIT`,
-    // and a statement not yet in the cache would first cost a round trip of its own.
-    let stmt = prepared(tx, &statement()).await?;
-    let params = rest.params(rows);
-    let mut written = pin!(tx.query_one(&stmt, &params));
-    let (written, committed) = if sending == Sending::Alone {
-        (written.await, Ok(()))
-    } else {
-        // Its first poll sends the statement (tokio-postgres queues a request to its
-        // connection when first polled); only then is `COMMIT` queued behind it.
-        match futures_util::poll!(written.as_mut()) {
-            // Answered at once: it failed before it was sent (the transaction is still open
-            // and whole: the caller rolls it back), or, improbably, succeeded.
-            Poll::Ready(Err(e)) => return Err(db(e).into()),
-            Poll::Ready(w) => (w, tx.batch_execute("COMMIT").await),
-            Poll::Pending => tokio::join!(written, tx.batch_execute("COMMIT")),
-        }
-    };
-    // On failure the transaction was aborted; the `COMMIT` behind it rolled it back.
-    written.map_err(ending)?;
-    committed.map_err(db)?;
-    Ok(appends.then(|| rest.new.clone()))
+/// What a batch writes last: its rows (those not written yet), its count moves and its log
+/// entries.
+pub(super) struct Last<'a> {
+    pub(super) chain: &'a Chain,
+    pub(super) instance: &'a str,
+    pub(super) rows: &'a Rows,
+    pub(super) moves: &'a Moves,
+    pub(super) events: Vec<LogEvent>,
 }
 
-/// [`write_and_commit`] for a batch decided without reading, when another proxy moves the
-/// log's head: `BEGIN`, the rows (written only where what they were decided on holds, as the
-/// one statement would) and the head's read under lock go out together, so that the head is
-/// held only from after the rows' work to the commit; then the counts and the log, with the
-/// `COMMIT`. Two round trips. On [`Ending::Stale`] the transaction is still open (aborted):
-/// the caller rolls it back.
-pub(super) async fn rows_then_log(
-    tx: &deadpool_postgres::Client,
-    chain: &Chain,
-    instance: &str,
-    rows: &Rows,
-    moves: &Moves,
-    events: Vec<LogEvent>,
-) -> Result<Option<Head>, Ending> {
-    let stmt = prepared(tx, &statement()).await?;
-    let head_stmt = prepared(tx, HEAD_FOR_UPDATE).await?;
-    // The rows alone: no log entries, so the head is neither checked nor moved.
-    let rest = Rest::new(
-        chain,
-        instance,
-        rows,
-        &Moves::default(),
-        Vec::new(),
-        (0, String::new()),
-    );
-    let params = rest.params(rows);
-    let (began, written, head) = tokio::join!(
-        tx.batch_execute("BEGIN"),
-        tx.query_one(&stmt, &params),
-        tx.query_one(&head_stmt, &[]),
-    );
-    began.map_err(db)?;
-    written.map_err(ending)?;
-    let head = head.map_err(db)?;
-    let head = (head.get(0), head.get(1));
-    let none = Rows::default();
-    write_and_commit(
-        tx,
-        chain,
-        instance,
-        &none,
-        moves,
-        events,
-        Some(head),
-        Sending::WithCommit,
-    )
-    .await
+impl Last<'_> {
+    /// Writes it all after `head` (read here, under lock, when `None`) and commits. Returns
+    /// the new head (`None`: the batch appended nothing).
+    pub(super) async fn commit(
+        self,
+        tx: &deadpool_postgres::Client,
+        head: Option<Head>,
+        sending: Sending,
+    ) -> Result<Option<Head>, Ending> {
+        let Last {
+            chain,
+            instance,
+            rows,
+            moves,
+            events,
+        } = self;
+        let appends = !events.is_empty();
+        let head = match head {
+            Some(h) => h,
+            None if appends => {
+                let row = tx
+                    .query_one(&prepared(tx, HEAD_FOR_UPDATE).await?, &[])
+                    .await
+                    .map_err(db)?;
+                (row.get(0), row.get(1))
+            }
+            None => (0, String::new()),
+        };
+        let rest = Rest::new(chain, instance, rows, moves, events, head);
+        // Prepared before anything is sent: the statement must reach the server before
+        // `COMMIT`, and a statement not yet in the cache would first cost a round trip of its
+        // own.
+        let stmt = prepared(tx, &statement()).await?;
+        let params = rest.params(rows);
+        let mut written = pin!(tx.query_one(&stmt, &params));
+        let (written, committed) = if sending == Sending::Alone {
+            (written.await, Ok(()))
+        } else {
+            // Its first poll sends the statement (tokio-postgres queues a request to its
+            // connection when first polled); only then is `COMMIT` queued behind it.
+            match futures_util::poll!(written.as_mut()) {
+                // Answered at once: it failed before it was sent (the transaction is still
+                // open and whole: the caller rolls it back), or, improbably, succeeded.
+                Poll::Ready(Err(e)) => return Err(db(e).into()),
+                Poll::Ready(w) => (w, tx.batch_execute("COMMIT").await),
+                Poll::Pending => tokio::join!(written, tx.batch_execute("COMMIT")),
+            }
+        };
+        // On failure the transaction was aborted; the `COMMIT` behind it rolled it back.
+        written.map_err(ending)?;
+        committed.map_err(db)?;
+        Ok(appends.then(|| rest.new.clone()))
+    }
+
+    /// [`Last::commit`] for a batch decided without reading, when another proxy moves the
+    /// log's head: `BEGIN`, the rows (written only where what they were decided on holds, as
+    /// the one statement would) and the head's read under lock go out together, so that the
+    /// head is held only from after the rows' work to the commit; then the counts and the log,
+    /// with the `COMMIT`. Two round trips. On [`Ending::Stale`] the transaction is still open
+    /// (aborted): the caller rolls it back.
+    pub(super) async fn rows_then_log(
+        self,
+        tx: &deadpool_postgres::Client,
+    ) -> Result<Option<Head>, Ending> {
+        let stmt = prepared(tx, &statement()).await?;
+        let head_stmt = prepared(tx, HEAD_FOR_UPDATE).await?;
+        // The rows alone: no log entries, so the head is neither checked nor moved.
+        let (none, unmoved) = (Rows::default(), Moves::default());
+        let rest = Rest::new(
+            self.chain,
+            self.instance,
+            self.rows,
+            &unmoved,
+            Vec::new(),
+            (0, String::new()),
+        );
+        let params = rest.params(self.rows);
+        let (began, written, head) = tokio::join!(
+            tx.batch_execute("BEGIN"),
+            tx.query_one(&stmt, &params),
+            tx.query_one(&head_stmt, &[]),
+        );
+        began.map_err(db)?;
+        written.map_err(ending)?;
+        let head = head.map_err(db)?;
+        let log = Last {
+            rows: &none,
+            ..self
+        };
+        log.commit(tx, Some((head.get(0), head.get(1))), Sending::WithCommit)
+            .await
+    }
 }

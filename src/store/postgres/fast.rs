@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::batch::{settled, Done, Op, Writer};
-use super::commit::{rows_then_log, write_and_commit, Ending, Sending};
+use super::commit::{Ending, Last, Sending};
 use super::sets::{Kind, Rows};
 use super::Moves;
 use crate::action::{decide_claim, Millis, Record};
@@ -119,26 +119,18 @@ impl Writer {
             Some(_) => &self.batches.one_statement,
             None => &self.batches.head_locked,
         };
+        let last = Last {
+            chain: &self.chain,
+            instance: &self.instance,
+            rows: &rows,
+            moves: &moves,
+            events,
+        };
         let written = match head {
-            Some(head) => {
-                let (chain, instance) = (&self.chain, &self.instance);
-                let head = Some(head);
-                write_and_commit(
-                    c,
-                    chain,
-                    instance,
-                    &rows,
-                    &moves,
-                    events,
-                    head,
-                    Sending::Alone,
-                )
-                .await
-            }
+            Some(head) => last.commit(c, Some(head), Sending::Alone).await,
             // Another proxy moves the head: it is read under lock, after the rows.
             None => {
-                let written =
-                    rows_then_log(c, &self.chain, &self.instance, &rows, &moves, events).await;
+                let written = last.rows_then_log(c).await;
                 if let Err(Ending::Stale) = written {
                     if c.batch_execute("ROLLBACK").await.is_err() {
                         return Some(Err(Ending::Failed(super::unavailable(
