@@ -19,7 +19,7 @@
 //! assumed no longer holds, nothing is written, and the batch is made again under lock, as
 //! the writer's batches are for a second after (a replayed key's claim finds its action stored).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -31,9 +31,11 @@ use crate::action::{decide_claim, Millis, Record};
 use crate::log::LogEvent;
 use crate::store::{claim_events, StoreError};
 
-/// At most this many records held; past it the writer forgets them all (their settlements are
-/// then decided under lock).
-const HELD_MAX: usize = 65_536;
+/// At most this many records held (a few MiB); past it the oldest is forgotten, and its
+/// settlement decided under lock. Only writes in flight are held, so this many are in flight
+/// at once only when the upstream is slow (a thousand writes a second answered in eight
+/// seconds), or when settlements fail (the database away).
+const HELD_MAX: usize = 8_192;
 
 /// How long after a batch found what it assumed no longer held the writer decides under lock.
 const STALE_FOR: Duration = Duration::from_secs(1);
@@ -48,6 +50,8 @@ struct Held {
 #[derive(Default)]
 pub(super) struct Memory {
     held: HashMap<String, Held>,
+    /// The ids held, oldest first; some may have been forgotten since.
+    order: VecDeque<String>,
     /// What the batch being made under lock will hold once it commits.
     pending: Vec<Held>,
     /// Until when batches are made under lock.
@@ -75,11 +79,20 @@ impl Memory {
     }
 
     fn hold(&mut self, records: Vec<Held>) {
-        if self.held.len() + records.len() > HELD_MAX {
-            self.held.clear();
-        }
         for h in records {
+            self.order.push_back(h.record.id.clone());
             self.held.insert(h.record.id.clone(), h);
+        }
+        while self.held.len() > HELD_MAX {
+            match self.order.pop_front() {
+                Some(id) => drop(self.held.remove(&id)),
+                None => break,
+            }
+        }
+        // Ids settled since they were held: dropped once they outnumber those held.
+        if self.order.len() > 2 * self.held.len().max(HELD_MAX / 8) {
+            let held = &self.held;
+            self.order.retain(|id| held.contains_key(id));
         }
     }
 }
@@ -233,5 +246,46 @@ impl Writer {
             plan.done.push(Ok(done));
         }
         Some(plan)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held(id: &str) -> Held {
+        Held {
+            record: Record::new(id, "f"),
+            text: format!("text of {id}"),
+        }
+    }
+
+    #[test]
+    fn holds_the_newest_records_within_its_bound() {
+        let mut m = Memory::default();
+        m.hold((0..HELD_MAX + 10).map(|i| held(&format!("a{i}"))).collect());
+        assert_eq!(m.held.len(), HELD_MAX);
+        assert!(!m.held.contains_key("a0") && !m.held.contains_key("a9"));
+        assert!(m.held.contains_key("a10"));
+        assert!(m.held.contains_key(&format!("a{}", HELD_MAX + 9)));
+    }
+
+    #[test]
+    fn forgets_what_was_settled_and_keeps_its_ids_bounded() {
+        let mut m = Memory::default();
+        // Many more writes than it may hold, each settled right after: a settlement's batch
+        // forgets what it held, and the list of ids does not grow with them.
+        for i in 0..10 * HELD_MAX {
+            let id = format!("w{i}");
+            m.hold(vec![held(&id)]);
+            m.held.remove(&id);
+        }
+        assert!(m.held.is_empty());
+        assert!(m.order.len() <= HELD_MAX / 4 + 1, "{}", m.order.len());
+        // What is held is still found, and a batch made under lock holds only once committed.
+        m.hold_after_commit(Record::new("p1", "f"), "t".into());
+        assert!(m.held.is_empty());
+        m.committed();
+        assert_eq!(m.held["p1"].text, "t");
     }
 }
