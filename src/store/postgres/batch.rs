@@ -200,24 +200,23 @@ impl Writer {
         let c = self.pool.get().await.map_err(pool_err)?;
         // Decided without reading when it can be: as one statement, or, once the head proved
         // moved by another proxy, with the head read under lock.
-        let mut done = Err(Ending::Stale);
-        for _ in 0..2 {
-            done = match self.alone(&c, ops).await {
-                Some(Ok(done)) => return Ok(done),
-                Some(Err(Ending::HeadMoved)) => {
-                    self.batches.again.inc();
-                    self.contended();
-                    continue;
-                }
-                Some(Err(Ending::Stale)) => {
-                    self.batches.again.inc();
-                    self.in_transaction(&c, ops, self.chain_after()).await
-                }
-                Some(Err(e)) => Err(e),
-                None => self.in_transaction(&c, ops, self.chain_after()).await,
-            };
-            break;
-        }
+        let done = match self.alone(&c, ops).await {
+            Some(Err(Ending::HeadMoved)) => {
+                self.batches.again.inc();
+                self.contended();
+                self.alone(&c, ops).await
+            }
+            first => first,
+        };
+        let mut done = match done {
+            Some(Ok(done)) => return Ok(done),
+            Some(Err(Ending::Stale)) => {
+                self.batches.again.inc();
+                self.in_transaction(&c, ops, self.chain_after()).await
+            }
+            Some(Err(e)) => Err(e),
+            None => self.in_transaction(&c, ops, self.chain_after()).await,
+        };
         if let Err(Ending::HeadMoved) = done {
             self.batches.again.inc();
             // Another proxy shares the log: nothing of the batch was committed; it is made
