@@ -105,6 +105,11 @@ impl Rows {
         self.record.last().map_or("", String::as_str)
     }
 
+    /// Whether any row is of `kind`.
+    pub(super) fn has(&self, kind: Kind) -> bool {
+        self.kind.contains(&kind.as_str())
+    }
+
     /// How many rows are written only if what they were decided on still holds.
     pub(super) fn conditional(&self) -> i64 {
         self.kind.iter().filter(|k| **k != "l").count() as i64
