@@ -243,6 +243,22 @@ impl Writer {
         }
     }
 
+    /// What the batch writes last, into this proxy's chain and counts.
+    pub(super) fn last<'a>(
+        &'a self,
+        rows: &'a Rows,
+        moves: &'a Moves,
+        events: Vec<LogEvent>,
+    ) -> Last<'a> {
+        Last {
+            chain: &self.chain,
+            instance: &self.instance,
+            rows,
+            moves,
+            events,
+        }
+    }
+
     /// Another proxy moved the log's head: the head kept is forgotten, and read under lock by
     /// the batches of the next [`CONTENDED_FOR`].
     fn contended(&self) {
@@ -280,13 +296,7 @@ impl Writer {
         let (began, worked) = tokio::join!(begin, work);
         began.map_err(db)?;
         let (done, events, moves, rows) = worked?;
-        let last = Last {
-            chain: &self.chain,
-            instance: &self.instance,
-            rows: &rows,
-            moves: &moves,
-            events,
-        };
+        let last = self.last(&rows, &moves, events);
         let committed = last.commit(tx, head, Sending::WithCommit).await;
         match committed {
             Ok(head) => {

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::batch::{settled, Done, Op, Writer};
-use super::commit::{Ending, Last, Sending};
+use super::commit::{Ending, Sending};
 use super::sets::{Kind, Rows};
 use super::Moves;
 use crate::action::{decide_claim, Millis, Record};
@@ -132,13 +132,7 @@ impl Writer {
             Some(_) => &self.batches.one_statement,
             None => &self.batches.head_locked,
         };
-        let last = Last {
-            chain: &self.chain,
-            instance: &self.instance,
-            rows: &rows,
-            moves: &moves,
-            events,
-        };
+        let last = self.last(&rows, &moves, events);
         let written = match head {
             Some(head) => last.commit(c, Some(head), Sending::Alone).await,
             // Another proxy moves the head: it is read under lock, after the rows.
