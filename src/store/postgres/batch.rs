@@ -10,9 +10,11 @@
 //! A batch takes its locks in one order, so that two proxies' batches do not wait on each
 //! other in a circle: the advisory locks of its twin keys (sorted), then its actions' rows (its
 //! operations sorted by action id; a stable sort, so that two operations on one action keep
-//! their order), then the head row. The statements of different actions are pipelined on the
-//! connection (sent together, answered in order); those of one action run one after another. The decisions are the pure transitions every store applies
-//! ([`crate::action::machine`]).
+//! their order), then the head row. A batch decided without reading ([`super::fast`]) takes
+//! each new action's twin-key lock just before inserting its row, in the same twin-key order.
+//! The statements of different actions are pipelined on the connection (sent together,
+//! answered in order); those of one action run one after another. The decisions are the pure
+//! transitions every store applies ([`crate::action::machine`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -55,6 +55,36 @@ pub(super) struct Parts {
 }
 
 impl Parts {
+    /// The statement's text, made once per process for each combination of parts (it is the
+    /// key a connection finds its prepared statement by, looked up for every batch).
+    fn text(self) -> &'static str {
+        static TEXTS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+        let texts = TEXTS.get_or_init(|| {
+            (0..32)
+                .map(|bits| statement(Parts::from_bits(bits)))
+                .collect()
+        });
+        &texts[usize::from(self.bits())]
+    }
+
+    fn bits(self) -> u8 {
+        [self.locked, self.fresh, self.checked, self.counts, self.log]
+            .iter()
+            .enumerate()
+            .map(|(i, &on)| u8::from(on) << i)
+            .sum()
+    }
+
+    fn from_bits(bits: u8) -> Parts {
+        Parts {
+            locked: bits & 1 != 0,
+            fresh: bits & 2 != 0,
+            checked: bits & 4 != 0,
+            counts: bits & 8 != 0,
+            log: bits & 16 != 0,
+        }
+    }
+
     fn of(rows: &Rows, rest: &Rest<'_>) -> Parts {
         Parts {
             locked: rows.has(Kind::Locked),
@@ -323,7 +353,7 @@ async fn last_statement(
     tx: &deadpool_postgres::Client,
     parts: Parts,
 ) -> Result<tokio_postgres::Statement, StoreError> {
-    tx.prepare_typed_cached(&statement(parts), &TYPES)
+    tx.prepare_typed_cached(parts.text(), &TYPES)
         .await
         .map_err(db)
 }
@@ -466,15 +496,10 @@ mod tests {
             .expect("connected");
         tokio::spawn(conn);
         for bits in 0..32u8 {
-            let parts = Parts {
-                locked: bits & 1 != 0,
-                fresh: bits & 2 != 0,
-                checked: bits & 4 != 0,
-                counts: bits & 8 != 0,
-                log: bits & 16 != 0,
-            };
-            if let Err(e) = c.prepare_typed(&statement(parts), &TYPES).await {
-                panic!("{parts:?}: {e:?}\n{}", statement(parts));
+            let parts = Parts::from_bits(bits);
+            assert_eq!(parts.bits(), bits);
+            if let Err(e) = c.prepare_typed(parts.text(), &TYPES).await {
+                panic!("{parts:?}: {e:?}\n{}", parts.text());
             }
         }
         drop(c);

@@ -281,8 +281,9 @@ impl Shared {
     /// Whether sled is keeping up: no drain is running, or fewer changes wait for the next one
     /// than a drain's worth. A sweep steps only then (or after [`EXPIRE_ROOM_WAIT`]): an
     /// expired action costs the drainer about as much as a write (its bucket read and written,
-    /// its record deleted, in pages mostly cold), and steps taken while the drainer was behind pushed the changes waiting past
-    /// [`BACKLOG_KEYS`], where every write waits for the running drain (decision 0052).
+    /// its record deleted, in pages mostly cold), and steps taken while the drainer was behind
+    /// pushed the changes waiting past [`BACKLOG_KEYS`], where every write waits for the
+    /// running drain (decision 0052).
     pub(super) fn drainer_has_room(&self) -> bool {
         self.mem
             .read()
