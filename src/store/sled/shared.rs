@@ -32,6 +32,16 @@ pub(super) struct Shared {
     /// How often a sync waited for the running drain because the changes gathering for the next
     /// one were past [`BACKLOG_KEYS`] or [`BACKLOG_BYTES`] (the drainer set the pace).
     pub(super) paced: AtomicU64,
+    /// How often a sync waited for the running drain to bring the changes not in sled below
+    /// [`PACE_KEYS`] (the drainer set the pace a batch at a time; `Syncer::ease`).
+    pub(super) eased: AtomicU64,
+    /// Changes the running drain has applied to sled so far (0 as each drain starts).
+    pub(super) drained: AtomicUsize,
+    /// Microseconds the drainer sleeps every time it yields its core: a slow sled, for tests.
+    #[cfg(test)]
+    pub(super) drain_pause: AtomicU64,
+    /// A sync waits on [`Shared::drained`]: the drainer wakes it as it moves on.
+    pub(super) easing: std::sync::atomic::AtomicBool,
     /// Batches the writer made, on its thread or a caller's.
     pub(super) batches: AtomicU64,
     /// fdatasyncs of the write-ahead log that no caller waited for (notes and lease renewals
@@ -175,13 +185,21 @@ pub(super) const DRAIN_KEYS: usize = 2_048;
 pub(super) const DRAIN_BYTES: usize = 2 << 20;
 /// While a drain runs, changes gather for the next one; past this many keys, or bytes, the
 /// drainer is behind the writer, and the next batch waits for the running drain before it is
-/// answered (see `Syncer::maybe_drain`). Without it, writes faster than sled takes them (one
+/// answered (see `Syncer::maybe_drain`). Before that, past [`PACE_KEYS`], batches are slowed to
+/// the drainer's pace one at a time. Without it, writes faster than sled takes them (one
 /// thread of inserts) grew the overlay, and the write-ahead log the checkpoints cannot let go,
 /// without bound: 2.8 GB and 1.3 GB after 40 s at 26,000 writes a second through the store API
 /// (docs/decisions.md, "The drainer sets the pace under overload"). Four drains' worth: a
 /// 64-connection run gathers under one while a drain runs.
 pub(super) const BACKLOG_KEYS: usize = 4 * DRAIN_KEYS;
 pub(super) const BACKLOG_BYTES: usize = 4 * DRAIN_BYTES;
+/// Past this many changes not in sled while a drain runs (those gathering for the next drain,
+/// and those the running one has yet to apply), the next sync waits until the drain has caught
+/// up below it: the writer goes at the drainer's pace in steps of a batch (a few ms), instead of
+/// running ahead until [`BACKLOG_KEYS`] gathered and then waiting out a whole drain (100–500 ms
+/// with expiry's cold pages, issue 59). The same bound as the whole-drain wait's, so that drains
+/// stay as large (a key changed twice within one costs sled one write).
+pub(super) const PACE_KEYS: usize = BACKLOG_KEYS;
 
 /// Reads one key: the durable changes not yet in sled first, then sled.
 pub(super) fn read_key(
@@ -232,6 +250,11 @@ impl Shared {
             head: Mutex::new(head),
             forced_drains: AtomicU64::new(0),
             paced: AtomicU64::new(0),
+            eased: AtomicU64::new(0),
+            drained: AtomicUsize::new(0),
+            #[cfg(test)]
+            drain_pause: AtomicU64::new(0),
+            easing: std::sync::atomic::AtomicBool::new(false),
             batches: AtomicU64::new(0),
             idle_syncs: AtomicU64::new(0),
             counts: Mutex::new(counts),

@@ -19,6 +19,12 @@ impl SledStore {
         self.shared.paced.load(Ordering::Relaxed)
     }
 
+    /// How often a sync waited for the drainer to catch up a little (more changes than its
+    /// bound not in sled while a drain ran): writes then go at sled's pace, a batch at a time.
+    pub fn eased_count(&self) -> u64 {
+        self.shared.eased.load(Ordering::Relaxed)
+    }
+
     /// How many batches the writer has made (on its thread or a caller's).
     pub fn batch_count(&self) -> u64 {
         self.shared.batches.load(Ordering::Relaxed)

@@ -260,13 +260,19 @@ impl Syncer {
     /// Past [`BACKLOG_KEYS`] or [`BACKLOG_BYTES`] waiting while a drain runs, this waits for that
     /// drain and hands over the next at once: the thread that syncs (the syncer's, the
     /// writer's, or a lone caller's) holds the sync state meanwhile, so no batch is answered, and
-    /// callers wait for sled's pace instead of the overlay growing.
+    /// callers wait for sled's pace instead of the overlay growing. Before that, with more than
+    /// [`PACE_KEYS`] not in sled, it waits for the drain to catch up ([`Syncer::ease`]): the
+    /// same pace, in steps of a batch; the whole-drain wait is then left for a drain that stops
+    /// (its log files held).
     fn maybe_drain(&self, st: &SyncState, force: bool) {
         let Some(tx) = st.drain.as_ref() else {
             return;
         };
         if self.shared.check().is_err() {
             return;
+        }
+        if !force {
+            self.ease();
         }
         let Ok(mut m) = self.shared.mem.write() else {
             return;
@@ -309,6 +315,7 @@ impl Syncer {
         // Once drained, sled holds them.
         m.absent.clear();
         m.frozen = frozen.clone();
+        self.shared.drained.store(0, Ordering::Relaxed);
         m.draining = true;
         m.since = None;
         m.bytes = 0;
@@ -316,5 +323,31 @@ impl Syncer {
         if tx.send((frozen, st.visible)).is_err() {
             self.shared.fail("the drainer thread stopped");
         }
+    }
+
+    /// Waits, holding the sync state (so no batch is answered meanwhile), while more than
+    /// [`PACE_KEYS`] changes are not in sled (those gathering, and those the running drain has
+    /// yet to apply) and the drain runs. The writer then goes at the drainer's pace a batch at a
+    /// time, and the next drain takes about [`PACE_KEYS`].
+    fn ease(&self) {
+        let past = |m: &Mem| {
+            let left = m
+                .frozen
+                .len()
+                .saturating_sub(self.shared.drained.load(Ordering::SeqCst));
+            m.draining && m.active.len() + left > PACE_KEYS
+        };
+        if !self.shared.mem.read().is_ok_and(|m| past(&m)) {
+            return;
+        }
+        self.shared.eased.fetch_add(1, Ordering::Relaxed);
+        let Ok(guard) = self.shared.applied.lock() else {
+            return;
+        };
+        self.shared.easing.store(true, Ordering::SeqCst);
+        drop(self.shared.progress.wait_while(guard, |_| {
+            self.shared.mem.read().is_ok_and(|m| past(&m)) && self.shared.check().is_ok()
+        }));
+        self.shared.easing.store(false, Ordering::SeqCst);
     }
 }
