@@ -173,6 +173,7 @@ pub fn store_options(config: &Config, metrics: &Metrics) -> Result<StoreOptions,
         log_retention: config.log.retention,
         flush_latency: Some(metrics.flush_latency.clone()),
         batches: metrics.batches.clone(),
+        drainer_waits: metrics.drainer_waits.clone(),
         wal_checkpoint_bytes: match &config.store {
             StoreConfig::Sled { wal_size, .. } => *wal_size,
             StoreConfig::Postgres { .. } => None,

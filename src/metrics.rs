@@ -62,6 +62,11 @@ pub struct MadeLabels {
     pub made: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WaitLabels {
+    pub wait: &'static str,
+}
+
 /// The outcome of a request forwarded as it came (a read).
 pub const FORWARDED: &str = "forwarded";
 
@@ -78,6 +83,8 @@ pub struct Metrics {
     pub flush_latency: Histogram,
     /// How the store's batches were made (PostgreSQL), resolved once.
     pub batches: crate::store::BatchCounts,
+    /// How often the embedded store's syncs waited for sled, resolved once.
+    pub drainer_waits: crate::store::DrainerWaits,
     /// Handles made once per phase, so that observing one is a lookup-free call.
     write_phases: [Histogram; 3],
     pub lookups: Family<ResultLabels, Counter>,
@@ -139,6 +146,17 @@ impl Metrics {
             under_lock: count("under_lock"),
             again: count("again"),
         };
+        let waits = Family::<WaitLabels, Counter>::default();
+        registry.register(
+            "store_drainer_waits",
+            "Embedded store: syncs that waited for sled to catch up, a batch's worth (eased) or a whole drain (whole_drain); writes then go at sled's pace",
+            waits.clone(),
+        );
+        let wait = |wait| waits.get_or_create(&WaitLabels { wait }).clone();
+        let drainer_waits = crate::store::DrainerWaits {
+            eased: wait("eased"),
+            whole_drain: wait("whole_drain"),
+        };
         let phases =
             Family::<PhaseLabels, Histogram, fn() -> Histogram>::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(0.000025, 2.0, 18))
@@ -164,6 +182,7 @@ impl Metrics {
             actions,
             flush_latency,
             batches,
+            drainer_waits,
             write_phases,
             lookups,
             log_head,

@@ -130,6 +130,18 @@ pub struct BatchCounts {
     pub again: prometheus_client::metrics::counter::Counter,
 }
 
+/// How often the embedded store's syncs waited for sled to catch up
+/// (`oncegate_store_drainer_waits_total`): the writer then goes at sled's pace.
+#[derive(Debug, Clone, Default)]
+pub struct DrainerWaits {
+    /// Until the running drain brought the changes not yet in sled below their bound: a
+    /// batch's worth of sled's work.
+    pub eased: prometheus_client::metrics::counter::Counter,
+    /// For the whole running drain: the changes gathering behind it passed their bound all the
+    /// same (a drain that does not move, or a few large values).
+    pub whole_drain: prometheus_client::metrics::counter::Counter,
+}
+
 /// What every store needs besides its location.
 #[derive(Debug, Clone, Default)]
 pub struct StoreOptions {
@@ -141,6 +153,8 @@ pub struct StoreOptions {
     pub flush_latency: Option<prometheus_client::metrics::histogram::Histogram>,
     /// Where PostgreSQL's writer counts how it made its batches.
     pub batches: BatchCounts,
+    /// Where the embedded store counts its syncs' waits for sled.
+    pub drainer_waits: DrainerWaits,
     /// sled: start a new write-ahead log file (and checkpoint sled) after this many bytes
     /// (default [`wal::CHECKPOINT_BYTES`]; smaller in tests).
     pub wal_checkpoint_bytes: Option<u64>,

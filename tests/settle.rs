@@ -357,6 +357,7 @@ async fn the_admin_api_needs_the_token_except_for_health_and_metrics() {
         "oncegate_upstream_latency_seconds",
         "oncegate_actions{state=\"unknown\"} 1",
         "oncegate_store_flush_seconds",
+        "oncegate_store_drainer_waits_total{wait=\"eased\"} 0",
         "oncegate_log_head_seq",
     ] {
         assert!(text.contains(name), "metrics lack {name}:\n{text}");

@@ -283,7 +283,14 @@ impl SledStore {
         let notes = Arc::new(Mutex::new(Vec::new()));
         let cache = Arc::new(Mutex::new(Cache::default()));
         let placing = Arc::new(Mutex::new(HashMap::default()));
-        let shared = Arc::new(Shared::new(logfiles, counts, head.clone(), loaded, buckets));
+        let shared = Arc::new(Shared::new(
+            logfiles,
+            counts,
+            head.clone(),
+            loaded,
+            buckets,
+            options.drainer_waits.clone(),
+        ));
         let twins = super::twins::Twins::at_open(&db, &shared, options.sealer.as_deref())
             .map_err(|e| fail("read the unsettled actions", &e))?;
         let reader_view = shared.clone();

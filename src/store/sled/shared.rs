@@ -31,10 +31,10 @@ pub(super) struct Shared {
     pub(super) forced_drains: AtomicU64,
     /// How often a sync waited for the running drain because the changes gathering for the next
     /// one were past [`BACKLOG_KEYS`] or [`BACKLOG_BYTES`] (the drainer set the pace).
-    pub(super) paced: AtomicU64,
+    pub(super) paced: prometheus_client::metrics::counter::Counter,
     /// How often a sync waited for the running drain to bring the changes not in sled below
     /// [`PACE_KEYS`] (the drainer set the pace a batch at a time; `Syncer::ease`).
-    pub(super) eased: AtomicU64,
+    pub(super) eased: prometheus_client::metrics::counter::Counter,
     /// Changes the running drain has applied to sled so far (0 as each drain starts).
     pub(super) drained: AtomicUsize,
     /// Microseconds the drainer sleeps every time it yields its core: a slow sled, for tests.
@@ -244,13 +244,14 @@ impl Shared {
         head: (u64, String),
         ids_loaded: bool,
         buckets: Buckets,
+        waits: crate::store::DrainerWaits,
     ) -> Shared {
         Shared {
             buckets,
             head: Mutex::new(head),
             forced_drains: AtomicU64::new(0),
-            paced: AtomicU64::new(0),
-            eased: AtomicU64::new(0),
+            paced: waits.whole_drain,
+            eased: waits.eased,
             drained: AtomicUsize::new(0),
             #[cfg(test)]
             drain_pause: AtomicU64::new(0),
@@ -453,6 +454,7 @@ mod tests {
             (0, String::new()),
             false,
             Buckets::new([0; 16]),
+            Default::default(),
         );
         *shared.mem.write().expect("test step") = m;
         let db = sled_config(&tmp.path().join("db"))

@@ -16,13 +16,13 @@ impl SledStore {
     /// How often a sync waited for the drainer because the changes not yet in sled were past
     /// their bound while a drain ran: writes then go at sled's pace.
     pub fn paced_count(&self) -> u64 {
-        self.shared.paced.load(Ordering::Relaxed)
+        self.shared.paced.get()
     }
 
     /// How often a sync waited for the drainer to catch up a little (more changes than its
     /// bound not in sled while a drain ran): writes then go at sled's pace, a batch at a time.
     pub fn eased_count(&self) -> u64 {
-        self.shared.eased.load(Ordering::Relaxed)
+        self.shared.eased.get()
     }
 
     /// How many batches the writer has made (on its thread or a caller's).

@@ -282,7 +282,7 @@ impl Syncer {
             || m.bytes >= DRAIN_BYTES;
         let behind = m.draining && (m.active.len() >= BACKLOG_KEYS || m.bytes >= BACKLOG_BYTES);
         if behind {
-            self.shared.paced.fetch_add(1, Ordering::Relaxed);
+            self.shared.paced.inc();
         }
         if !force && !behind && (!due || m.draining) {
             return;
@@ -340,7 +340,7 @@ impl Syncer {
         if !self.shared.mem.read().is_ok_and(|m| past(&m)) {
             return;
         }
-        self.shared.eased.fetch_add(1, Ordering::Relaxed);
+        self.shared.eased.inc();
         let Ok(guard) = self.shared.applied.lock() else {
             return;
         };
