@@ -141,6 +141,18 @@ mod tests {
         }
     }
 
+    /// Each of `tasks` writers' last write (of `each`, by [`writes`]) reads back settled.
+    async fn last_writes_read_back(store: &SledStore, tasks: usize, each: usize) {
+        for t in 0..tasks {
+            let r = store
+                .get(&format!("w{t}-{}", each - 1))
+                .await
+                .expect("test step")
+                .expect("test step");
+            assert_eq!(r.state, State::Succeeded);
+        }
+    }
+
     /// Claims the action `id` (new or not) at `now`.
     async fn claim(store: &SledStore, id: &str, now: Millis) -> Claim {
         let fresh = Record {
@@ -243,14 +255,7 @@ mod tests {
         for w in writers {
             w.await.expect("test step");
         }
-        for t in 0..tasks {
-            let r = store
-                .get(&format!("w{t}-{}", each - 1))
-                .await
-                .expect("test step")
-                .expect("test step");
-            assert_eq!(r.state, State::Succeeded);
-        }
+        last_writes_read_back(&store, tasks, each).await;
         store.close().await.expect("test step");
     }
 
@@ -293,14 +298,7 @@ mod tests {
             most <= PACE_KEYS + 1024,
             "{most} changes waited for sled, over {PACE_KEYS} and a group's"
         );
-        for t in 0..tasks {
-            let r = store
-                .get(&format!("w{t}-{}", each - 1))
-                .await
-                .expect("test step")
-                .expect("test step");
-            assert_eq!(r.state, State::Succeeded);
-        }
+        last_writes_read_back(&store, tasks, each).await;
         store.shared.drain_pause.store(0, Ordering::Relaxed);
         store.close().await.expect("test step");
     }
