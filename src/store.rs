@@ -137,8 +137,8 @@ pub struct DrainerWaits {
     /// Until the running drain brought the changes not yet in sled below their bound: a
     /// batch's worth of sled's work.
     pub eased: prometheus_client::metrics::counter::Counter,
-    /// For the whole running drain: the changes gathering behind it passed their bound all the
-    /// same (a drain that does not move, or a few large values).
+    /// For the whole running drain: the bytes gathering behind it passed their bound (a few
+    /// keys carrying much, such as the write log's blocks).
     pub whole_drain: prometheus_client::metrics::counter::Counter,
 }
 

@@ -276,17 +276,12 @@ mod tests {
         let writers: Vec<_> = (0..tasks)
             .map(|t| tokio::spawn(writes(store.clone(), format!("w{t}-"), each)))
             .collect();
-        let not_in_sled = |store: &SledStore| {
-            let m = store.shared.mem.read().expect("test step");
-            let left = m
-                .frozen
-                .len()
-                .saturating_sub(store.shared.drained.load(Ordering::SeqCst));
-            m.active.len() + if m.draining { left } else { 0 }
-        };
         let mut most = 0;
         while !writers.iter().all(|w| w.is_finished()) {
-            most = most.max(not_in_sled(&store));
+            let waiting = store
+                .shared
+                .not_in_sled(&store.shared.mem.read().expect("test step"));
+            most = most.max(waiting);
             tokio::time::sleep(std::time::Duration::from_millis(2)).await;
         }
         for w in writers {
@@ -295,8 +290,8 @@ mod tests {
         assert!(store.eased_count() > 0, "the drainer never set the pace");
         assert_eq!(store.paced_count(), 0, "a sync waited out a whole drain");
         assert!(
-            most <= PACE_KEYS + 1024,
-            "{most} changes waited for sled, over {PACE_KEYS} and a group's"
+            most <= BACKLOG_KEYS + 1024,
+            "{most} changes waited for sled, over {BACKLOG_KEYS} and a group's"
         );
         last_writes_read_back(&store, tasks, each).await;
         store.shared.drain_pause.store(0, Ordering::Relaxed);

@@ -29,11 +29,11 @@ pub(super) struct Shared {
     /// How often the writer waited for the drainer to apply everything to sled (checkpoints,
     /// recovery, expiry). Readers never make it wait.
     pub(super) forced_drains: AtomicU64,
-    /// How often a sync waited for the running drain because the changes gathering for the next
-    /// one were past [`BACKLOG_KEYS`] or [`BACKLOG_BYTES`] (the drainer set the pace).
+    /// How often a sync waited for the whole running drain because the bytes gathering for the
+    /// next one were past [`BACKLOG_BYTES`] (the drainer set the pace).
     pub(super) paced: prometheus_client::metrics::counter::Counter,
     /// How often a sync waited for the running drain to bring the changes not in sled below
-    /// [`PACE_KEYS`] (the drainer set the pace a batch at a time; `Syncer::ease`).
+    /// [`BACKLOG_KEYS`] (the drainer set the pace a batch at a time; `Syncer::ease`).
     pub(super) eased: prometheus_client::metrics::counter::Counter,
     /// Changes the running drain has applied to sled so far (0 as each drain starts).
     pub(super) drained: AtomicUsize,
@@ -183,23 +183,20 @@ fn pending_pointer(
 pub(super) const DRAIN_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 pub(super) const DRAIN_KEYS: usize = 2_048;
 pub(super) const DRAIN_BYTES: usize = 2 << 20;
-/// While a drain runs, changes gather for the next one; past this many keys, or bytes, the
-/// drainer is behind the writer, and the next batch waits for the running drain before it is
-/// answered (see `Syncer::maybe_drain`). Before that, past [`PACE_KEYS`], batches are slowed to
-/// the drainer's pace one at a time. Without it, writes faster than sled takes them (one
-/// thread of inserts) grew the overlay, and the write-ahead log the checkpoints cannot let go,
-/// without bound: 2.8 GB and 1.3 GB after 40 s at 26,000 writes a second through the store API
-/// (docs/decisions.md, "The drainer sets the pace under overload"). Four drains' worth: a
-/// 64-connection run gathers under one while a drain runs.
+/// The drainer is behind the writer past this many changes not in sled while a drain runs
+/// ([`Shared::not_in_sled`]: those gathering for the next drain, and those the running one has
+/// yet to apply): the next sync waits until the drain has caught up below it
+/// (`Syncer::ease`), so the writer goes at sled's pace in steps of a batch (a few ms). Without
+/// a bound, writes faster than sled takes them (one thread of inserts) grew the overlay, and the
+/// write-ahead log the checkpoints cannot let go, without bound: 2.8 GB and 1.3 GB after 40 s at
+/// 26,000 writes a second through the store API (decision 0027); with one on the keys
+/// gathering alone, a sync past it waited out a whole drain (100–500 ms with expiry's cold
+/// pages, decision 0054). Four drains' worth, so that drains stay large (a key changed twice
+/// within one costs sled one write).
 pub(super) const BACKLOG_KEYS: usize = 4 * DRAIN_KEYS;
+/// Past this many bytes gathering while a drain runs (a few keys carrying much), the next sync
+/// waits for the whole running drain (see `Syncer::maybe_drain`).
 pub(super) const BACKLOG_BYTES: usize = 4 * DRAIN_BYTES;
-/// Past this many changes not in sled while a drain runs (those gathering for the next drain,
-/// and those the running one has yet to apply), the next sync waits until the drain has caught
-/// up below it: the writer goes at the drainer's pace in steps of a batch (a few ms), instead of
-/// running ahead until [`BACKLOG_KEYS`] gathered and then waiting out a whole drain (100–500 ms
-/// with expiry's cold pages, issue 59). The same bound as the whole-drain wait's, so that drains
-/// stay as large (a key changed twice within one costs sled one write).
-pub(super) const PACE_KEYS: usize = BACKLOG_KEYS;
 
 /// Reads one key: the durable changes not yet in sled first, then sled.
 pub(super) fn read_key(
@@ -307,12 +304,25 @@ impl Shared {
     /// expired action costs the drainer about as much as a write (its bucket read and written,
     /// its record deleted, in pages mostly cold), and steps taken while the drainer was behind
     /// pushed the changes waiting past [`BACKLOG_KEYS`], where every write waits for the
-    /// running drain (decision 0052).
+    /// drainer (decisions 0052, 0054).
     pub(super) fn drainer_has_room(&self) -> bool {
         self.mem
             .read()
             .map(|m| !m.draining || m.active.len() < DRAIN_KEYS)
             .unwrap_or(true)
+    }
+
+    /// How many changes in `m` sled does not hold yet: those gathering for the next drain, and
+    /// those the running drain has yet to apply.
+    pub(super) fn not_in_sled(&self, m: &Mem) -> usize {
+        if !m.draining {
+            return m.active.len();
+        }
+        let left = m
+            .frozen
+            .len()
+            .saturating_sub(self.drained.load(Ordering::SeqCst));
+        m.active.len() + left
     }
 
     /// Waits until batch `seq` is applied to sled (or the store broke).

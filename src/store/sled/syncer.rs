@@ -257,13 +257,11 @@ impl Syncer {
     /// when asked (`force`: the writer waits for everything visible to be in sled). Nothing
     /// once the store is broken (a group that failed broke it).
     ///
-    /// Past [`BACKLOG_KEYS`] or [`BACKLOG_BYTES`] waiting while a drain runs, this waits for that
-    /// drain and hands over the next at once: the thread that syncs (the syncer's, the
-    /// writer's, or a lone caller's) holds the sync state meanwhile, so no batch is answered, and
-    /// callers wait for sled's pace instead of the overlay growing. Before that, with more than
-    /// [`PACE_KEYS`] not in sled, it waits for the drain to catch up ([`Syncer::ease`]): the
-    /// same pace, in steps of a batch; the whole-drain wait is then left for a drain that stops
-    /// (its log files held).
+    /// With more than [`BACKLOG_KEYS`] not in sled while a drain runs, this first waits for the
+    /// drain to catch up ([`Syncer::ease`]); past [`BACKLOG_BYTES`] gathering, it waits for that
+    /// whole drain and hands over the next at once. The thread that syncs (the syncer's, the
+    /// writer's, or a lone caller's) holds the sync state meanwhile, so no batch is answered,
+    /// and callers wait for sled's pace instead of the overlay growing.
     fn maybe_drain(&self, st: &SyncState, force: bool) {
         let Some(tx) = st.drain.as_ref() else {
             return;
@@ -280,7 +278,8 @@ impl Syncer {
         let due = m.since.is_some_and(|t| t.elapsed() >= DRAIN_EVERY)
             || m.active.len() >= DRAIN_KEYS
             || m.bytes >= DRAIN_BYTES;
-        let behind = m.draining && (m.active.len() >= BACKLOG_KEYS || m.bytes >= BACKLOG_BYTES);
+        // The keys' bound was kept by `ease`.
+        let behind = m.draining && m.bytes >= BACKLOG_BYTES;
         if behind {
             self.shared.paced.inc();
         }
@@ -315,7 +314,7 @@ impl Syncer {
         // Once drained, sled holds them.
         m.absent.clear();
         m.frozen = frozen.clone();
-        self.shared.drained.store(0, Ordering::Relaxed);
+        self.shared.drained.store(0, Ordering::SeqCst);
         m.draining = true;
         m.since = None;
         m.bytes = 0;
@@ -326,17 +325,11 @@ impl Syncer {
     }
 
     /// Waits, holding the sync state (so no batch is answered meanwhile), while more than
-    /// [`PACE_KEYS`] changes are not in sled (those gathering, and those the running drain has
-    /// yet to apply) and the drain runs. The writer then goes at the drainer's pace a batch at a
-    /// time, and the next drain takes about [`PACE_KEYS`].
+    /// [`BACKLOG_KEYS`] changes are not in sled ([`Shared::not_in_sled`]) and the drain runs.
+    /// The writer then goes at the drainer's pace a batch at a time, and the next drain takes
+    /// about [`BACKLOG_KEYS`]. A drain that does not move (its log files held) is waited out.
     fn ease(&self) {
-        let past = |m: &Mem| {
-            let left = m
-                .frozen
-                .len()
-                .saturating_sub(self.shared.drained.load(Ordering::SeqCst));
-            m.draining && m.active.len() + left > PACE_KEYS
-        };
+        let past = |m: &Mem| m.draining && self.shared.not_in_sled(m) > BACKLOG_KEYS;
         if !self.shared.mem.read().is_ok_and(|m| past(&m)) {
             return;
         }
