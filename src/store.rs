@@ -126,7 +126,8 @@ pub struct BatchCounts {
     /// Committed as a transaction that read and locked what it decided on.
     pub under_lock: prometheus_client::metrics::counter::Counter,
     /// Not committed and made again: what it was decided on had changed (another proxy's
-    /// commit moved the log's head, a row or a new action's slot was taken).
+    /// commit moved the log's head, a row or a new action's slot was taken), or PostgreSQL
+    /// ended it to break a cycle of lock waits with another proxy's batch.
     pub again: prometheus_client::metrics::counter::Counter,
 }
 

@@ -278,9 +278,17 @@ fn unavailable(e: impl std::fmt::Display) -> StoreError {
     StoreError::Unavailable(e.to_string())
 }
 
+/// What a transaction PostgreSQL ended to break a cycle of lock waits is answered
+/// ([`db`]); the writer makes such a batch again ([`commit::Ending::LockCycle`]).
+const LOCK_CYCLE: &str =
+    "database: deadlock detected (a cycle of lock waits with another transaction)";
+
 /// A database error, with its cause (tokio-postgres' own message is only "db error").
 fn db(e: tokio_postgres::Error) -> StoreError {
     match e.as_db_error() {
+        Some(d) if *d.code() == tokio_postgres::error::SqlState::T_R_DEADLOCK_DETECTED => {
+            StoreError::Unavailable(LOCK_CYCLE.into())
+        }
         Some(d) => StoreError::Unavailable(format!("database: {}", d.message())),
         None => StoreError::Unavailable(format!("database: {e}")),
     }

@@ -11,7 +11,10 @@
 //! other in a circle: the advisory locks of its twin keys (sorted), then its actions' rows (its
 //! operations sorted by action id; a stable sort, so that two operations on one action keep
 //! their order), then the head row. A batch decided without reading ([`super::fast`]) takes
-//! each new action's twin-key lock just before inserting its row, in the same twin-key order.
+//! each new action's twin-key lock just before inserting its row, in the same twin-key order,
+//! and its new rows before the rows it settles: against a batch made under lock it can still
+//! wait in a circle, which PostgreSQL breaks by ending one of the two after `deadlock_timeout`.
+//! Nothing of that one was committed, and it is made again under lock ([`Ending::LockCycle`]).
 //! The statements of different actions are pipelined on the connection (sent together,
 //! answered in order); those of one action run one after another. The decisions are the pure
 //! transitions every store applies ([`crate::action::machine`]).
@@ -212,7 +215,7 @@ impl Writer {
         };
         let mut done = match done {
             Some(Ok(done)) => return Ok(done),
-            Some(Err(Ending::Stale)) => {
+            Some(Err(Ending::Stale | Ending::LockCycle)) => {
                 self.batches.again.inc();
                 self.in_transaction(&c, ops, self.chain_after()).await
             }
@@ -225,6 +228,15 @@ impl Writer {
             // again with the head read under lock, as the next batches are for a while.
             self.contended();
             done = self.in_transaction(&c, ops, None).await;
+        }
+        if let Err(Ending::LockCycle) = done {
+            // Ended against a batch made as one statement, which takes its locks in another
+            // order; made again under lock, it waits for that batch to end. Nothing of it was
+            // committed: whatever it had sent ends with the `ROLLBACK`.
+            self.batches.again.inc();
+            if c.batch_execute("ROLLBACK").await.is_ok() {
+                done = self.in_transaction(&c, ops, None).await;
+            }
         }
         match done {
             Ok(done) => {
@@ -240,6 +252,7 @@ impl Writer {
                     Ending::Failed(e) => e,
                     Ending::HeadMoved => unavailable("the write log's head moved under its lock"),
                     Ending::Stale => unavailable("a row changed under its lock"),
+                    Ending::LockCycle => unavailable(super::LOCK_CYCLE),
                 })
             }
         }

@@ -34,12 +34,19 @@ pub(super) enum Ending {
     /// twin slot is taken: nothing of the batch was written, and it can be made again under
     /// lock.
     Stale,
+    /// PostgreSQL ended the transaction to break a cycle of lock waits with another proxy's
+    /// batch (one made as one statement takes its locks in another order than one made under
+    /// lock): nothing was committed, and it can be made again under lock.
+    LockCycle,
     Failed(StoreError),
 }
 
 impl From<StoreError> for Ending {
     fn from(e: StoreError) -> Self {
-        Ending::Failed(e)
+        match e {
+            StoreError::Unavailable(m) if m == super::LOCK_CYCLE => Ending::LockCycle,
+            e => Ending::Failed(e),
+        }
     }
 }
 
@@ -344,7 +351,7 @@ fn ending(e: tokio_postgres::Error) -> Ending {
     match e.code() {
         Some(&SqlState::DIVISION_BY_ZERO) => Ending::HeadMoved,
         Some(&SqlState::INVALID_ARGUMENT_FOR_LOG) => Ending::Stale,
-        _ => Ending::Failed(db(e)),
+        _ => db(e).into(),
     }
 }
 

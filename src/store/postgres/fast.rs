@@ -138,7 +138,7 @@ impl Writer {
             // Another proxy moves the head: it is read under lock, after the rows.
             None => {
                 let written = last.rows_then_log(c).await;
-                if let Err(Ending::Stale) = written {
+                if let Err(Ending::Stale | Ending::LockCycle) = written {
                     if c.batch_execute("ROLLBACK").await.is_err() {
                         return Some(Err(Ending::Failed(super::unavailable(
                             "could not roll back a batch",
@@ -162,7 +162,7 @@ impl Writer {
                     // Nothing was written, and what it held may still hold: the row check
                     // says so when the batch is made again.
                     Ending::HeadMoved => {}
-                    Ending::Stale => {
+                    Ending::Stale | Ending::LockCycle => {
                         memory.forget(ops);
                         memory.stale_until = Some(Instant::now() + STALE_FOR);
                     }
