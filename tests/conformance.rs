@@ -301,7 +301,17 @@ async fn the_same_through_oncegate(modules: &Path, suite: &str, server: u16) {
         "node {}/tests/mcp/auth-client.mjs",
         env!("CARGO_MANIFEST_DIR")
     );
-    let role = ["client", "--command", client.as_str()];
+    // The suite runs every client scenario at once, each through a proxy of its own (a debug
+    // build) on this machine's two cores: its 30 s a scenario ran out under a busy machine
+    // (checks then missing through oncegate only, twice seen). The scenarios end when their
+    // client does; the timeout only bounds one that hangs.
+    let role = [
+        "client",
+        "--command",
+        client.as_str(),
+        "--timeout",
+        "120000",
+    ];
     let sdk = [("ONCEGATE_MCP_NODE", node.as_str())];
     let direct = run_suite(modules, suite, &role, &sdk).await;
     let passed = direct
