@@ -1162,9 +1162,9 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     if let Some(mut c) = no_guard {
         stop(&mut c).await;
     }
+    // SIGTERM too: a profiler it runs under (`BENCH_BARE_WRAP`) then writes what it counted.
     for b in [&mut bare, &mut bare_durable] {
-        let _ = b.kill();
-        let _ = b.wait();
+        stop(b).await;
     }
     for mut p in peers {
         let _ = p.kill();
