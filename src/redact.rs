@@ -15,6 +15,76 @@ pub const REDACTED: &str = "REDACTED";
 /// The largest request body a record keeps to show (larger ones: their size and hash only).
 pub const BODY_KEPT_MAX: usize = 16 * 1024;
 
+/// Fields whose values are card secrets, redacted whatever `log.redact_query` says: a card's
+/// verification code is never to be kept (PCI DSS 3.3.1.2), and its number is also found by
+/// its value ([`has_card_number`]).
+pub const CARD_FIELDS: [&str; 8] = [
+    "cvc",
+    "cvv",
+    "cvc2",
+    "cvv2",
+    "csc",
+    "security_code",
+    "card_number",
+    "cardnumber",
+];
+
+/// Whether `text` holds a payment card number: 14 to 19 digits, written whole or in groups
+/// split by single spaces or dashes, the first of them 2 to 6 (the card networks' numbers; an
+/// epoch in milliseconds starts with 1), that pass the Luhn check. A longer run of digits is
+/// not one.
+pub fn has_card_number(text: &str) -> bool {
+    let b = text.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if !b[i].is_ascii_digit() {
+            i += 1;
+            continue;
+        }
+        let (mut digits, mut n, mut j) = ([0u8; 19], 0, i);
+        loop {
+            match b.get(j) {
+                Some(d) if d.is_ascii_digit() => {
+                    if n < digits.len() {
+                        digits[n] = d - b'0';
+                    }
+                    n += 1;
+                    j += 1;
+                }
+                Some(b' ' | b'-') if b.get(j + 1).is_some_and(u8::is_ascii_digit) => j += 1,
+                _ => break,
+            }
+        }
+        if (14..=19).contains(&n) && (2..=6).contains(&digits[0]) && luhn(&digits[..n]) {
+            return true;
+        }
+        i = j;
+    }
+    false
+}
+
+/// The Luhn check of a card number's digits.
+fn luhn(digits: &[u8]) -> bool {
+    let sum: u32 = digits
+        .iter()
+        .rev()
+        .enumerate()
+        .map(|(k, &d)| {
+            let d = u32::from(d);
+            if k % 2 == 1 {
+                if d > 4 {
+                    2 * d - 9
+                } else {
+                    2 * d
+                }
+            } else {
+                d
+            }
+        })
+        .sum();
+    sum % 10 == 0
+}
+
 /// The bodies whose fields redaction can find.
 enum BodyKind {
     Json,
@@ -80,13 +150,22 @@ impl Redactor {
         }
         Redactor {
             headers,
-            query: config
-                .log
-                .redact_query
-                .iter()
+            query: (config.log.redact_query.iter())
                 .map(|q| q.to_ascii_lowercase())
+                .chain(CARD_FIELDS.iter().map(|f| f.to_string()))
                 .collect(),
         }
+    }
+
+    /// Whether a parameter or field named `name` is secret: the name, or a form field's
+    /// innermost bracketed name (`card[cvc]`), is one of the secret names.
+    fn is_secret_name(&self, name: &str) -> bool {
+        let name = name.to_ascii_lowercase();
+        let inner = name
+            .strip_suffix(']')
+            .and_then(|n| n.rsplit_once('['))
+            .map(|(_, inner)| inner);
+        self.query.contains(&name) || inner.is_some_and(|n| self.query.contains(n))
     }
 
     pub fn is_secret_header(&self, name: &HeaderName) -> bool {
@@ -107,16 +186,16 @@ impl Redactor {
             .collect()
     }
 
-    /// A query string with the values of secret parameters replaced by `REDACTED`.
+    /// A query string (or a form body) with the values of secret parameters, and those that
+    /// hold a card number, replaced by `REDACTED`.
     pub fn query(&self, q: &str) -> String {
         q.split('&')
             .map(|part| {
                 let name = part.split('=').next().unwrap_or_default();
-                let decoded: String = form_urlencoded::parse(name.as_bytes())
-                    .map(|(k, _)| k.into_owned())
+                let (name_decoded, value) = form_urlencoded::parse(part.as_bytes())
                     .next()
                     .unwrap_or_default();
-                if self.query.contains(&decoded.to_ascii_lowercase()) {
+                if self.is_secret_name(&name_decoded) || has_card_number(&value) {
                     format!("{name}={REDACTED}")
                 } else {
                     part.to_string()
@@ -128,9 +207,10 @@ impl Redactor {
 
     /// A request body as the record keeps it to show an operator (what to look for at the
     /// service): a JSON or form body of at most [`BODY_KEPT_MAX`] bytes, the values of fields
-    /// named like a secret query parameter (`log.redact_query`, at any depth) replaced by
-    /// `REDACTED`. Any other body is not kept (`None`): its structure does not say where a
-    /// secret is. Most bodies name no such field and are kept as they came, unparsed.
+    /// named like a secret query parameter (`log.redact_query` and [`CARD_FIELDS`], at any
+    /// depth) and those that hold a card number replaced by `REDACTED`. Any other body is not
+    /// kept (`None`): its structure does not say where a secret is. Most bodies name no such
+    /// field and hold no card number, and are kept as they came, unparsed.
     pub fn body(&self, content_type: Option<&[u8]>, body: &[u8]) -> Option<String> {
         if body.is_empty() || body.len() > BODY_KEPT_MAX {
             return None;
@@ -138,7 +218,7 @@ impl Redactor {
         let kind = BodyKind::of(content_type?)?;
         let text = std::str::from_utf8(body).ok()?;
         let lower = text.to_ascii_lowercase();
-        if !self.query.iter().any(|name| lower.contains(name.as_str())) {
+        if !self.query.iter().any(|name| lower.contains(name.as_str())) && !has_card_number(text) {
             return Some(text.to_string());
         }
         match kind {
@@ -155,7 +235,7 @@ impl Redactor {
         match v {
             serde_json::Value::Object(map) => {
                 for (k, v) in map.iter_mut() {
-                    if self.query.contains(&k.to_ascii_lowercase()) {
+                    if self.is_secret_name(k) {
                         *v = serde_json::Value::String(REDACTED.into());
                     } else {
                         self.redact_json(v);
@@ -163,6 +243,12 @@ impl Redactor {
                 }
             }
             serde_json::Value::Array(items) => items.iter_mut().for_each(|v| self.redact_json(v)),
+            serde_json::Value::String(text) if has_card_number(text) => {
+                *v = serde_json::Value::String(REDACTED.into());
+            }
+            serde_json::Value::Number(n) if has_card_number(&n.to_string()) => {
+                *v = serde_json::Value::String(REDACTED.into());
+            }
             _ => {}
         }
     }
@@ -239,6 +325,65 @@ mod tests {
         let big = format!(r#"{{"a":"{}"}}"#, "x".repeat(BODY_KEPT_MAX));
         assert_eq!(r.body(json, big.as_bytes()), None);
         assert_eq!(r.body(json, b""), None);
+    }
+
+    /// Card numbers are found by their value, in a query, a form or JSON body, whatever their
+    /// field is named; a verification code by its name, also inside a form's brackets.
+    #[test]
+    fn card_numbers_and_codes_are_never_kept() {
+        let c = Config::parse(
+            "[server]\n[[upstreams]]\nname='a'\nprefix='/a'\nurl='http://127.0.0.1:1'\n",
+        )
+        .expect("valid");
+        let r = Redactor::new(&c);
+        for pan in [
+            "4242424242424242",
+            "4242 4242 4242 4242",
+            "5555-5555-5555-4444",
+            "378282246310005",
+            "6011111111111117",
+            "2223003122003222",
+        ] {
+            assert!(has_card_number(pan), "{pan}");
+            assert!(has_card_number(&format!("card {pan} on file")), "{pan}");
+        }
+        for not in [
+            "4242424242424241",     // fails the Luhn check
+            "1765100000000003",     // an epoch in ms and more, starting with 1
+            "42424242424242424242", // 20 digits: an id, not a card
+            "4242  4242 4242 4242", // two spaces split two numbers
+            "order 12345",
+            "",
+        ] {
+            assert!(!has_card_number(not), "{not}");
+        }
+        let form = Some(b"application/x-www-form-urlencoded".as_slice());
+        let kept = r
+            .body(
+                form,
+                b"amount=2000&card[number]=4242+4242+4242+4242&card[exp_month]=12&card[cvc]=314",
+            )
+            .expect("kept");
+        assert_eq!(
+            kept,
+            "amount=2000&card[number]=REDACTED&card[exp_month]=12&card[cvc]=REDACTED"
+        );
+        let json = Some(b"application/json".as_slice());
+        let kept = r
+            .body(
+                json,
+                br#"{"amount":2000,"source":{"pan":4242424242424242,"CVV":"314","note":"4242-4242-4242-4242"}}"#,
+            )
+            .expect("kept");
+        let v: serde_json::Value = serde_json::from_str(&kept).expect("JSON");
+        assert_eq!(
+            v,
+            serde_json::json!({"amount": 2000, "source": {"pan": "REDACTED", "CVV": "REDACTED", "note": "REDACTED"}})
+        );
+        assert_eq!(
+            r.path("/v1/pay", Some("n=4242424242424242&x[cvc]=1&order=17")),
+            "/v1/pay?n=REDACTED&x[cvc]=REDACTED&order=17"
+        );
     }
 
     #[test]

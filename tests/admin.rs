@@ -362,6 +362,59 @@ async fn an_action_shows_its_request_body_redacted() {
     proxy.stop().await;
 }
 
+/// A card charged through the proxy the way Stripe's API takes it (a form, `card[number]` and
+/// `card[cvc]`): the upstream gets the card whole, and nothing the proxy keeps or shows (the
+/// action, the list, the write log) holds its number or its code, whatever the config's secret
+/// names, in the body or in the query.
+#[tokio::test]
+async fn a_card_number_and_its_code_are_sent_but_never_kept_or_shown() {
+    let up = FakeUpstream::start().await;
+    let proxy = with_token(&config(&up.url(), "")).await;
+    up.push(Behavior::json(201, r#"{"id":"ch_1","last4":"4242"}"#));
+    let body = "amount=2000&currency=usd&card[number]=4242+4242+4242+4242&card[exp_month]=12&card[cvc]=314";
+    let r = TestClient::default()
+        .post(
+            &proxy.url("/pay/v1/charges?receipt_for=5555555555554444"),
+            &[
+                (KEY, "card-1"),
+                ("content-type", "application/x-www-form-urlencoded"),
+            ],
+            body,
+        )
+        .await;
+    assert_eq!(r.status, 201);
+    let sent = up.received();
+    assert_eq!(sent.len(), 1);
+    assert_eq!(sent[0].body, body.as_bytes(), "the upstream gets the card");
+    assert!(sent[0].target.ends_with("?receipt_for=5555555555554444"));
+    let id = r.header("oncegate-action").unwrap();
+    let a = proxy
+        .admin("GET", &format!("/v1/actions/{id}"), "")
+        .await
+        .json();
+    assert_eq!(
+        a["request"]["body"],
+        "amount=2000&currency=usd&card[number]=REDACTED&card[exp_month]=12&card[cvc]=REDACTED"
+    );
+    let log = String::from_utf8_lossy(&proxy.admin("GET", "/v1/log", "").await.body).to_string();
+    let list = proxy
+        .admin("GET", "/v1/actions", "")
+        .await
+        .json()
+        .to_string();
+    for (what, text) in [
+        ("the write log", &log),
+        ("the actions list", &list),
+        ("the action", &a.to_string()),
+    ] {
+        for secret in ["4242+4242", "4242 4242", "5555555555554444", "cvc]=314"] {
+            assert!(!text.contains(secret), "{what} holds {secret}: {text}");
+        }
+    }
+    assert!(log.contains("receipt_for=REDACTED"), "{log}");
+    proxy.stop().await;
+}
+
 /// The overview's last hour, which the console draws (issue 60 item 12): writes by outcome as the
 /// proxy answered them, known counts in, the same counts out; a read is not a write.
 #[tokio::test]
