@@ -342,24 +342,31 @@ async fn an_action_shows_its_request_body_redacted() {
         .json();
     assert!(b["request"]["body"].is_null(), "{b}");
     assert_eq!(b["request"]["body_size"], 10);
+    let [log, list, action] = shown(&proxy, &a).await;
+    for (what, text) in [&log, &list, &action] {
+        assert!(!text.contains("tok_s3cr3t"), "{what}: {text}");
+    }
+    assert!(
+        !log.1.contains("4200") && !list.1.contains("4200"),
+        "{log:?} {list:?}"
+    );
+    proxy.stop().await;
+}
+
+/// What the admin API shows of the writes, as (what, text): the write log, the actions list,
+/// and `action` (one action's view).
+async fn shown(proxy: &TestProxy, action: &serde_json::Value) -> [(&'static str, String); 3] {
     let log = String::from_utf8_lossy(&proxy.admin("GET", "/v1/log", "").await.body).to_string();
     let list = proxy
         .admin("GET", "/v1/actions", "")
         .await
         .json()
         .to_string();
-    for (what, text) in [
-        ("the write log", &log),
-        ("the actions list", &list),
-        ("the action", &a.to_string()),
-    ] {
-        assert!(!text.contains("tok_s3cr3t"), "{what}: {text}");
-    }
-    assert!(
-        !log.contains("4200") && !list.contains("4200"),
-        "{log} {list}"
-    );
-    proxy.stop().await;
+    [
+        ("the write log", log),
+        ("the actions list", list),
+        ("the action", action.to_string()),
+    ]
 }
 
 /// A card charged through the proxy the way Stripe's API takes it (a form, `card[number]` and
@@ -396,22 +403,13 @@ async fn a_card_number_and_its_code_are_sent_but_never_kept_or_shown() {
         a["request"]["body"],
         "amount=2000&currency=usd&card[number]=REDACTED&card[exp_month]=12&card[cvc]=REDACTED"
     );
-    let log = String::from_utf8_lossy(&proxy.admin("GET", "/v1/log", "").await.body).to_string();
-    let list = proxy
-        .admin("GET", "/v1/actions", "")
-        .await
-        .json()
-        .to_string();
-    for (what, text) in [
-        ("the write log", &log),
-        ("the actions list", &list),
-        ("the action", &a.to_string()),
-    ] {
+    let [log, list, action] = shown(&proxy, &a).await;
+    for (what, text) in [&log, &list, &action] {
         for secret in ["4242+4242", "4242 4242", "5555555555554444", "cvc]=314"] {
             assert!(!text.contains(secret), "{what} holds {secret}: {text}");
         }
     }
-    assert!(log.contains("receipt_for=REDACTED"), "{log}");
+    assert!(log.1.contains("receipt_for=REDACTED"), "{log:?}");
     proxy.stop().await;
 }
 
