@@ -25,6 +25,7 @@ mod clock;
 mod commit;
 mod fast;
 mod history;
+mod op;
 mod sets;
 
 use super::seal::{seal_opt, Sealer};

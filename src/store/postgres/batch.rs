@@ -24,17 +24,17 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use deadpool_postgres::GenericClient;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use super::commit::{Ending, Last, Sending};
+pub(super) use super::op::{Changes, Done, Op};
 use super::sets::{Outcome, Rows};
 use super::{
     db, encode, judge_time, lock, pool_err, prepared, twin_holder, unavailable, write, Head, Moves,
     Sealer,
 };
 use crate::action::{
-    apply_resolve, apply_settle, decide_claim, BodyRef, Claim, ClaimRequest, Millis, Record,
-    Resolve,
+    apply_resolve, apply_settle, decide_claim, BodyRef, ClaimRequest, Millis, Record, Resolve,
 };
 use crate::log::{Actor, Chain, Event, LogEvent};
 use crate::store::{claim_events, resolve_event, settle_event, SettleRequest, StoreError};
@@ -44,76 +44,6 @@ const BATCH_MAX: usize = 128;
 
 /// How long a proxy that found the log's head moved by another reads it under lock.
 const CONTENDED_FOR: std::time::Duration = std::time::Duration::from_secs(1);
-
-type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
-
-/// One change a request waits for.
-pub(super) enum Op {
-    Claim(Box<ClaimRequest>, Reply<Claim>),
-    Settle(Box<SettleRequest>, Reply<Arc<Record>>),
-    Resolve(String, Box<Resolve>, Event, Reply<Record>),
-    /// An audit entry for an event that changes no record (a replay, a refusal): written with
-    /// the batch's log, answered to nobody.
-    Note(Box<LogEvent>),
-}
-
-impl Op {
-    pub(super) fn id(&self) -> &str {
-        match self {
-            Op::Claim(r, _) => &r.fresh.id,
-            Op::Settle(r, _) => &r.id,
-            Op::Resolve(id, ..) => id,
-            Op::Note(..) => "",
-        }
-    }
-
-    pub(super) fn twin_key(&self) -> Option<&str> {
-        match self {
-            Op::Claim(r, _) => r.twin_key(),
-            _ => None,
-        }
-    }
-
-    /// The caller's time, which a store opened with `caller_clock` judges by.
-    pub(super) fn given(&self) -> Millis {
-        match self {
-            Op::Claim(r, _) => r.now,
-            Op::Settle(r, _) => r.settlement.now,
-            Op::Resolve(_, r, ..) => r.now,
-            Op::Note(..) => 0,
-        }
-    }
-
-    fn answer(self, done: Result<Done, StoreError>) {
-        match (self, done) {
-            (Op::Claim(_, tx), Ok(Done::Claim(c))) => drop(tx.send(Ok(c))),
-            (Op::Settle(_, tx), Ok(Done::Settle(r))) => drop(tx.send(Ok(r))),
-            (Op::Resolve(.., tx), Ok(Done::Resolve(r))) => drop(tx.send(Ok(*r))),
-            (Op::Claim(_, tx), Err(e)) => drop(tx.send(Err(e))),
-            (Op::Settle(_, tx), Err(e)) => drop(tx.send(Err(e))),
-            (Op::Resolve(.., tx), Err(e)) => drop(tx.send(Err(e))),
-            (Op::Note(..), Ok(_)) => {}
-            (Op::Note(..), Err(e)) => {
-                tracing::warn!(error = %e, "could not append a write-log entry")
-            }
-            (op, Ok(_)) => {
-                let e = unavailable("internal error: an answer of another kind");
-                op.answer(Err(e))
-            }
-        }
-    }
-}
-
-/// What an operation came to.
-pub(super) enum Done {
-    Claim(Claim),
-    Settle(Arc<Record>),
-    Resolve(Box<Record>),
-    Note,
-}
-
-/// What one operation changes besides its record: its log entries and the counts' moves.
-pub(super) type Changes = (Vec<LogEvent>, Moves);
 
 /// The writer's own part of the store.
 pub(super) struct Writer {
