@@ -18,7 +18,7 @@ pub const BODY_KEPT_MAX: usize = 16 * 1024;
 /// Fields whose values are card secrets, redacted whatever `log.redact_query` says: a card's
 /// verification code is never to be kept (PCI DSS 3.3.1.2), and its number is also found by
 /// its value ([`has_card_number`]).
-pub const CARD_FIELDS: [&str; 8] = [
+const CARD_FIELDS: [&str; 8] = [
     "cvc",
     "cvv",
     "cvc2",
@@ -33,7 +33,7 @@ pub const CARD_FIELDS: [&str; 8] = [
 /// split by single spaces or dashes, the first of them 2 to 6 (the card networks' numbers; an
 /// epoch in milliseconds starts with 1), that pass the Luhn check. A longer run of digits is
 /// not one.
-pub fn has_card_number(text: &str) -> bool {
+fn has_card_number(text: &str) -> bool {
     let b = text.as_bytes();
     let mut i = 0;
     while i < b.len() {
@@ -267,6 +267,15 @@ impl Redactor {
 mod tests {
     use super::*;
 
+    /// The redactor of a config that names no secrets of its own.
+    fn redactor() -> Redactor {
+        let c = Config::parse(
+            "[server]\n[[upstreams]]\nname='a'\nprefix='/a'\nurl='http://127.0.0.1:1'\n",
+        )
+        .expect("valid");
+        Redactor::new(&c)
+    }
+
     #[test]
     fn redacts_secret_query_values_and_headers() {
         let c = Config::parse(
@@ -290,11 +299,7 @@ mod tests {
 
     #[test]
     fn a_kept_body_has_its_secret_fields_redacted_and_other_bodies_are_not_kept() {
-        let c = Config::parse(
-            "[server]\n[[upstreams]]\nname='a'\nprefix='/a'\nurl='http://127.0.0.1:1'\n",
-        )
-        .expect("valid");
-        let r = Redactor::new(&c);
+        let r = redactor();
         let json = Some(b"application/json; charset=utf-8".as_slice());
         let body =
             br#"{"amount":5,"card":{"Token":"tok_s3cr3t"},"items":[{"password":"hunter2"}]}"#;
@@ -331,11 +336,7 @@ mod tests {
     /// field is named; a verification code by its name, also inside a form's brackets.
     #[test]
     fn card_numbers_and_codes_are_never_kept() {
-        let c = Config::parse(
-            "[server]\n[[upstreams]]\nname='a'\nprefix='/a'\nurl='http://127.0.0.1:1'\n",
-        )
-        .expect("valid");
-        let r = Redactor::new(&c);
+        let r = redactor();
         for pan in [
             "4242424242424242",
             "4242 4242 4242 4242",

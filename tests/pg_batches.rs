@@ -36,12 +36,18 @@ async fn two_proxies() -> (S, S) {
     (counted(&url).await.0, counted(&url).await.0)
 }
 
-/// Sets the `tool` of action `id`'s stored record by hand: a change no log entry records.
-async fn change_by_hand(url: &str, id: &str) {
+/// A connection of the test's own to the database at `url`.
+async fn connect(url: &str) -> tokio_postgres::Client {
     let (db, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
         .unwrap();
     tokio::spawn(conn);
+    db
+}
+
+/// Sets the `tool` of action `id`'s stored record by hand: a change no log entry records.
+async fn change_by_hand(url: &str, id: &str) {
+    let db = connect(url).await;
     let n = db
         .execute(
             "UPDATE oncegate_actions SET record = jsonb_set(record::jsonb, '{tool}', '\"by-hand\"')::text WHERE id = $1",
@@ -281,10 +287,7 @@ async fn with_the_head_moved_by_another_proxy_rows_are_still_checked() {
 
 /// Waits until a session of the database at `url` waits for a lock.
 async fn someone_waits_for_a_lock(url: &str) {
-    let (db, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let db = connect(url).await;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
         let row = db
@@ -312,10 +315,7 @@ async fn in_a_lock_cycle<F: std::future::Future>(
     twin: &str,
     batch: F,
 ) -> F::Output {
-    let (other, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let other = connect(url).await;
     other
         .batch_execute(&format!(
             "BEGIN; SET LOCAL deadlock_timeout = '60s';
