@@ -465,3 +465,69 @@ async fn a_proxy_commits_its_writes_one_statement_a_batch() {
     let v = p.admin("GET", "/v1/log/verify", "").await.json();
     assert_eq!(v["ok"], true, "{v}");
 }
+
+/// Proxies on one host may share a data folder, and so the file where each records the last
+/// write-log head it saw of the database (SPEC §13 history). One starting while the others
+/// commit and record newer heads there is never refused as "older than what this proxy saw":
+/// whatever the file says was committed before the start read the database's head. Here one
+/// store commits claims without pause while four others open, again and again, in the same
+/// folder (each open records the head it read).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL: ONCEGATE_TEST_POSTGRES (.ci/run sets it); run with `cargo test -- --ignored`"]
+async fn proxies_sharing_a_data_folder_start_beside_each_others_commits() {
+    let url = support::fresh_database(&support::postgres_url()).await;
+    let shared = tempfile::tempdir().unwrap();
+    let options = || oncegate::store::StoreOptions {
+        caller_clock: true,
+        seen_dir: Some(shared.path().to_path_buf()),
+        ..Default::default()
+    };
+    let open = |url: String, options: oncegate::store::StoreOptions| async move {
+        oncegate::store::postgres::PostgresStore::open(&url, options).await
+    };
+    let writer = open(url.clone(), options()).await.unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writing = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let id = format!("w{n}");
+                writer
+                    .claim(claim(&id, "writer", T0 + n, None))
+                    .await
+                    .unwrap();
+                n += 1;
+            }
+            n
+        }
+    });
+    let starts: Vec<_> = (0..4)
+        .map(|_| {
+            let (url, options) = (url.clone(), options());
+            tokio::spawn(async move {
+                let mut refused = Vec::new();
+                for _ in 0..100 {
+                    match open(url.clone(), options.clone()).await {
+                        Ok(s) => s.close().await.unwrap(),
+                        Err(e) => refused.push(e.to_string()),
+                    }
+                }
+                refused
+            })
+        })
+        .collect();
+    let mut refused = Vec::new();
+    for s in starts {
+        refused.extend(s.await.unwrap());
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let written = writing.await.unwrap();
+    assert!(written > 100, "{written} claims committed meanwhile");
+    assert!(
+        refused.is_empty(),
+        "{} of 400 starts refused: {:?}",
+        refused.len(),
+        refused.first()
+    );
+}

@@ -410,11 +410,16 @@ impl PostgresStore {
         };
         store.migrate().await?;
         store.check_key().await?;
+        // What this proxy saw, read before the database's head ([`history::read_seen`]).
+        let seen = match &seen_file {
+            Some(file) => history::read_seen(file)?,
+            None => None,
+        };
         let now = store.check_history().await?;
         store.keyer = store.secret().await?;
         let id = store.store_id().await?;
         if let Some(file) = seen_file {
-            store.check_seen(&file, &id, &now).await?;
+            store.check_seen(&file, seen, &id, &now).await?;
             let seen = Seen {
                 file,
                 id,

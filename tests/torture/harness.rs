@@ -548,7 +548,12 @@ fn proxy_config(
 ) -> std::path::PathBuf {
     let path = dir.join("oncegate.toml");
     let store = if postgres {
-        "backend = \"postgres\"\nurl_env = \"ONCEGATE_TEST_DB\"".to_string()
+        // One folder for the fleet's proxies, as on one host: where each records the last
+        // write-log head it saw, in one shared file.
+        format!(
+            "backend = \"postgres\"\nurl_env = \"ONCEGATE_TEST_DB\"\npath = {:?}",
+            dir.join("seen").display().to_string()
+        )
     } else {
         // Small log files: many checkpoints, and files started in a recycled spare, all under
         // the kills.

@@ -18,7 +18,7 @@ const RESTORE: &str = "restore the database from a backup (or, to start over on 
 
 /// The last head a proxy saw of one database.
 #[derive(Serialize, Deserialize, PartialEq, Debug)]
-struct Seen {
+pub(super) struct Seen {
     store: String,
     seq: i64,
     hash: String,
@@ -59,7 +59,8 @@ pub(super) fn save_seen(file: &Path, store: &str, head: &Head) -> std::io::Resul
         seq: head.0,
         hash: head.1.clone(),
     };
-    let tmp = file.with_extension(format!("{}.tmp", std::process::id()));
+    // Named for this write alone: proxies sharing the folder may write at the same moment.
+    let tmp = file.with_extension(format!("{:x}.tmp", rand_id()));
     let mut f = std::fs::File::create(&tmp)?;
     f.write_all(&serde_json::to_vec(&seen).expect("serializes"))?;
     f.sync_all()?;
@@ -68,6 +69,23 @@ pub(super) fn save_seen(file: &Path, store: &str, head: &Head) -> std::io::Resul
         std::fs::File::open(dir)?.sync_all()?;
     }
     Ok(())
+}
+
+/// What this proxy last saw of the database, from `file` (`None`: nothing yet). Read before the
+/// database's head is: proxies sharing a folder share the file, and another may record a head
+/// it committed at any moment; read first, whatever the file says was committed before the
+/// database's head was read, so that a whole database is never behind it.
+pub(super) fn read_seen(file: &Path) -> Result<Option<Seen>, StoreError> {
+    let where_ = file.display();
+    match std::fs::read(file) {
+        Ok(b) => Ok(Some(serde_json::from_slice(&b).map_err(|e| {
+            unavailable(format!(
+                "store.path: {where_} (the last write-log head this proxy saw) does not parse: {e}"
+            ))
+        })?)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(unavailable(format!("store.path: read {where_}: {e}"))),
+    }
 }
 
 impl PostgresStore {
@@ -118,24 +136,16 @@ impl PostgresStore {
             .map_err(|e| unavailable(format!("the database's store secret: {e}")))
     }
 
-    /// Compares the database (store `id`, at `head`) with what this proxy last saw of it in
-    /// `file`, then records `head` there as seen.
+    /// Compares the database (store `id`, at `head`) with `seen`, what this proxy last saw of it
+    /// in `file` ([`read_seen`], read before `head` was), then records `head` there as seen.
     pub(super) async fn check_seen(
         &self,
         file: &Path,
+        seen: Option<Seen>,
         id: &str,
         head: &Head,
     ) -> Result<(), StoreError> {
         let where_ = file.display();
-        let seen: Option<Seen> = match std::fs::read(file) {
-            Ok(b) => Some(serde_json::from_slice(&b).map_err(|e| {
-                unavailable(format!(
-                    "store.path: {where_} (the last write-log head this proxy saw) does not parse: {e}"
-                ))
-            })?),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(e) => return Err(unavailable(format!("store.path: read {where_}: {e}"))),
-        };
         if let Some(seen) = seen {
             if seen.store != id {
                 return Err(unavailable(format!(
