@@ -2,7 +2,9 @@
 //! embedded store with a short retention, so that expiry and the write log's pruning run the
 //! whole time. Every window reports what a sidecar's owner watches: requests a second, p50 and
 //! p99, the proxy's RSS, the store's size on disk (its database and its write log apart) and its
-//! open files. The report draws them as an SVG chart and ends with the run's verdict.
+//! open files; and what ran (each of the proxy's threads' CPU, the load generator's, the machine's
+//! idle time, the store's waits and flushes: `support/ran.rs`). The report draws the first as an
+//! SVG chart and ends with the run's verdict.
 //!
 //! `cargo bench --bench soak -- --out bench/results-soak.md` (CI does not run it). Shaped by
 //! `SOAK_SECS` (default 600), `SOAK_WINDOW` (seconds, default 30), `SOAK_RETENTION` (default
@@ -18,6 +20,8 @@
 mod load;
 #[path = "support/proc.rs"]
 mod proc;
+#[path = "support/ran.rs"]
+mod ran;
 
 use std::net::SocketAddr;
 use std::os::unix::fs::MetadataExt;
@@ -30,6 +34,7 @@ use bytes::Bytes;
 use hdrhistogram::Histogram;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
+use ran::{ran, what_ran, Ran};
 
 const CONNS: usize = 32;
 /// The targets the issue set.
@@ -85,6 +90,8 @@ struct Window {
     db_mb: f64,
     log_mb: f64,
     fds: usize,
+    /// What ran in the window ([`Ran`]), against the sample before.
+    ran: Ran,
 }
 
 /// Bytes a folder takes on disk (allocated blocks: the write-ahead log's spare files count).
@@ -316,8 +323,9 @@ fn main() {
         );
         let text = std::fs::read_to_string(&conf).unwrap();
         std::fs::write(&conf, text.replace("[store]", &format!("[log]\nretention = \"{log_retention}\"\n[store]"))).unwrap();
-        let (mut child, addr, _, _) = load::launch(&conf, &[], &[]);
+        let (mut child, addr, admin, _) = load::launch(&conf, &[], &[]);
         let pid = child.id();
+        let ran0 = ran(pid, admin).await;
         let samples = Arc::new(std::sync::Mutex::new(Vec::new()));
         let sampler = {
             let (samples, store) = (samples.clone(), store.clone());
@@ -329,7 +337,8 @@ fn main() {
                     let rss = proc::rss_kib(&pid.to_string()) as f64 / 1024.0;
                     let log = disk_bytes(&store.join("log")) as f64 / 1e6;
                     let all = disk_bytes(&store) as f64 / 1e6;
-                    samples.lock().unwrap().push((rss, all - log, log, open_files(pid)));
+                    let r = ran(pid, admin).await;
+                    samples.lock().unwrap().push((rss, all - log, log, open_files(pid), r));
                 }
             })
         };
@@ -341,9 +350,11 @@ fn main() {
             .into_iter()
             .enumerate()
             .map(|(i, (hist, errors, done))| {
-                let (rss_mib, db_mb, log_mb, fds) =
-                    samples.get(i).copied().unwrap_or((0.0, 0.0, 0.0, 0));
-                Window { hist, done, errors, rss_mib, db_mb, log_mb, fds }
+                let (rss_mib, db_mb, log_mb, fds, ran) = samples
+                    .get(i)
+                    .cloned()
+                    .unwrap_or((0.0, 0.0, 0.0, 0, Ran::default()));
+                Window { hist, done, errors, rss_mib, db_mb, log_mb, fds, ran }
             })
             .collect();
         let ws = window.as_secs_f64();
@@ -455,6 +466,8 @@ fn main() {
             windows[w0].log_mb * 1e6 / writes0.max(1.0),
             windows[w0].db_mb * 1e6 / writes0.max(1.0),
         );
+        let rans: Vec<Ran> = windows.iter().map(|w| w.ran.clone()).collect();
+        md += &what_ran(&rans, &ran0, ws);
         println!("{md}");
         if let Some(p) = out {
             std::fs::write(p.with_extension("svg"), svg(&windows, ws, &rps, expiry_at)).unwrap();

@@ -41,3 +41,45 @@ fn status_kib(pid: &str, field: &str) -> u64 {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0)
 }
+
+/// CPU time (clock ticks) used so far by each of `pid`'s threads, summed by thread name with
+/// any trailing number taken off (`sled-io-4` and `sled-io-0` count as `sled-io`).
+#[allow(dead_code, reason = "the soak bench reads it; the others do not")]
+pub fn thread_ticks(pid: &str) -> std::collections::BTreeMap<String, u64> {
+    let mut by_name = std::collections::BTreeMap::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return by_name;
+    };
+    for t in tasks.filter_map(Result::ok) {
+        let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+        let name = stat
+            .split_once('(')
+            .and_then(|(_, rest)| rest.rsplit_once(')'))
+            .map_or("", |(name, _)| name)
+            .trim_end_matches(|c: char| c.is_ascii_digit())
+            .trim_end_matches('-')
+            .to_string();
+        let f = stat_fields(&stat);
+        let t = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        *by_name.entry(name).or_insert(0) += t(11) + t(12);
+    }
+    by_name
+}
+
+/// The whole machine's CPU time so far (clock ticks, all cores): (busy, idle), from
+/// `/proc/stat` (idle counts iowait too).
+#[allow(dead_code, reason = "the soak bench reads it; the others do not")]
+pub fn machine_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let cpu: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    let at = |i: usize| cpu.get(i).copied().unwrap_or(0);
+    let idle = at(3) + at(4);
+    (cpu.iter().take(8).sum::<u64>() - idle, idle)
+}

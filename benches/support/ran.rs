@@ -1,0 +1,164 @@
+//! What ran while the soak bench's load did: the proxy's threads' CPU, the bench's own, the
+//! machine's idle time, and the store's counts from the proxy's `/metrics`, window by window.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+
+use super::proc;
+
+/// What the machine did in a window: each of the proxy's threads' CPU, the bench's own (load
+/// generator and upstream), the machine's idle time, and the store's own counts from `/metrics`.
+#[derive(Clone, Default)]
+pub struct Ran {
+    threads: std::collections::BTreeMap<String, u64>,
+    bench: u64,
+    busy_idle: (u64, u64),
+    metrics: Scraped,
+}
+
+/// The store's counts, from the proxy's `/metrics`.
+#[derive(Clone, Copy, Default)]
+struct Scraped {
+    /// Syncs that waited for sled: a batch's worth, a whole drain.
+    eased: f64,
+    whole_drain: f64,
+    flushes: f64,
+    flush_secs: f64,
+    /// Stored actions, every state.
+    actions: f64,
+}
+
+impl Scraped {
+    fn parse(text: &str) -> Scraped {
+        let mut m = Scraped::default();
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let Some((name, v)) = line.rsplit_once(' ') else {
+                continue;
+            };
+            let v: f64 = v.parse().unwrap_or(0.0);
+            match name {
+                n if n.starts_with("oncegate_store_drainer_waits_total") && n.contains("eased") => {
+                    m.eased = v
+                }
+                n if n.starts_with("oncegate_store_drainer_waits_total") => m.whole_drain = v,
+                "oncegate_store_flush_seconds_count" => m.flushes = v,
+                "oncegate_store_flush_seconds_sum" => m.flush_secs = v,
+                n if n.starts_with("oncegate_actions{") => m.actions += v,
+                _ => {}
+            }
+        }
+        m
+    }
+}
+
+/// `GET /metrics` of the admin listener at `admin`.
+async fn scrape(admin: SocketAddr) -> Scraped {
+    let get = async {
+        let s = tokio::net::TcpStream::connect(admin).await.ok()?;
+        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
+            .await
+            .ok()?;
+        tokio::spawn(conn);
+        let req = http::Request::get("/metrics")
+            .header("host", "soak")
+            .body(Full::new(Bytes::new()))
+            .ok()?;
+        let body = send
+            .send_request(req)
+            .await
+            .ok()?
+            .into_body()
+            .collect()
+            .await
+            .ok()?;
+        Some(Scraped::parse(&String::from_utf8_lossy(&body.to_bytes())))
+    };
+    tokio::time::timeout(Duration::from_secs(5), get)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+/// What ran so far.
+pub async fn ran(pid: u32, admin: SocketAddr) -> Ran {
+    Ran {
+        threads: proc::thread_ticks(&pid.to_string()),
+        bench: proc::cpu_ticks("self"),
+        busy_idle: proc::machine_ticks(),
+        metrics: scrape(admin).await,
+    }
+}
+
+/// The table of what ran, window by window: CPU as % of one core (clock ticks of 10 ms).
+pub fn what_ran(windows: &[Ran], first: &Ran, secs: f64) -> String {
+    const NAMED: [(&str, &str); 6] = [
+        ("tokio-rt-worker", "tokio"),
+        ("oncegate-drain", "drainer"),
+        ("oncegate-store", "writer"),
+        ("oncegate-sync", "syncer"),
+        ("oncegate-checkpoint", "checkpoint"),
+        ("sled-io", "sled-io"),
+    ];
+    let mut md = String::from(
+        "\n## What ran, window by window\n\nCPU as % of one core (200 % is two cores busy), from `/proc`: the proxy's threads by name, \
+         the rest of its threads, and this bench's process (the load generator and the upstream); the machine's idle time; \
+         from the proxy's `/metrics`, the syncs that waited for sled (a batch's worth eased, or a whole drain), the store's \
+         flushes (durable group commits) a second and their mean time, and the actions stored.\n\n\
+         | window | tokio | drainer | writer | syncer | checkpoint | sled-io | other | bench | machine idle | waits eased / whole drain | flushes/s | mean flush | actions stored |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let mut before = first;
+    for (i, w) in windows.iter().enumerate() {
+        let (now, was) = (w, before);
+        if now.threads.is_empty() {
+            break;
+        }
+        let pct = |ticks: u64| ticks as f64 / secs;
+        let d = |name: &str| {
+            pct(now
+                .threads
+                .get(name)
+                .copied()
+                .unwrap_or(0)
+                .saturating_sub(was.threads.get(name).copied().unwrap_or(0)))
+        };
+        let all: f64 = now.threads.keys().map(|n| d(n)).sum();
+        let named: Vec<f64> = NAMED.iter().map(|(n, _)| d(n)).collect();
+        let (busy, idle) = (
+            now.busy_idle.0.saturating_sub(was.busy_idle.0),
+            now.busy_idle.1.saturating_sub(was.busy_idle.1),
+        );
+        let (m, p) = (now.metrics, was.metrics);
+        let flushes = m.flushes - p.flushes;
+        md += &format!(
+            "| {}–{} s | {} | {:.0} % | {:.0} % | {:.0} / {:.0} | {:.0} | {:.2} ms | {:.0} |\n",
+            (i as f64 * secs) as u64,
+            ((i + 1) as f64 * secs) as u64,
+            named
+                .iter()
+                .map(|v| format!("{v:.0} %"))
+                .collect::<Vec<_>>()
+                .join(" | ")
+                + &format!(" | {:.0} %", (all - named.iter().sum::<f64>()).max(0.0)),
+            pct(now.bench.saturating_sub(was.bench)),
+            idle as f64 * 100.0 / (busy + idle).max(1) as f64 * cores,
+            m.eased - p.eased,
+            m.whole_drain - p.whole_drain,
+            flushes / secs,
+            if flushes > 0.0 {
+                (m.flush_secs - p.flush_secs) / flushes * 1e3
+            } else {
+                0.0
+            },
+            m.actions,
+        );
+        before = now;
+    }
+    md
+}
