@@ -16,7 +16,7 @@ use super::proc;
 pub struct Ran {
     threads: std::collections::BTreeMap<String, u64>,
     bench: u64,
-    busy_idle: (u64, u64),
+    machine: [u64; 4],
     metrics: Scraped,
 }
 
@@ -89,7 +89,7 @@ pub async fn ran(pid: u32, admin: SocketAddr) -> Ran {
     Ran {
         threads: proc::thread_ticks(&pid.to_string()),
         bench: proc::cpu_ticks("self"),
-        busy_idle: proc::machine_ticks(),
+        machine: proc::machine_ticks(),
         metrics: scrape(admin).await,
     }
 }
@@ -101,18 +101,20 @@ pub fn what_ran(windows: &[Ran], first: &Ran, secs: f64) -> String {
         ("oncegate-drain", "drainer"),
         ("oncegate-store", "writer"),
         ("oncegate-sync", "syncer"),
-        ("oncegate-checkpoint", "checkpoint"),
+        // Linux keeps 15 bytes of a thread's name.
+        ("oncegate-checkp", "checkpoint"),
         ("sled-io", "sled-io"),
     ];
     let mut md = String::from(
         "\n## What ran, window by window\n\nCPU as % of one core (200 % is two cores busy), from `/proc`: the proxy's threads by name, \
-         the rest of its threads, and this bench's process (the load generator and the upstream); the machine's idle time; \
+         the rest of its threads, and this bench's process (the load generator and the upstream); the rest of the machine \
+         (other processes and the kernel's own threads: busy time neither the proxy's nor the bench's), its time waiting for I/O, \
+         stolen by the hypervisor, and idle; \
          from the proxy's `/metrics`, the syncs that waited for sled (a batch's worth eased, or a whole drain), the store's \
          flushes (durable group commits) a second and their mean time, and the actions stored.\n\n\
-         | window | tokio | drainer | writer | syncer | checkpoint | sled-io | other | bench | machine idle | waits eased / whole drain | flushes/s | mean flush | actions stored |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         | window | tokio | drainer | writer | syncer | checkpoint | sled-io | other | bench | rest of the machine | I/O wait | stolen | idle | waits eased / whole drain | flushes/s | mean flush | actions stored |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     let mut before = first;
     for (i, w) in windows.iter().enumerate() {
         let (now, was) = (w, before);
@@ -130,14 +132,14 @@ pub fn what_ran(windows: &[Ran], first: &Ran, secs: f64) -> String {
         };
         let all: f64 = now.threads.keys().map(|n| d(n)).sum();
         let named: Vec<f64> = NAMED.iter().map(|(n, _)| d(n)).collect();
-        let (busy, idle) = (
-            now.busy_idle.0.saturating_sub(was.busy_idle.0),
-            now.busy_idle.1.saturating_sub(was.busy_idle.1),
-        );
+        let machine: Vec<f64> = (0..4)
+            .map(|k| pct(now.machine[k].saturating_sub(was.machine[k])))
+            .collect();
+        let bench = pct(now.bench.saturating_sub(was.bench));
         let (m, p) = (now.metrics, was.metrics);
         let flushes = m.flushes - p.flushes;
         md += &format!(
-            "| {}–{} s | {} | {:.0} % | {:.0} % | {:.0} / {:.0} | {:.0} | {:.2} ms | {:.0} |\n",
+            "| {}–{} s | {} | {:.0} % | {:.0} % | {:.0} % | {:.0} % | {:.0} % | {:.0} / {:.0} | {:.0} | {:.2} ms | {:.0} |\n",
             (i as f64 * secs) as u64,
             ((i + 1) as f64 * secs) as u64,
             named
@@ -146,8 +148,11 @@ pub fn what_ran(windows: &[Ran], first: &Ran, secs: f64) -> String {
                 .collect::<Vec<_>>()
                 .join(" | ")
                 + &format!(" | {:.0} %", (all - named.iter().sum::<f64>()).max(0.0)),
-            pct(now.bench.saturating_sub(was.bench)),
-            idle as f64 * 100.0 / (busy + idle).max(1) as f64 * cores,
+            bench,
+            (machine[0] - all - bench).max(0.0),
+            machine[2],
+            machine[3],
+            machine[1],
             m.eased - p.eased,
             m.whole_drain - p.whole_drain,
             flushes / secs,
