@@ -50,7 +50,6 @@ pub(super) fn seen_file(dir: &Path, cfg: &tokio_postgres::Config) -> PathBuf {
 /// Writes `head` of store `store` as what this proxy saw, durably (a new file, synced, renamed
 /// over the old one).
 pub(super) fn save_seen(file: &Path, store: &str, head: &Head) -> std::io::Result<()> {
-    use std::io::Write;
     if let Some(dir) = file.parent() {
         std::fs::create_dir_all(dir)?;
     }
@@ -59,16 +58,11 @@ pub(super) fn save_seen(file: &Path, store: &str, head: &Head) -> std::io::Resul
         seq: head.0,
         hash: head.1.clone(),
     };
-    // Named for this write alone: proxies sharing the folder may write at the same moment.
+    // Named for this write alone: proxies sharing the folder, or this one's periodic record
+    // and its close, may write at the same moment.
     let tmp = file.with_extension(format!("{:x}.tmp", rand_id()));
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(&serde_json::to_vec(&seen).expect("serializes"))?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, file)?;
-    if let Some(dir) = file.parent() {
-        std::fs::File::open(dir)?.sync_all()?;
-    }
-    Ok(())
+    let bytes = serde_json::to_vec(&seen).expect("serializes");
+    crate::store::files::write_whole(&tmp, file, &bytes)
 }
 
 /// What this proxy last saw of the database, from `file` (`None`: nothing yet). Read before the
