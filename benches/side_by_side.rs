@@ -554,16 +554,8 @@ async fn warm_replays(addr: SocketAddr, peer: bool) {
 }
 
 async fn metric(admin: SocketAddr, name: &str) -> f64 {
-    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-        .build_http::<Full<Bytes>>();
-    let Ok(resp) = client
-        .get(format!("http://{admin}/metrics").parse().unwrap())
+    load::metrics(admin)
         .await
-    else {
-        return 0.0;
-    };
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    String::from_utf8_lossy(&body)
         .lines()
         .filter(|l| l.starts_with(name))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
@@ -573,21 +565,13 @@ async fn metric(admin: SocketAddr, name: &str) -> f64 {
 /// The cumulative buckets of oncegate's write-phase histograms and its fdatasync histogram, by
 /// (phase, upper bound): a snapshot to subtract from a later one.
 async fn phase_buckets(admin: SocketAddr) -> HashMap<(String, String), f64> {
-    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-        .build_http::<Full<Bytes>>();
     let mut out = HashMap::new();
-    let Ok(resp) = client
-        .get(format!("http://{admin}/metrics").parse().unwrap())
-        .await
-    else {
-        return out;
-    };
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let body = load::metrics(admin).await;
     let label = |l: &str, name: &str| {
         let at = l.find(&format!("{name}=\""))? + name.len() + 2;
         Some(l[at..at + l[at..].find('"')?].to_string())
     };
-    for l in String::from_utf8_lossy(&body).lines() {
+    for l in body.lines() {
         let phase = if l.starts_with("oncegate_write_phase_seconds_bucket") {
             label(l, "phase")
         } else if l.starts_with("oncegate_store_flush_seconds_bucket") {

@@ -466,8 +466,7 @@ fn main() {
             windows[w0].log_mb * 1e6 / writes0.max(1.0),
             windows[w0].db_mb * 1e6 / writes0.max(1.0),
         );
-        let rans: Vec<Ran> = windows.iter().map(|w| w.ran.clone()).collect();
-        md += &what_ran(&rans, &ran0, ws);
+        md += &what_ran(windows.iter().map(|w| &w.ran), &ran0, ws);
         println!("{md}");
         if let Some(p) = out {
             std::fs::write(p.with_extension("svg"), svg(&windows, ws, &rps, expiry_at)).unwrap();

@@ -292,6 +292,30 @@ pub fn family(pid: u32) -> Vec<u32> {
     pids
 }
 
+/// The text of `GET /metrics` on the admin listener at `admin` (empty when it does not answer
+/// within 5 s).
+pub async fn metrics(admin: SocketAddr) -> String {
+    let get = async {
+        let s = tokio::net::TcpStream::connect(admin).await.ok()?;
+        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
+            .await
+            .ok()?;
+        tokio::spawn(conn);
+        let req = http::Request::get("/metrics")
+            .header("host", "bench")
+            .body(Full::new(Bytes::new()))
+            .ok()?;
+        let resp = send.send_request(req).await.ok()?;
+        let body = resp.into_body().collect().await.ok()?.to_bytes();
+        Some(String::from_utf8_lossy(&body).into_owned())
+    };
+    tokio::time::timeout(Duration::from_secs(5), get)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
 /// CPU time (user + system, in clock ticks of 10 ms) used so far by the process and its children.
 pub fn cpu_ticks(pid: u32) -> u64 {
     family(pid)

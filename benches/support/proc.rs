@@ -12,8 +12,12 @@ pub fn stat_fields(stat: &str) -> Vec<&str> {
 
 /// CPU time (user + system, in clock ticks of 10 ms) used so far by `pid` (a number or `self`).
 pub fn cpu_ticks(pid: &str) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let f = stat_fields(&stat);
+    stat_ticks(&std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default())
+}
+
+/// utime + stime of a `stat` file's text (a process's or a thread's).
+fn stat_ticks(stat: &str) -> u64 {
+    let f = stat_fields(stat);
     let t = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
     t(11) + t(12)
 }
@@ -59,9 +63,7 @@ pub fn thread_ticks(pid: &str) -> std::collections::BTreeMap<String, u64> {
             .trim_end_matches(|c: char| c.is_ascii_digit())
             .trim_end_matches('-')
             .to_string();
-        let f = stat_fields(&stat);
-        let t = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-        *by_name.entry(name).or_insert(0) += t(11) + t(12);
+        *by_name.entry(name).or_insert(0) += stat_ticks(&stat);
     }
     by_name
 }

@@ -2,13 +2,8 @@
 //! machine's idle time, and the store's counts from the proxy's `/metrics`, window by window.
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
-
-use super::proc;
+use super::{load, proc};
 
 /// What the machine did in a window: each of the proxy's threads' CPU, the bench's own (load
 /// generator and upstream), the machine's idle time, and the store's own counts from `/metrics`.
@@ -55,47 +50,18 @@ impl Scraped {
     }
 }
 
-/// `GET /metrics` of the admin listener at `admin`.
-async fn scrape(admin: SocketAddr) -> Scraped {
-    let get = async {
-        let s = tokio::net::TcpStream::connect(admin).await.ok()?;
-        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
-            .await
-            .ok()?;
-        tokio::spawn(conn);
-        let req = http::Request::get("/metrics")
-            .header("host", "soak")
-            .body(Full::new(Bytes::new()))
-            .ok()?;
-        let body = send
-            .send_request(req)
-            .await
-            .ok()?
-            .into_body()
-            .collect()
-            .await
-            .ok()?;
-        Some(Scraped::parse(&String::from_utf8_lossy(&body.to_bytes())))
-    };
-    tokio::time::timeout(Duration::from_secs(5), get)
-        .await
-        .ok()
-        .flatten()
-        .unwrap_or_default()
-}
-
 /// What ran so far.
 pub async fn ran(pid: u32, admin: SocketAddr) -> Ran {
     Ran {
         threads: proc::thread_ticks(&pid.to_string()),
         bench: proc::cpu_ticks("self"),
         machine: proc::machine_ticks(),
-        metrics: scrape(admin).await,
+        metrics: Scraped::parse(&load::metrics(admin).await),
     }
 }
 
 /// The table of what ran, window by window: CPU as % of one core (clock ticks of 10 ms).
-pub fn what_ran(windows: &[Ran], first: &Ran, secs: f64) -> String {
+pub fn what_ran<'a>(windows: impl Iterator<Item = &'a Ran>, first: &'a Ran, secs: f64) -> String {
     const NAMED: [(&str, &str); 6] = [
         ("tokio-rt-worker", "tokio"),
         ("oncegate-drain", "drainer"),
@@ -116,7 +82,7 @@ pub fn what_ran(windows: &[Ran], first: &Ran, secs: f64) -> String {
          |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let mut before = first;
-    for (i, w) in windows.iter().enumerate() {
+    for (i, w) in windows.enumerate() {
         let (now, was) = (w, before);
         if now.threads.is_empty() {
             break;
