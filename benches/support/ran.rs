@@ -1,12 +1,14 @@
 //! What ran while the soak bench's load did: the proxy's threads' CPU, the bench's own, the
-//! machine's idle time, and the store's counts from the proxy's `/metrics`, window by window.
+//! machine's (the rest of it, I/O wait, time stolen by the hypervisor, idle), and the store's
+//! counts from the proxy's `/metrics`, window by window.
 
 use std::net::SocketAddr;
 
 use super::{load, proc};
 
 /// What the machine did in a window: each of the proxy's threads' CPU, the bench's own (load
-/// generator and upstream), the machine's idle time, and the store's own counts from `/metrics`.
+/// generator and upstream), the machine's time ([`proc::machine_ticks`]), and the store's own
+/// counts from `/metrics`.
 #[derive(Clone, Default)]
 pub struct Ran {
     threads: std::collections::BTreeMap<String, u64>,
