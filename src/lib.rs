@@ -179,6 +179,7 @@ pub fn store_options(config: &Config, metrics: &Metrics) -> Result<StoreOptions,
             StoreConfig::Postgres { .. } => None,
         },
         log_segment_bytes: None,
+        ids_min_bits: None,
         reserve: match &config.store {
             StoreConfig::Sled { reserve, .. } => *reserve,
             StoreConfig::Postgres { .. } => 0,

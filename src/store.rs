@@ -173,6 +173,9 @@ pub struct StoreOptions {
     pub log_segment_bytes: Option<u64>,
     /// sled: `store.reserve`, the free space kept on the store's volume ([`space`]); 0: none.
     pub reserve: u64,
+    /// sled: the smallest filter of action ids the store makes, in bits (default 2^23, room for
+    /// half a million ids; smaller in tests, to see it fill and be made anew).
+    pub ids_min_bits: Option<usize>,
 }
 
 /// Which records a scan returns.

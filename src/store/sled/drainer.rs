@@ -130,7 +130,7 @@ pub(super) fn drain_loop(db: &sled::Db, shared: &Shared, rx: mpsc::Receiver<(Arc
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::action::{KeySource, Settlement, Source, StoredResponse};
 
@@ -153,11 +153,13 @@ mod tests {
         }
     }
 
-    /// Claims the action `id` (new or not) at `now`.
-    async fn claim(store: &SledStore, id: &str, now: Millis) -> Claim {
+    /// Claims the action `id` (new or not) at `now`, kept for an hour once settled (no test
+    /// here waits for it to expire).
+    pub(in crate::store::sled) async fn claim(store: &SledStore, id: &str, now: Millis) -> Claim {
         let fresh = Record {
             id: id.to_string(),
             key: format!("key-{id}"),
+            retention_ms: 3_600_000,
             ..crate::action::tests::fresh("f")
         };
         store
@@ -176,7 +178,7 @@ mod tests {
     }
 
     /// Claims and settles the new action `id`.
-    async fn write(store: &SledStore, id: String) {
+    pub(in crate::store::sled) async fn write(store: &SledStore, id: String) {
         let now = now_millis();
         let claimed = claim(store, &id, now).await;
         assert!(matches!(claimed, Claim::Claimed(_)), "{id}: {claimed:?}");

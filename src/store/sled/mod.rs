@@ -101,7 +101,7 @@ use checkpoint::*;
 use codec::*;
 pub use codec::{read_value, record_value};
 use drainer::*;
-use ids::Ids;
+
 pub use index::{action_keys, expiry_entry, Due};
 pub use pointers::{bucket_with, Buckets, BUCKETS_KEY};
 use pointers::{push_timed, timed};

@@ -263,8 +263,10 @@ impl SledStore {
         let stored = counts.iter().sum::<u64>() as usize;
         let binding = ids::Binding::of(&db, head.clone(), counts)
             .map_err(|e| fail("read the action ids", &e))?;
-        let ids::Opened { ids, loaded, saved } = ids::at_open(&db, saved_ids, &binding, stored)
-            .map_err(|e| fail("read the action ids", &e))?;
+        let min_bits = options.ids_min_bits.unwrap_or(ids::MIN_BITS);
+        let ids::Opened { ids, loaded, saved } =
+            ids::at_open(&db, saved_ids, &binding, stored, min_bits)
+                .map_err(|e| fail("read the action ids", &e))?;
         if !saved && !ids.is_empty() {
             if let Err(e) = ids.save(dir, &binding) {
                 tracing::warn!(error = %e, "store: could not save the filter of action ids; a start after a crash reads them from sled");
@@ -346,7 +348,7 @@ impl SledStore {
             seq: 0,
             unapplied: HashMap::default(),
             pruned: 0,
-            ids,
+            ids: ids::Held::new(ids, min_bits),
             sync: sealed_tx,
             syncer: sync,
             checkpointer: Some((checkpoint_tx, checkpointer)),

@@ -50,6 +50,11 @@ pub(super) struct Shared {
     /// The filter of held ids was loaded at open from what the last clean close saved (not read
     /// from sled).
     pub(super) ids_loaded: bool,
+    /// How often the writer's filter of held ids was made anew since the open (`ids/renew.rs`).
+    pub(super) ids_renewed: AtomicU64,
+    /// How often the writer looked an id up in sled and found nothing there: what the filter
+    /// of held ids is for sparing (its false "perhaps").
+    pub(super) needless_lookups: AtomicU64,
 }
 
 /// Actions per state, indexed by [`slot`].
@@ -262,6 +267,8 @@ impl Shared {
             mem: RwLock::new(Mem::default()),
             logfiles: Mutex::new(logfiles),
             ids_loaded,
+            ids_renewed: AtomicU64::new(0),
+            needless_lookups: AtomicU64::new(0),
         }
     }
 
@@ -335,6 +342,29 @@ impl Shared {
             })
             .map_err(|_| "store lock poisoned")?;
         self.check()
+    }
+
+    /// [`Shared::wait_applied`] for a helper thread that must not outlive the store: `Ok(false)`
+    /// once `stop` is set (looked at every 50 ms) before batch `seq` was applied.
+    pub(super) fn wait_applied_unless(
+        &self,
+        seq: u64,
+        stop: &std::sync::atomic::AtomicBool,
+    ) -> Result<bool, String> {
+        let mut guard = self.applied.lock().map_err(|_| "store lock poisoned")?;
+        while *guard < seq {
+            if stop.load(Ordering::Relaxed) {
+                return Ok(false);
+            }
+            self.check()?;
+            guard = self
+                .progress
+                .wait_timeout(guard, std::time::Duration::from_millis(50))
+                .map_err(|_| "store lock poisoned")?
+                .0;
+        }
+        drop(guard);
+        self.check().map(|()| true)
     }
 }
 

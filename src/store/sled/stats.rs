@@ -42,6 +42,17 @@ impl SledStore {
         self.shared.ids_loaded
     }
 
+    /// How often the filter of held ids was made anew while the store ran (`ids/renew.rs`).
+    pub fn ids_renewal_count(&self) -> u64 {
+        self.shared.ids_renewed.load(Ordering::Relaxed)
+    }
+
+    /// How often the writer looked an action up in sled and found nothing: a claim of a new
+    /// action the filter of held ids did not answer ("perhaps held", falsely).
+    pub fn needless_lookup_count(&self) -> u64 {
+        self.shared.needless_lookups.load(Ordering::Relaxed)
+    }
+
     /// How many fdatasyncs of the write-ahead log no caller waited for: what notes and lease
     /// renewals written on their own cost (each made durable within 100 ms).
     pub fn idle_sync_count(&self) -> u64 {

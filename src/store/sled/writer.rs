@@ -29,9 +29,9 @@ pub(super) struct Writer {
     pub(super) unapplied: HashMap<String, Unapplied>,
     /// The last batch sled had applied when `unapplied` was last pruned.
     pub(super) pruned: u64,
-    /// Every id the store has held since open, and some it has not: a claim of a new action asks
-    /// it instead of sled.
-    pub(super) ids: Ids,
+    /// Every id the store holds, and some it does not: a claim of a new action asks it instead
+    /// of sled (made anew now and then: `ids/renew.rs`).
+    pub(super) ids: ids::Held,
     /// Sealed batches go to the syncer thread, or are synced here when nothing else waits.
     pub(super) sync: mpsc::Sender<Sealed>,
     pub(super) syncer: Arc<Syncer>,
@@ -152,6 +152,9 @@ impl Writer {
         idle: bool,
     ) -> Result<Option<Delivery>, SyncerGone> {
         self.shared.batches.fetch_add(1, Ordering::Relaxed);
+        let held = self.counts.iter().sum::<u64>() as usize;
+        self.ids
+            .between_batches(&self.db, &self.shared, self.seq, held);
         let mut pending = Pending::default();
         // About four keys an operation (a claim: its record, pointer and index entries), and
         // the batch's log block, head and counts: reserved once instead of grown.
@@ -363,7 +366,10 @@ impl Writer {
                 }
                 Ok(Some(r))
             }
-            None => Ok(None),
+            None => {
+                self.shared.needless_lookups.fetch_add(1, Ordering::Relaxed);
+                Ok(None)
+            }
         }
     }
 

@@ -6,8 +6,10 @@
 //! The filter answers "certainly not held" or "perhaps held"; only the first skips sled, and it
 //! is never wrong: the filter is made at open, before the writer starts, and the writer adds
 //! every id it gives a pointer before it could ask about it again. Ids that go (expired) stay
-//! set: they cost a sled lookup, never a wrong answer. Past its design load the filter answers
-//! "perhaps" to everything (sled is asked, as before it) until an open sizes it anew.
+//! set: they cost a sled lookup, never a wrong answer. Past its design load the filter would
+//! answer "perhaps" to everything (sled asked, as before it); before that, while the store runs,
+//! a new one is made from sled's pointers and takes its place, rid of the ids that went
+//! (`renew.rs`).
 //!
 //! At open it is made from every pointer in sled (after the write-ahead log's replay and the
 //! migrations), or loaded from the file a checkpoint, a clean close or an open saved, when that
@@ -22,7 +24,10 @@ use foldhash::quality::FixedState;
 
 use super::pointers;
 
+mod renew;
 mod saved;
+
+pub(super) use renew::Held;
 
 pub(super) use saved::{at_open, Binding, Opened, Saved};
 
@@ -30,8 +35,9 @@ pub(super) use saved::{at_open, Binding, Opened, Saved};
 const PROBES: usize = 4;
 /// Bits per id at the design load: one false "perhaps" in about 400.
 const BITS_PER_ID: usize = 16;
-/// The smallest filter: 1 MiB, room for about half a million ids at its design load.
-const MIN_BITS: usize = 1 << 23;
+/// The smallest filter: 1 MiB, room for about half a million ids at its design load (a store
+/// may be given a smaller one to test with: `StoreOptions::ids_min_bits`).
+pub(super) const MIN_BITS: usize = 1 << 23;
 /// Bits per id below which the filter stops answering "certainly not" (one in about 40 false).
 const MAX_LOAD: usize = 8;
 /// Bits per id a saved filter must still have to be loaded (one false "perhaps" in about 150):
@@ -65,11 +71,12 @@ pub(super) struct Snapshot {
 }
 
 impl Ids {
-    /// A filter sized for `expected` ids (at least [`MIN_BITS`]), empty.
-    pub(super) fn with_capacity(expected: usize) -> Ids {
+    /// A filter sized for `expected` ids (at least `min_bits`, [`MIN_BITS`] but in tests), empty.
+    pub(super) fn with_capacity(expected: usize, min_bits: usize) -> Ids {
         let bits = expected
             .saturating_mul(BITS_PER_ID)
-            .max(MIN_BITS)
+            .max(min_bits)
+            .max(64)
             .next_power_of_two();
         let seed = rand::random();
         Ids::from_words((0..bits / 64).map(|_| AtomicU64::new(0)).collect(), 0, seed)
@@ -88,9 +95,18 @@ impl Ids {
     /// The filter of the ids of every pointer in `db`'s buckets (about `expected` of them),
     /// sized for twice as many: saved, it is loaded at later opens until it holds more than
     /// about 2.7 times as many ([`LOAD_BITS_PER_ID`]).
-    pub(super) fn of(db: &sled::Db, expected: usize) -> Result<Ids, String> {
-        let mut ids = Ids::with_capacity(expected.saturating_mul(2));
+    /// `stop`: checked between buckets; once it says so, the scan ends with an error.
+    pub(super) fn of(
+        db: &sled::Db,
+        expected: usize,
+        min_bits: usize,
+        stop: impl Fn() -> bool,
+    ) -> Result<Ids, String> {
+        let mut ids = Ids::with_capacity(expected.saturating_mul(2), min_bits);
         for kv in db.scan_prefix(pointers::POINTERS_PREFIX) {
+            if stop() {
+                return Err("stopped".into());
+            }
             let (k, v) = kv.map_err(|e| e.to_string())?;
             for id in pointers::ids(&k, &v).map_err(|e| e.to_string())? {
                 ids.insert(id.map_err(|e| e.to_string())?);
@@ -119,21 +135,31 @@ impl Ids {
         std::array::from_fn(|i| h1.wrapping_add((i as u64).wrapping_mul(h2)) & self.mask)
     }
 
+    /// Puts `id` in. Counted only when it sets a bit: an id put in again (or one whose bits
+    /// were all set already, which the filter could not tell from it) leaves it as it was.
     pub(super) fn insert(&mut self, id: &[u8]) {
+        let mut new = false;
         for bit in self.probes(id) {
             let w = &self.bits[(bit / 64) as usize];
             // The one thread that sets bits: a load and a store, no read-modify-write.
-            w.store(
-                w.load(Ordering::Relaxed) | 1 << (bit % 64),
-                Ordering::Relaxed,
-            );
+            let (was, mask) = (w.load(Ordering::Relaxed), 1 << (bit % 64));
+            if was & mask == 0 {
+                w.store(was | mask, Ordering::Relaxed);
+                new = true;
+            }
         }
-        self.set += 1;
+        self.set += usize::from(new);
     }
 
     /// Whether no id was ever put in.
     pub(super) fn is_empty(&self) -> bool {
         self.set == 0
+    }
+
+    /// Whether the filter has reached its design load (half the ids it answers for at most):
+    /// time to make the next one ([`Held`]), which has the other half to take its place in.
+    fn due(&self) -> bool {
+        self.set.saturating_mul(BITS_PER_ID) >= self.bits.len() * 64
     }
 
     /// Whether the store may hold `id`; `false` only when it certainly does not.
@@ -167,7 +193,7 @@ mod tests {
 
     #[test]
     fn every_id_put_in_is_perhaps_held_and_few_others_are() {
-        let mut ids = Ids::with_capacity(0);
+        let mut ids = Ids::with_capacity(0, MIN_BITS);
         let n = (ids.bits.len() * 64) / BITS_PER_ID;
         for i in 0..n {
             ids.insert(&id(i));
@@ -185,12 +211,23 @@ mod tests {
     }
 
     #[test]
-    fn past_its_design_load_the_filter_says_perhaps_to_everything() {
-        let mut ids = Ids::with_capacity(0);
-        let over = (ids.bits.len() * 64) / MAX_LOAD + 1;
-        for i in 0..over {
-            ids.insert(&id(i));
+    fn past_its_most_the_filter_says_perhaps_to_everything() {
+        let mut ids = Ids::with_capacity(0, MIN_BITS);
+        // Ids counted: those that set a bit (an id whose bits were all set counts for nothing).
+        let mut n = 0;
+        while ids.set * MAX_LOAD <= ids.bits.len() * 64 {
+            ids.insert(&id(n));
+            n += 1;
         }
-        assert!((over..over + 1_000).all(|i| ids.may_hold(&id(i))));
+        assert!((n..n + 1_000).all(|i| ids.may_hold(&id(i))));
+    }
+
+    #[test]
+    fn an_id_put_in_again_is_counted_once() {
+        let mut ids = Ids::with_capacity(0, MIN_BITS);
+        for _ in 0..3 {
+            ids.insert(&id(7));
+        }
+        assert_eq!(ids.set, 1);
     }
 }

@@ -232,12 +232,13 @@ impl Reach {
 /// The filter of the store at open, before the writer starts, once the write-ahead log is
 /// replayed (through [`Saved::replayed`]) and the migrations done: the saved one when it holds
 /// every id of the store bound to `now` and is not too full for `stored` ids, else made from
-/// every pointer in sled ([`Ids::of`]).
+/// every pointer in sled ([`Ids::of`], at least `min_bits` large).
 pub(in crate::store::sled) fn at_open(
     db: &sled::Db,
     saved: Option<Saved>,
     now: &Binding,
     stored: usize,
+    min_bits: usize,
 ) -> Result<Opened, String> {
     if let Some(s) = saved {
         let fits = s.holds_all(now).and_then(|()| {
@@ -267,7 +268,7 @@ pub(in crate::store::sled) fn at_open(
         }
     }
     let started = std::time::Instant::now();
-    let ids = Ids::of(db, stored)?;
+    let ids = Ids::of(db, stored, min_bits, || false)?;
     if ids.set > 0 {
         tracing::info!(
             ids = ids.set,
@@ -471,7 +472,7 @@ mod tests {
 
     #[test]
     fn a_saved_filter_loads_as_it_was_with_what_it_is_bound_to() {
-        let mut ids = Ids::with_capacity(0);
+        let mut ids = Ids::with_capacity(0, MIN_BITS);
         for i in 0..10_000 {
             ids.insert(&id(i));
         }
@@ -491,7 +492,7 @@ mod tests {
     /// (never fewer than when it was taken).
     #[test]
     fn a_snapshot_saves_every_id_put_in_before_it_was_taken() {
-        let mut ids = Ids::with_capacity(0);
+        let mut ids = Ids::with_capacity(0, MIN_BITS);
         ids.insert(&id(1));
         let snap = ids.snapshot();
         ids.insert(&id(2));
@@ -504,7 +505,7 @@ mod tests {
 
     #[test]
     fn a_saved_filter_is_not_loaded_into_another_state_of_the_store() {
-        let mut ids = Ids::with_capacity(0);
+        let mut ids = Ids::with_capacity(0, MIN_BITS);
         ids.insert(&id(1));
         let bytes = saved(&ids);
         let holds = |now: &Binding| {
@@ -584,7 +585,7 @@ mod tests {
             ..binding()
         };
         let dir = tempfile::tempdir().unwrap();
-        let mut ids = Ids::with_capacity(0);
+        let mut ids = Ids::with_capacity(0, MIN_BITS);
         ids.insert(b"old");
         ids.save(dir.path(), &bound(10)).unwrap();
         let replay = |frames: &[Vec<Change>], now: u64| {
@@ -660,7 +661,7 @@ mod tests {
 
     #[test]
     fn a_filter_hashed_otherwise_or_too_full_is_not_loaded() {
-        let ids = Ids::with_capacity(0);
+        let ids = Ids::with_capacity(0, MIN_BITS);
         let bytes = saved(&ids);
         // The same file with other hashes of the check ids, under a checksum that matches.
         let resealed = |edit: &dyn Fn(&mut Vec<u8>)| {
