@@ -27,7 +27,8 @@
 //! (and at a clean close leaves sled a snapshot of the run, so the next open reads none of its log);
 //! `shared.rs` is what they share (the durable changes not yet in sled, counts, health); `ops.rs`
 //! what callers send; `cache.rs`, `codec.rs` (with `packed.rs`, a record's binary form),
-//! `index.rs`, `ids/` (which ids the store may hold: a filter saved in `ids.filter` at each
+//! `index.rs`, `ids/` (which ids the store may hold: a filter made anew from sled while the store
+//! runs once it has taken half the ids it can, saved in `ids.filter` at each
 //! checkpoint, clean close and open, bound to the write log's head, which the next open loads,
 //! after a crash too, when the frames it replays hold every entry since), `bodies.rs`
 //! and `open.rs` the rest; `stats.rs` counts what the store has done, for tests and the bench.
