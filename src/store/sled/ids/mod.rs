@@ -100,7 +100,7 @@ impl Ids {
         db: &sled::Db,
         expected: usize,
         min_bits: usize,
-        stop: impl Fn() -> bool,
+        mut stop: impl FnMut() -> bool,
     ) -> Result<Ids, String> {
         let mut ids = Ids::with_capacity(expected.saturating_mul(2), min_bits);
         for kv in db.scan_prefix(pointers::POINTERS_PREFIX) {

@@ -24,6 +24,9 @@ use std::time::{Duration, Instant};
 use super::{Ids, Snapshot};
 use crate::store::sled::shared::Shared;
 
+/// Pointer buckets the helper reads between two yields of its core.
+const YIELD_EVERY: usize = 64;
+
 /// How long after a failed renewal the next one is tried.
 const RETRY: Duration = Duration::from_secs(60);
 
@@ -141,7 +144,19 @@ impl Held {
             .name("oncegate-ids".into())
             .spawn(move || {
                 let made = match shared.wait_applied_unless(written, &halt) {
-                    Ok(true) => Ids::of(&db, held, min_bits, || halt.load(Ordering::Relaxed)),
+                    Ok(true) => {
+                        // Requests come first: the core is given up every few buckets (about
+                        // 0.1 ms of reading), as the drainer does, so that a request woken on
+                        // this core waits for no more than that.
+                        let mut read = 0usize;
+                        Ids::of(&db, held, min_bits, || {
+                            read += 1;
+                            if read % YIELD_EVERY == 0 {
+                                std::thread::yield_now();
+                            }
+                            halt.load(Ordering::Relaxed)
+                        })
+                    }
                     Ok(false) => Err("stopped".into()),
                     Err(e) => Err(e),
                 };
