@@ -8,7 +8,7 @@
 //! the last batch it wrote and starts a helper thread. The helper waits until that batch is
 //! applied to sled, then reads every pointer in sled into a new filter, sized for twice the
 //! actions the store holds ([`Ids::of`]). Meanwhile the writer puts every id it gives a pointer
-//! into its current filter as before, and keeps a copy of it. Once the helper is done, the writer
+//! into its current filter as before, and keeps a copy of each. Once the helper is done, the writer
 //! puts those ids into the new filter and takes it instead.
 //!
 //! The new filter holds every id the store holds then: an id given its pointer by that batch or
@@ -92,7 +92,7 @@ impl Held {
     }
 
     /// Between two batches: takes the next filter if the helper has made it, or starts a helper
-    /// when the filter nears its load. `written`: the last batch written (every id put in so
+    /// when the filter reaches its design load. `written`: the last batch written (every id put in so
     /// far came with it or an earlier one); `held`: the actions the store holds.
     pub(in crate::store::sled) fn between_batches(
         &mut self,
