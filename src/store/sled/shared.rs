@@ -334,17 +334,11 @@ impl Shared {
 
     /// Waits until batch `seq` is applied to sled (or the store broke).
     pub(super) fn wait_applied(&self, seq: u64) -> Result<(), String> {
-        let guard = self.applied.lock().map_err(|_| "store lock poisoned")?;
-        let _guard = self
-            .progress
-            .wait_while(guard, |a| {
-                *a < seq && self.broken.lock().map(|b| b.is_none()).unwrap_or(false)
-            })
-            .map_err(|_| "store lock poisoned")?;
-        self.check()
+        static NEVER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        self.wait_applied_unless(seq, &NEVER).map(drop)
     }
 
-    /// [`Shared::wait_applied`] for a helper thread that must not outlive the store: `Ok(false)`
+    /// [`Shared::wait_applied`], for a helper thread that must not outlive the store: `Ok(false)`
     /// once `stop` is set (looked at every 50 ms) before batch `seq` was applied.
     pub(super) fn wait_applied_unless(
         &self,

@@ -152,9 +152,8 @@ impl Writer {
         idle: bool,
     ) -> Result<Option<Delivery>, SyncerGone> {
         self.shared.batches.fetch_add(1, Ordering::Relaxed);
-        let held = self.counts.iter().sum::<u64>() as usize;
         self.ids
-            .between_batches(&self.db, &self.shared, self.seq, held);
+            .between_batches(&self.db, &self.shared, self.seq, &self.counts);
         let mut pending = Pending::default();
         // About four keys an operation (a claim: its record, pointer and index entries), and
         // the batch's log block, head and counts: reserved once instead of grown.

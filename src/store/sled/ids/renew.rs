@@ -22,7 +22,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::{Ids, Snapshot};
-use crate::store::sled::shared::Shared;
+use crate::store::sled::shared::{Counts, Shared};
 
 /// Pointer buckets the helper reads between two yields of its core.
 const YIELD_EVERY: usize = 64;
@@ -93,13 +93,13 @@ impl Held {
 
     /// Between two batches: takes the next filter if the helper has made it, or starts a helper
     /// when the filter reaches its design load. `written`: the last batch written (every id put in so
-    /// far came with it or an earlier one); `held`: the actions the store holds.
+    /// far came with it or an earlier one); `counts`: the actions the store holds, by state.
     pub(in crate::store::sled) fn between_batches(
         &mut self,
         db: &sled::Db,
         shared: &Arc<Shared>,
         written: u64,
-        held: usize,
+        counts: &Counts,
     ) {
         if let Some(r) = &mut self.renewing {
             let made = match r.done.try_recv() {
@@ -136,6 +136,7 @@ impl Held {
         if !self.ids.due() || self.not_before.is_some_and(|t| Instant::now() < t) {
             return;
         }
+        let held = counts.iter().sum::<u64>() as usize;
         let (tx, done) = mpsc::sync_channel(1);
         let stop = Arc::new(AtomicBool::new(false));
         let (db, shared, min_bits, halt) =
