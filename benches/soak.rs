@@ -3,7 +3,8 @@
 //! whole time. Every window reports what a sidecar's owner watches: requests a second, p50 and
 //! p99, the proxy's RSS, the store's size on disk (its database and its write log apart) and its
 //! open files; and what ran (each of the proxy's threads' CPU, the load generator's, the rest of
-//! the machine, I/O wait, time stolen, idle, the store's waits and flushes: `support/ran.rs`). The report draws the first as an
+//! the machine, I/O wait, time stolen, idle, the disks' writes and cache flushes, the store's
+//! waits and flushes with the slow ones counted apart: `support/ran.rs`). The report draws the first as an
 //! SVG chart and ends with the run's verdict.
 //!
 //! `cargo bench --bench soak -- --out bench/results-soak.md` (CI does not run it). Shaped by

@@ -84,3 +84,28 @@ pub fn machine_ticks() -> [u64; 4] {
     let at = |i: usize| cpu.get(i).copied().unwrap_or(0);
     [at(0) + at(1) + at(2) + at(5) + at(6), at(3), at(4), at(7)]
 }
+
+/// What the machine's disks have done so far, from `/proc/diskstats` (whole disks only, those
+/// under `/sys/block`, so that a partition is not counted twice): bytes written, and cache
+/// flushes the devices completed (what each `fdatasync` ends in).
+#[allow(dead_code, reason = "the soak bench reads it; the others do not")]
+pub fn disk_counts() -> [u64; 2] {
+    let stats = std::fs::read_to_string("/proc/diskstats").unwrap_or_default();
+    let mut sum = [0u64; 2];
+    for line in stats.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let Some(name) = f.get(2) else { continue };
+        if name.starts_with("loop")
+            || name.starts_with("zram")
+            || name.starts_with("ram")
+            || !std::path::Path::new("/sys/block").join(name).exists()
+        {
+            continue;
+        }
+        let at = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        // Sectors written (of 512 bytes) are the file's 10th field, flushes completed its 19th.
+        sum[0] += at(9) * 512;
+        sum[1] += at(18);
+    }
+    sum
+}
