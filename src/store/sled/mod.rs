@@ -31,9 +31,7 @@
 //! runs once it has taken half the ids it can, saved in `ids.filter` at each
 //! checkpoint, clean close and open, bound to the write log's head, which the next open loads,
 //! after a crash too, when the frames it replays hold every entry since), `bodies.rs`
-//! and `open.rs` the rest; `stats.rs` counts what the store has done, for tests and the bench;
-//! `background.rs` lowers the housekeeping threads' CPU priority (the drainer, the checkpoint and
-//! the ids helper give way to the threads that answer requests).
+//! and `open.rs` the rest; `stats.rs` counts what the store has done, for tests and the bench.
 //!
 //! Keys (one tree): `c/{created_at:be64}{id}` the record (packed: [`packed`]; then its small
 //! stored body), which is also the creation index
@@ -80,7 +78,6 @@ use crate::action::{
 };
 use crate::log::{self, Actor, Chain, Entry, Event, LogEvent, RecordEvent, Verification, GENESIS};
 
-mod background;
 mod bodies;
 mod cache;
 mod checkpoint;

@@ -301,10 +301,7 @@ impl SledStore {
             let (db, shared) = (db.clone(), shared.clone());
             std::thread::Builder::new()
                 .name("oncegate-drain".into())
-                .spawn(move || {
-                    super::background::give_way("drainer");
-                    drain_loop(&db, &shared, drain_rx)
-                })
+                .spawn(move || drain_loop(&db, &shared, drain_rx))
                 .map_err(|e| fail("start drainer thread", &e))?
         };
         let sync = Arc::new(Syncer {
@@ -329,7 +326,6 @@ impl SledStore {
             std::thread::Builder::new()
                 .name("oncegate-checkpoint".into())
                 .spawn(move || {
-                    super::background::give_way("checkpoint");
                     if let Err(e) = checkpoint_loop(&db, &dir, &shared, checkpoint_rx) {
                         shared.fail(&format!("checkpoint: {e}"));
                     }

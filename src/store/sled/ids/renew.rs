@@ -144,7 +144,6 @@ impl Held {
         let spawned = std::thread::Builder::new()
             .name("oncegate-ids".into())
             .spawn(move || {
-                crate::store::sled::background::give_way("ids");
                 let made = match shared.wait_applied_unless(written, &halt) {
                     Ok(true) => {
                         // Requests come first: the core is given up every few buckets (about
