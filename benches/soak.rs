@@ -393,7 +393,11 @@ fn main() {
             .map_or("results-soak.md".into(), |n| n.to_string_lossy().into_owned());
         let svg_name = std::path::Path::new(&md_name).with_extension("svg");
         let svg_name = svg_name.display();
-        let env = if secs == 600 { String::new() } else { format!("SOAK_SECS={secs} ") };
+        // Every setting the run was given, so that the report's command runs it again.
+        let env: String = ["SOAK_SECS", "SOAK_WINDOW", "SOAK_RETENTION", "SOAK_LOG_RETENTION", "SOAK_RATE"]
+            .iter()
+            .filter_map(|k| std::env::var(k).ok().map(|v| format!("{k}={v} ")))
+            .collect();
         let mut md = format!(
             "# Steady state: a soak run\n\n`{env}cargo bench --bench soak -- --out bench/{md_name}` \
              (2 cores; {secs} s; windows of {} s). One proxy on the embedded store, `retention = \

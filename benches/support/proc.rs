@@ -86,8 +86,9 @@ pub fn machine_ticks() -> [u64; 4] {
 }
 
 /// What the machine's disks have done so far, from `/proc/diskstats` (whole disks only, those
-/// under `/sys/block`, so that a partition is not counted twice): bytes written, and cache
-/// flushes the devices completed (what each `fdatasync` ends in).
+/// under `/sys/block`, so that a partition is not counted twice, and not the device-mapper or md
+/// devices stacked on them, whose writes the disks under them count again): bytes written, and
+/// cache flushes the devices completed (what each `fdatasync` ends in).
 #[allow(dead_code, reason = "the soak bench reads it; the others do not")]
 pub fn disk_counts() -> [u64; 2] {
     let stats = std::fs::read_to_string("/proc/diskstats").unwrap_or_default();
@@ -95,11 +96,10 @@ pub fn disk_counts() -> [u64; 2] {
     for line in stats.lines() {
         let f: Vec<&str> = line.split_whitespace().collect();
         let Some(name) = f.get(2) else { continue };
-        if name.starts_with("loop")
-            || name.starts_with("zram")
-            || name.starts_with("ram")
-            || !std::path::Path::new("/sys/block").join(name).exists()
-        {
+        let virtual_device = ["loop", "zram", "ram", "dm-", "md"]
+            .iter()
+            .any(|p| name.starts_with(p));
+        if virtual_device || !std::path::Path::new("/sys/block").join(name).exists() {
             continue;
         }
         let at = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);

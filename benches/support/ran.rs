@@ -18,6 +18,10 @@ pub struct Ran {
     metrics: Scraped,
 }
 
+/// A flush slower than this (seconds) is counted apart: the bound of one of the
+/// `oncegate_store_flush_seconds` histogram's buckets (src/metrics.rs: 50 µs × 2⁹).
+const SLOW_FLUSH: f64 = 0.0256;
+
 /// The store's counts, from the proxy's `/metrics`.
 #[derive(Clone, Copy, Default)]
 struct Scraped {
@@ -26,8 +30,9 @@ struct Scraped {
     whole_drain: f64,
     flushes: f64,
     flush_secs: f64,
-    /// Flushes that took at most 25.6 ms (the histogram's bucket): the rest are the slow ones.
-    flushes_fast: f64,
+    /// Flushes that took at most [`SLOW_FLUSH`] seconds (a bucket of the histogram): the rest
+    /// are the slow ones. `None` if the proxy's histogram has no such bucket.
+    flushes_fast: Option<f64>,
     /// Stored actions, every state.
     actions: f64,
 }
@@ -47,13 +52,13 @@ impl Scraped {
                 n if n.starts_with("oncegate_store_drainer_waits_total") => m.whole_drain = v,
                 "oncegate_store_flush_seconds_count" => m.flushes = v,
                 "oncegate_store_flush_seconds_sum" => m.flush_secs = v,
-                n if n.starts_with("oncegate_store_flush_seconds_bucket{le=\"")
-                    && n[40..]
-                        .trim_end_matches("\"}")
-                        .parse::<f64>()
-                        .is_ok_and(|le| (le - 0.0256).abs() < 1e-6) =>
+                n if n
+                    .strip_prefix("oncegate_store_flush_seconds_bucket{le=\"")
+                    .and_then(|le| le.strip_suffix("\"}"))
+                    .and_then(|le| le.parse::<f64>().ok())
+                    .is_some_and(|le| (le - SLOW_FLUSH).abs() < 1e-9) =>
                 {
-                    m.flushes_fast = v
+                    m.flushes_fast = Some(v)
                 }
                 n if n.starts_with("oncegate_actions{") => m.actions += v,
                 _ => {}
@@ -120,7 +125,7 @@ pub fn what_ran<'a>(windows: impl Iterator<Item = &'a Ran>, first: &'a Ran, secs
         let (m, p) = (now.metrics, was.metrics);
         let flushes = m.flushes - p.flushes;
         md += &format!(
-            "| {}–{} s | {} | {:.0} % | {:.0} % | {:.0} % | {:.0} % | {:.0} % | {:.1} MB/s | {:.0} | {:.0} / {:.0} | {:.0} | {:.2} ms | {:.0} | {:.0} |\n",
+            "| {}–{} s | {} | {:.0} % | {:.0} % | {:.0} % | {:.0} % | {:.0} % | {:.1} MB/s | {:.0} | {:.0} / {:.0} | {:.0} | {:.2} ms | {} | {:.0} |\n",
             (i as f64 * secs) as u64,
             ((i + 1) as f64 * secs) as u64,
             named
@@ -144,7 +149,10 @@ pub fn what_ran<'a>(windows: impl Iterator<Item = &'a Ran>, first: &'a Ran, secs
             } else {
                 0.0
             },
-            flushes - (m.flushes_fast - p.flushes_fast),
+            match (m.flushes_fast, p.flushes_fast) {
+                (Some(now), Some(was)) => format!("{:.0}", flushes - (now - was)),
+                _ => "-".into(),
+            },
             m.actions,
         );
         before = now;

@@ -1,6 +1,8 @@
 //! What the writer, syncer, drainer and readers share: durable changes not yet in sled
 //! ([`Mem`]), counts by state, and the store's health.
 
+use std::sync::atomic::AtomicBool;
+
 use super::*;
 
 /// What the writer and the syncer share.
@@ -41,7 +43,7 @@ pub(super) struct Shared {
     #[cfg(test)]
     pub(super) drain_pause: AtomicU64,
     /// A sync waits on [`Shared::drained`]: the drainer wakes it as it moves on.
-    pub(super) easing: std::sync::atomic::AtomicBool,
+    pub(super) easing: AtomicBool,
     /// Batches the writer made, on its thread or a caller's.
     pub(super) batches: AtomicU64,
     /// fdatasyncs of the write-ahead log that no caller waited for (notes and lease renewals
@@ -257,7 +259,7 @@ impl Shared {
             drained: AtomicUsize::new(0),
             #[cfg(test)]
             drain_pause: AtomicU64::new(0),
-            easing: std::sync::atomic::AtomicBool::new(false),
+            easing: AtomicBool::new(false),
             batches: AtomicU64::new(0),
             idle_syncs: AtomicU64::new(0),
             counts: Mutex::new(counts),
@@ -334,17 +336,13 @@ impl Shared {
 
     /// Waits until batch `seq` is applied to sled (or the store broke).
     pub(super) fn wait_applied(&self, seq: u64) -> Result<(), String> {
-        static NEVER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        static NEVER: AtomicBool = AtomicBool::new(false);
         self.wait_applied_unless(seq, &NEVER).map(drop)
     }
 
     /// [`Shared::wait_applied`], for a helper thread that must not outlive the store: `Ok(false)`
     /// once `stop` is set (looked at every 50 ms) before batch `seq` was applied.
-    pub(super) fn wait_applied_unless(
-        &self,
-        seq: u64,
-        stop: &std::sync::atomic::AtomicBool,
-    ) -> Result<bool, String> {
+    pub(super) fn wait_applied_unless(&self, seq: u64, stop: &AtomicBool) -> Result<bool, String> {
         let mut guard = self.applied.lock().map_err(|_| "store lock poisoned")?;
         while *guard < seq {
             if stop.load(Ordering::Relaxed) {
