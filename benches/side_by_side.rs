@@ -1139,9 +1139,9 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
     // Stopped as an operator would (SIGTERM), so that what it prints at exit (with `BENCH_ECHO=1`
     // and `_RJEM_MALLOC_CONF=stats_print:true`, the allocator's statistics) is seen.
     stop(&mut og).await;
+    // The baseline build too: a profiler it runs under (`BENCH_WRAP`) then writes its counts.
     if let Some(mut c) = baseline {
-        let _ = c.kill();
-        let _ = c.wait();
+        stop(&mut c).await;
     }
     if let Some(mut c) = no_guard {
         stop(&mut c).await;
