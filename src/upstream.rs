@@ -57,10 +57,19 @@ pub fn is_hop_by_hop(name: &str) -> bool {
     )
 }
 
-/// Removes hop-by-hop headers, including every header named in `Connection`.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+/// Whether a header is the proxy's own (`Oncegate-*`), which it takes from neither side: a
+/// client's would steer what the proxy sends upstream; an upstream's would speak for the proxy
+/// to its client (an `Oncegate-Outcome: replayed` on a read) and be counted in its metrics.
+pub fn is_ours(name: &str) -> bool {
+    name.starts_with("oncegate-")
+}
+
+/// Removes what the proxy does not pass on, in either direction: hop-by-hop headers, every
+/// header named in `Connection`, and the proxy's own `Oncegate-*` headers.
+pub fn strip_not_forwarded(headers: &mut HeaderMap) {
+    let dropped = |k: &HeaderName| is_hop_by_hop(k.as_str()) || is_ours(k.as_str());
     // Most messages carry none: one pass over the names (no hashing) settles it.
-    if !headers.keys().any(|k| is_hop_by_hop(k.as_str())) {
+    if !headers.keys().any(dropped) {
         return;
     }
     let named: Vec<HeaderName> = headers
@@ -73,12 +82,8 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for n in named {
         headers.remove(n);
     }
-    let hop: Vec<HeaderName> = headers
-        .keys()
-        .filter(|k| is_hop_by_hop(k.as_str()))
-        .cloned()
-        .collect();
-    for h in hop {
+    let gone: Vec<HeaderName> = headers.keys().filter(|k| dropped(k)).cloned().collect();
+    for h in gone {
         headers.remove(h);
     }
 }
@@ -198,7 +203,7 @@ impl Outgoing {
         query: Option<&str>,
         key: Option<(&HeaderName, &str)>,
     ) -> Result<Outgoing, http::Error> {
-        strip_hop_by_hop(&mut headers);
+        strip_not_forwarded(&mut headers);
         // `Host` is the upstream's: made once with the config for a plain-HTTP one (the client
         // would format it for every request), set by the client on an HTTPS one's HTTP/1
         // connections.
@@ -206,14 +211,6 @@ impl Outgoing {
             Some(host) => headers.insert(header::HOST, host.clone()),
             None => headers.remove(header::HOST),
         };
-        let ours: Vec<HeaderName> = headers
-            .keys()
-            .filter(|k| k.as_str().starts_with("oncegate-"))
-            .cloned()
-            .collect();
-        for k in ours {
-            headers.remove(k);
-        }
         headers.append(header::VIA, HeaderValue::from_static("1.1 oncegate"));
         if let Some((name, value)) = key {
             headers.insert(name.clone(), HeaderValue::from_str(value)?);
@@ -601,7 +598,7 @@ impl Upstreams {
             };
             let status = resp.status();
             let (mut head, body_in) = resp.into_parts();
-            strip_hop_by_hop(&mut head.headers);
+            strip_not_forwarded(&mut head.headers);
             let rid = request_id(&head.headers);
             if !last && policy.retry_statuses.contains(&status) {
                 let wait = match retry_after(&head.headers) {
@@ -743,7 +740,7 @@ impl Upstreams {
             .map_err(|_| format!("no answer within {timeout:?}"))?
             .map_err(|e| error_chain(&e))?;
         let (mut head, body) = resp.into_parts();
-        strip_hop_by_hop(&mut head.headers);
+        strip_not_forwarded(&mut head.headers);
         match read_limited(body, 1 << 20, deadline).await? {
             (body, None) => Ok((head, body)),
             (_, Some(_)) => Err("lookup answer larger than 1 MiB".into()),

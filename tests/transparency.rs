@@ -133,6 +133,50 @@ async fn oncegate_request_headers_are_not_forwarded() {
 }
 
 #[tokio::test]
+async fn oncegate_response_headers_from_an_upstream_are_not_returned() {
+    // The `Oncegate-*` headers are the proxy's word to its client: an upstream's would claim
+    // a read was a replay, and was counted so in /metrics.
+    let (up, proxy) = setup("").await;
+    let spoofing = |status| {
+        Behavior::json(status, "{}")
+            .with_header("oncegate-outcome", "replayed")
+            .with_header("oncegate-replay-source", "lookup")
+            .with_header("x-kept", "1")
+    };
+    up.set_default(spoofing(200));
+    let c = TestClient::default();
+    let r = c.get(&proxy.url("/pay/x")).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("oncegate-outcome"), None);
+    assert_eq!(r.header("oncegate-replay-source"), None);
+    assert_eq!(r.header("x-kept"), Some("1"));
+    let metrics =
+        String::from_utf8_lossy(&c.get(&proxy.admin_url("/metrics")).await.body).to_string();
+    assert!(
+        metrics.contains(r#"class="read",outcome="forwarded"} 1"#),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.contains(r#"class="read",outcome="replayed"} 1"#),
+        "{metrics}"
+    );
+    // A write: its answer and its replay say what the proxy did, nothing the upstream said.
+    let key = [("idempotency-key", "spoofed-1")];
+    let first = c
+        .send("POST", &proxy.url("/pay/v1/charges"), &key, "{}")
+        .await;
+    assert_eq!(first.header("oncegate-outcome"), Some("sent"));
+    assert_eq!(first.header("oncegate-replay-source"), None);
+    let again = c
+        .send("POST", &proxy.url("/pay/v1/charges"), &key, "{}")
+        .await;
+    assert_eq!(again.header("oncegate-outcome"), Some("replayed"));
+    assert_eq!(again.header("oncegate-replay-source"), None);
+    assert_eq!(again.header("x-kept"), Some("1"));
+    assert_eq!(up.count(), 2, "the read and the write, once");
+}
+
+#[tokio::test]
 async fn path_and_query_are_preserved_byte_for_byte() {
     // (An encoded slash passes only where the upstream allows it: tests/paths.rs.)
     let (up, proxy) = setup("allow_encoded_slash = true").await;

@@ -59,7 +59,7 @@ use crate::redact::Redactor;
 use crate::route::{route, Class, RouteError, Target};
 use crate::store::{BoxFuture, Filter, SettleRequest, Store, StoreError};
 use crate::upstream::{
-    full, strip_hop_by_hop, AttemptResult, Outgoing, Prefixed, ProxyBody, Unfenced, Upstreams,
+    full, strip_not_forwarded, AttemptResult, Outgoing, Prefixed, ProxyBody, Unfenced, Upstreams,
 };
 
 /// The largest response head (header names and values) stored for replay. A succeeded write
@@ -456,7 +456,7 @@ impl Proxy {
         match answer {
             Ok(resp) => {
                 let (mut head, body) = resp.into_parts();
-                strip_hop_by_hop(&mut head.headers);
+                strip_not_forwarded(&mut head.headers);
                 Ok(Response::from_parts(head, body))
             }
             Err(crate::upstream::ReadFailure::Unreachable(error)) => {
