@@ -22,8 +22,12 @@ pub struct Ran {
 /// `oncegate_store_flush_seconds` histogram's buckets (src/metrics.rs: 50 µs × 2⁹).
 const SLOW_FLUSH: f64 = 0.0256;
 
+/// The phases of a write the proxy times (`oncegate_write_phase_seconds`): the store's claim,
+/// the upstream's answer, the store's settlement.
+const PHASES: [&str; 3] = ["claim", "send", "settle"];
+
 /// The store's counts, from the proxy's `/metrics`.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Default)]
 struct Scraped {
     /// Syncs that waited for sled: a batch's worth, a whole drain.
     eased: f64,
@@ -35,6 +39,50 @@ struct Scraped {
     flushes_fast: Option<f64>,
     /// Stored actions, every state.
     actions: f64,
+    /// Each write phase's histogram ([`PHASES`]): (bucket bound in seconds, writes at most that
+    /// long), in the order `/metrics` lists them (rising bounds).
+    phases: [Vec<(f64, f64)>; 3],
+}
+
+/// A bucket line's phase and bound: `…_bucket{le="0.0001",phase="claim"}` (either order).
+fn phase_bucket(name: &str) -> Option<(usize, f64)> {
+    let labels = name
+        .strip_prefix("oncegate_write_phase_seconds_bucket{")?
+        .strip_suffix('}')?;
+    let (mut phase, mut le) = (None, None);
+    for pair in labels.split(',') {
+        let (k, v) = pair.split_once('=')?;
+        let v = v.trim_matches('"');
+        match k {
+            "phase" => phase = PHASES.iter().position(|p| *p == v),
+            "le" => le = v.parse::<f64>().ok(),
+            _ => {}
+        }
+    }
+    Some((phase?, le?))
+}
+
+/// The p99 of what `now` counted since `was` (one phase's buckets): the bound of the first
+/// bucket holding 99 % of the window's writes, as "≤ x ms"; a dash without writes.
+fn p99_between(now: &[(f64, f64)], was: &[(f64, f64)]) -> String {
+    let count = |b: &[(f64, f64)], i: usize| b.get(i).map_or(0.0, |(_, n)| *n);
+    let total = now.last().map_or(0.0, |(_, n)| *n) - was.last().map_or(0.0, |(_, n)| *n);
+    if total <= 0.0 {
+        return "-".into();
+    }
+    for (i, (le, _)) in now.iter().enumerate() {
+        if count(now, i) - count(was, i) >= 0.99 * total {
+            return if le.is_finite() {
+                format!("≤ {:.2} ms", le * 1e3)
+            } else {
+                format!(
+                    "> {:.2} ms",
+                    now.get(i.wrapping_sub(1)).map_or(0.0, |(l, _)| *l) * 1e3
+                )
+            };
+        }
+    }
+    "-".into()
 }
 
 impl Scraped {
@@ -61,7 +109,11 @@ impl Scraped {
                     m.flushes_fast = Some(v)
                 }
                 n if n.starts_with("oncegate_actions{") => m.actions += v,
-                _ => {}
+                n => {
+                    if let Some((phase, le)) = phase_bucket(n) {
+                        m.phases[phase].push((le, v));
+                    }
+                }
             }
         }
         m
@@ -97,9 +149,11 @@ pub fn what_ran<'a>(windows: impl Iterator<Item = &'a Ran>, first: &'a Ran, secs
          stolen by the hypervisor, and idle; what the machine's disks wrote (MB a second) and how many \
          cache flushes they completed a second (each `fdatasync` ends in one); \
          from the proxy's `/metrics`, the syncs that waited for sled (a batch's worth eased, or a whole drain), the store's \
-         flushes (durable group commits) a second, their mean time and how many took over 25.6 ms, and the actions stored.\n\n\
-         | window | tokio | drainer | writer | syncer | checkpoint | sled-io | other | bench | rest of the machine | I/O wait | stolen | idle | disk writes | disk flushes/s | waits eased / whole drain | flushes/s | mean flush | flushes over 25.6 ms | actions stored |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         flushes (durable group commits) a second, their mean time and how many took over 25.6 ms, the actions stored, \
+         and the p99 of each phase of a unique write (`oncegate_write_phase_seconds`: the store's claim, the upstream's \
+         answer, the store's settlement; the bound of the histogram's bucket, so within a factor of two).\n\n\
+         | window | tokio | drainer | writer | syncer | checkpoint | sled-io | other | bench | rest of the machine | I/O wait | stolen | idle | disk writes | disk flushes/s | waits eased / whole drain | flushes/s | mean flush | flushes over 25.6 ms | actions stored | claim p99 | send p99 | settle p99 |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let mut before = first;
     for (i, w) in windows.enumerate() {
@@ -122,10 +176,10 @@ pub fn what_ran<'a>(windows: impl Iterator<Item = &'a Ran>, first: &'a Ran, secs
             .map(|k| pct(now.machine[k].saturating_sub(was.machine[k])))
             .collect();
         let bench = pct(now.bench.saturating_sub(was.bench));
-        let (m, p) = (now.metrics, was.metrics);
+        let (m, p) = (&now.metrics, &was.metrics);
         let flushes = m.flushes - p.flushes;
         md += &format!(
-            "| {}–{} s | {} | {:.0} % | {:.0} % | {:.0} % | {:.0} % | {:.0} % | {:.1} MB/s | {:.0} | {:.0} / {:.0} | {:.0} | {:.2} ms | {} | {:.0} |\n",
+            "| {}–{} s | {} | {:.0} % | {:.0} % | {:.0} % | {:.0} % | {:.0} % | {:.1} MB/s | {:.0} | {:.0} / {:.0} | {:.0} | {:.2} ms | {} | {:.0} | {} |\n",
             (i as f64 * secs) as u64,
             ((i + 1) as f64 * secs) as u64,
             named
@@ -154,6 +208,10 @@ pub fn what_ran<'a>(windows: impl Iterator<Item = &'a Ran>, first: &'a Ran, secs
                 _ => "-".into(),
             },
             m.actions,
+            (0..PHASES.len())
+                .map(|k| p99_between(&m.phases[k], &p.phases[k]))
+                .collect::<Vec<_>>()
+                .join(" | "),
         );
         before = now;
     }
