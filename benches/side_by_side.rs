@@ -37,6 +37,8 @@ mod load;
 mod proc;
 #[path = "support/reads.rs"]
 mod reads;
+#[path = "support/scrape.rs"]
+mod scrape;
 #[path = "support/sled_alone.rs"]
 mod sled_alone;
 
@@ -562,77 +564,9 @@ async fn metric(admin: SocketAddr, name: &str) -> f64 {
         .sum()
 }
 
-/// The cumulative buckets of oncegate's write-phase histograms and its fdatasync histogram, by
-/// (phase, upper bound): a snapshot to subtract from a later one.
-async fn phase_buckets(admin: SocketAddr) -> HashMap<(String, String), f64> {
-    let mut out = HashMap::new();
-    let body = load::metrics(admin).await;
-    let label = |l: &str, name: &str| {
-        let at = l.find(&format!("{name}=\""))? + name.len() + 2;
-        Some(l[at..at + l[at..].find('"')?].to_string())
-    };
-    for l in body.lines() {
-        let phase = if l.starts_with("oncegate_write_phase_seconds_bucket") {
-            label(l, "phase")
-        } else if l.starts_with("oncegate_store_flush_seconds_bucket") {
-            Some("fdatasync".to_string())
-        } else {
-            None
-        };
-        if let (Some(phase), Some(le), Some(n)) = (
-            phase,
-            label(l, "le"),
-            l.rsplit(' ').next().and_then(|n| n.parse::<f64>().ok()),
-        ) {
-            out.insert((phase, le), n);
-        }
-    }
-    out
-}
-
-/// Per phase, from the bucket counts gained between two snapshots: the count and the upper
-/// bounds (in µs) of the buckets holding the p50 and the p99.
-fn phase_quantiles(
-    before: &HashMap<(String, String), f64>,
-    after: &HashMap<(String, String), f64>,
-) -> Vec<(String, f64, f64, f64)> {
-    let mut phases: Vec<String> = after.keys().map(|(p, _)| p.clone()).collect();
-    phases.sort();
-    phases.dedup();
-    let mut out = Vec::new();
-    for phase in phases {
-        let mut buckets: Vec<(f64, f64)> = after
-            .iter()
-            .filter(|((p, _), _)| *p == phase)
-            .map(|((_, le), n)| {
-                let bound = if le == "+Inf" {
-                    f64::INFINITY
-                } else {
-                    le.parse().unwrap_or(f64::INFINITY)
-                };
-                (
-                    bound,
-                    n - before
-                        .get(&(phase.clone(), le.clone()))
-                        .copied()
-                        .unwrap_or(0.0),
-                )
-            })
-            .collect();
-        buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let total = buckets.last().map_or(0.0, |b| b.1);
-        if total <= 0.0 {
-            continue;
-        }
-        let at = |q: f64| {
-            buckets
-                .iter()
-                .find(|(_, n)| *n >= q * total)
-                .map_or(f64::INFINITY, |(b, _)| b * 1e6)
-        };
-        out.push((phase, total, at(0.5), at(0.99)));
-    }
-    out
+/// A snapshot of oncegate's write-phase and fdatasync histograms ([`scrape::phase_buckets`]).
+async fn phase_buckets(admin: SocketAddr) -> scrape::Buckets {
+    scrape::phase_buckets(&load::metrics(admin).await)
 }
 
 fn dir_bytes(p: &Path) -> u64 {
@@ -1100,7 +1034,10 @@ async fn run(secs: f64, rounds: usize, preloads: Vec<usize>, out: Option<PathBuf
         println!("{}: {}", spec.name, line.join(", "));
         if let Some(before) = phases_before {
             // The other targets' rounds run in between, but only oncegate's writes are counted.
-            phases = Some(phase_quantiles(&before, &phase_buckets(og_admin).await));
+            phases = Some(scrape::phase_quantiles(
+                &before,
+                &phase_buckets(og_admin).await,
+            ));
             // What an fdatasync costs on the store's disk, right after: the 1-connection
             // targets are set against it.
             let probe = fsync_probe::measure(&og_dir, 2000);

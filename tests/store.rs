@@ -2469,7 +2469,8 @@ async fn succeeded(s: &S) -> u64 {
 #[tokio::test]
 async fn sled_a_sweep_lets_a_write_through_between_its_steps() {
     const N: usize = 8_192;
-    // The store's `EXPIRE_STEP`.
+    // The step decision 0059 chose (the store's `EXPIRE_STEP`), written here rather than read
+    // from the store so that a larger step fails this test instead of widening its bound.
     const STEP: u64 = 64;
     let (s, _dir) = sled_store().await;
     let mut tasks = tokio::task::JoinSet::new();

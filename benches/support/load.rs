@@ -331,6 +331,22 @@ pub fn rss_kib(pid: u32) -> u64 {
         .sum()
 }
 
+/// A task that reads the RSS of `pids` and their children every `every` and raises `peak` (KiB)
+/// to it: the highest since `peak` was last reset.
+pub fn watch_rss(
+    pids: Vec<u32>,
+    every: Duration,
+    peak: &Arc<AtomicU64>,
+) -> tokio::task::JoinHandle<()> {
+    let peak = peak.clone();
+    tokio::spawn(async move {
+        loop {
+            peak.fetch_max(pids.iter().map(|p| rss_kib(*p)).sum(), Ordering::Relaxed);
+            tokio::time::sleep(every).await;
+        }
+    })
+}
+
 /// Drives `w` over `conns` connections for `dur`, connection `c` to `addrs[c % addrs.len()]`:
 /// the CPU and memory of `pids` and their children count as the target's (the proxies, and the
 /// servers behind them: the peer's Redis, PostgreSQL's backends). `peer` sends writes to the
@@ -345,15 +361,8 @@ pub async fn drive_all(
 ) -> Result_ {
     let deadline = Instant::now() + dur;
     let peak = Arc::new(AtomicU64::new(0));
-    let sampler = (!pids.is_empty()).then(|| {
-        let (peak, pids) = (peak.clone(), pids.to_vec());
-        tokio::spawn(async move {
-            loop {
-                peak.fetch_max(pids.iter().map(|p| rss_kib(*p)).sum(), Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-    });
+    let sampler =
+        (!pids.is_empty()).then(|| watch_rss(pids.to_vec(), Duration::from_millis(100), &peak));
     let cpu = || pids.iter().map(|p| cpu_ticks(*p)).sum::<u64>();
     let cpu_before = cpu();
     let driver_before = proc::cpu_ticks("self");

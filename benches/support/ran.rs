@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 
-use super::{load, proc};
+use super::{load, proc, scrape};
 
 /// What the machine did in a window: each of the proxy's threads' CPU, the bench's own (load
 /// generator and upstream), the machine's time ([`proc::machine_ticks`]), and the store's own
@@ -39,50 +39,23 @@ struct Scraped {
     flushes_fast: Option<f64>,
     /// Stored actions, every state.
     actions: f64,
-    /// Each write phase's histogram ([`PHASES`]): (bucket bound in seconds, writes at most that
-    /// long), in the order `/metrics` lists them (rising bounds).
-    phases: [Vec<(f64, f64)>; 3],
+    /// The write phases' histograms ([`scrape::phase_buckets`]).
+    phases: scrape::Buckets,
 }
 
-/// A bucket line's phase and bound: `…_bucket{le="0.0001",phase="claim"}` (either order).
-fn phase_bucket(name: &str) -> Option<(usize, f64)> {
-    let labels = name
-        .strip_prefix("oncegate_write_phase_seconds_bucket{")?
-        .strip_suffix('}')?;
-    let (mut phase, mut le) = (None, None);
-    for pair in labels.split(',') {
-        let (k, v) = pair.split_once('=')?;
-        let v = v.trim_matches('"');
-        match k {
-            "phase" => phase = PHASES.iter().position(|p| *p == v),
-            "le" => le = v.parse::<f64>().ok(),
-            _ => {}
-        }
-    }
-    Some((phase?, le?))
-}
-
-/// The p99 of what `now` counted since `was` (one phase's buckets): the bound of the first
-/// bucket holding 99 % of the window's writes, as "≤ x ms"; a dash without writes.
-fn p99_between(now: &[(f64, f64)], was: &[(f64, f64)]) -> String {
-    let count = |b: &[(f64, f64)], i: usize| b.get(i).map_or(0.0, |(_, n)| *n);
-    let total = now.last().map_or(0.0, |(_, n)| *n) - was.last().map_or(0.0, |(_, n)| *n);
-    if total <= 0.0 {
-        return "-".into();
-    }
-    for (i, (le, _)) in now.iter().enumerate() {
-        if count(now, i) - count(was, i) >= 0.99 * total {
-            return if le.is_finite() {
-                format!("≤ {:.2} ms", le * 1e3)
-            } else {
-                format!(
-                    "> {:.2} ms",
-                    now.get(i.wrapping_sub(1)).map_or(0.0, |(l, _)| *l) * 1e3
-                )
-            };
-        }
-    }
-    "-".into()
+/// The p99 of each write phase ([`PHASES`]) counted between two snapshots, as the bound of the
+/// bucket holding it ("≤ x ms"); a dash for a phase without writes.
+fn phase_p99s(was: &scrape::Buckets, now: &scrape::Buckets) -> String {
+    let q = scrape::phase_quantiles(was, now);
+    PHASES
+        .iter()
+        .map(|phase| match q.iter().find(|(p, ..)| p == phase) {
+            Some((.., p99)) if p99.is_finite() => format!("≤ {:.2} ms", p99 / 1e3),
+            Some(_) => "over the largest bucket".into(),
+            None => "-".into(),
+        })
+        .collect::<Vec<_>>()
+        .join(" | ")
 }
 
 impl Scraped {
@@ -109,13 +82,10 @@ impl Scraped {
                     m.flushes_fast = Some(v)
                 }
                 n if n.starts_with("oncegate_actions{") => m.actions += v,
-                n => {
-                    if let Some((phase, le)) = phase_bucket(n) {
-                        m.phases[phase].push((le, v));
-                    }
-                }
+                _ => {}
             }
         }
+        m.phases = scrape::phase_buckets(text);
         m
     }
 }
@@ -208,10 +178,7 @@ pub fn what_ran<'a>(windows: impl Iterator<Item = &'a Ran>, first: &'a Ran, secs
                 _ => "-".into(),
             },
             m.actions,
-            (0..PHASES.len())
-                .map(|k| p99_between(&m.phases[k], &p.phases[k]))
-                .collect::<Vec<_>>()
-                .join(" | "),
+            phase_p99s(&p.phases, &m.phases),
         );
         before = now;
     }
